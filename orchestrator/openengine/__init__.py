@@ -1,0 +1,1 @@
+"""OpenEngine v1 protocol stubs (generated; see build.py)."""
