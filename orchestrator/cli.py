@@ -1,0 +1,39 @@
+"""`orchestrator` command line: one subcommand per job, each in the module that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from orchestrator import __version__, log
+
+
+# Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
+SUBCOMMAND_MODULES = ("orchestrator.sim.cli",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrator", description="Disaggregated LLM serving on TensorRT-LLM "
+                                     "OpenEngine v1 workers.")
+    parser.add_argument("--version", action="version", version=f"orchestrator {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("ORCH_LOG_LEVEL", "INFO"))
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMAND_MODULES:
+        __import__(module, fromlist=["add_parser"]).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    log.configure(os.environ.get("ORCH_LOG_LEVEL", "INFO"))  # logging works from the first line
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    log.configure(args.log_level)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    return args.run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""What a worker can do (ServerInfo + ModelInfo), and a single-flight cache for discovering it.
+
+The cache's contract, each point tested in tests/test_engine_capabilities.py:
+- concurrent callers share one in-flight discovery; the worker is not asked N times at once;
+- the discovery is bounded by a timeout;
+- a failure is shared: every caller waiting on that attempt gets the same error;
+- the next call after a failure tries again;
+- a caller cancelled while waiting does not cancel the discovery for the others;
+- closing the cache wakes every waiter with ClientClosed.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Generic, TypeVar
+
+import attrs
+import trio
+from google.protobuf import json_format
+
+from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
+from orchestrator.openengine.v1 import model_pb2, server_pb2
+
+T = TypeVar("T")
+
+ROLE_NAMES = {
+    server_pb2.ENGINE_ROLE_AGGREGATED: "aggregated",
+    server_pb2.ENGINE_ROLE_PREFILL: "prefill",
+    server_pb2.ENGINE_ROLE_DECODE: "decode",
+}
+# The second image signal lives in ModelInfo.extra: {"modalities": ["text", "image"]}.
+MODALITIES_KEY = "modalities"
+
+
+@attrs.frozen
+class WorkerCapabilities:
+    instance_id: str
+    role: str  # "aggregated" | "prefill" | "decode" | "unspecified"
+    engine: str
+    schema_revision: int
+    models: tuple[str, ...]
+    model_id: str
+    max_context_length: int | None
+    max_output_tokens: int | None
+    supports_multimodal: bool
+    modalities: tuple[str, ...]
+    supports_abort_cleanup: bool
+    total_kv_blocks: int | None
+
+    @property
+    def accepts_images(self) -> bool:
+        """Both signals must agree: the flag, and the image modality in ModelInfo.extra."""
+        return self.supports_multimodal and "image" in self.modalities
+
+    @classmethod
+    def from_protos(cls, server: server_pb2.ServerInfo, model: model_pb2.ModelInfo) -> "WorkerCapabilities":
+        extra = json_format.MessageToDict(model.extra) if model.HasField("extra") else {}
+        modalities = extra.get(MODALITIES_KEY, [])
+        if not isinstance(modalities, list):
+            modalities = []
+        kv = server.kv_connector
+        capacity = server.capacity
+        return cls(
+            instance_id=server.instance_id,
+            role=ROLE_NAMES.get(server.engine_role, "unspecified"),
+            engine=f"{server.engine_name} {server.engine_version}".strip(),
+            schema_revision=server.schema_revision,
+            models=tuple(server.supported_models),
+            model_id=model.served_model_name or model.model_id,
+            max_context_length=model.max_context_length if model.HasField("max_context_length") else None,
+            max_output_tokens=model.max_output_tokens if model.HasField("max_output_tokens") else None,
+            supports_multimodal=model.supports_multimodal if model.HasField("supports_multimodal") else False,
+            modalities=tuple(str(m) for m in modalities),
+            supports_abort_cleanup=kv.supports_abort_cleanup if kv.HasField("supports_abort_cleanup") else False,
+            total_kv_blocks=capacity.total_kv_blocks if capacity.HasField("total_kv_blocks") else None,
+        )
+
+
+class _Attempt(Generic[T]):
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: T | None = None
+        self.error: EngineError | None = None
+
+
+class SingleFlightCache(Generic[T]):
+    """Caches the first successful `fetch()`; concurrent misses share one attempt.
+
+    Attempts run in `nursery` (owned by the engine client), never in a caller's scope, so a
+    cancelled caller leaves the attempt running for everyone else.
+    """
+
+    def __init__(self, fetch: Callable[[], Awaitable[T]], *, nursery: trio.Nursery, timeout: float,
+                 worker: str, what: str = "capability discovery"):
+        self._fetch = fetch
+        self._nursery = nursery
+        self._timeout = timeout
+        self._worker = worker
+        self._what = what
+        self._value: T | None = None
+        self._attempt: _Attempt[T] | None = None
+        self._closed = False
+        self.attempts = 0  # how many times the worker was asked (observable in tests and metrics)
+
+    @property
+    def cached(self) -> T | None:
+        return self._value
+
+    def invalidate(self) -> None:
+        self._value = None
+
+    async def get(self) -> T:
+        if self._closed:
+            raise self._closed_error()
+        if self._value is not None:
+            await trio.lowlevel.checkpoint()
+            return self._value
+        attempt = self._attempt
+        if attempt is None:
+            attempt = self._attempt = _Attempt()
+            self._nursery.start_soon(self._run, attempt)
+        await attempt.done.wait()
+        if attempt.error is not None:
+            if isinstance(attempt.error, ClientClosed):
+                raise self._closed_error()
+            raise DiscoveryFailed(
+                f"{self._what} failed: {attempt.error}",
+                worker=self._worker, rpc=attempt.error.rpc, code=attempt.error.code,
+                retryable=True,
+            ) from attempt.error
+        return attempt.value  # type: ignore[return-value]
+
+    async def _run(self, attempt: _Attempt[T]) -> None:
+        self.attempts += 1
+        try:
+            with trio.fail_after(self._timeout):
+                value = await self._fetch()
+        except trio.TooSlowError:
+            attempt.error = EngineError(f"no answer within {self._timeout:g} s", worker=self._worker,
+                                        rpc="GetServerInfo/GetModelInfo", retryable=True)
+        except EngineError as exc:
+            attempt.error = exc
+        except BaseException:  # cancelled: the owning client is closing
+            if attempt.error is None:
+                attempt.error = self._closed_error()
+            raise
+        else:
+            self._value = value
+            attempt.value = value
+        finally:
+            if self._attempt is attempt:
+                self._attempt = None
+            attempt.done.set()
+
+    def close(self) -> None:
+        """Wake every waiter with ClientClosed; later calls fail the same way."""
+        self._closed = True
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None and not attempt.done.is_set():
+            attempt.error = self._closed_error()
+            attempt.done.set()
+
+    def _closed_error(self) -> ClientClosed:
+        return ClientClosed("engine client closed", worker=self._worker, rpc="capabilities")

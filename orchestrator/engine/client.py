@@ -1,0 +1,272 @@
+"""A trio-facing client for one OpenEngine v1 worker (real TRT-LLM or simulated).
+
+    async with LoopThread.open() as loop_thread:
+        async with EngineClient.open("127.0.0.1:50051", loop_thread) as worker:
+            info = await worker.wait_until_ready()
+            async with worker.generate(request) as stream:
+                async for event in stream:
+                    ...
+
+Leaving the `generate` block (normally, by error, or by cancellation of the enclosing trio scope)
+cancels the RPC, so the worker sees the cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import grpc
+import trio
+
+from orchestrator.engine import events as ev
+from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
+from orchestrator.engine.errors import (
+    ClientClosed,
+    EngineError,
+    ErrorCode,
+    IncompatibleWorker,
+    WorkerNotReady,
+    from_rpc_error,
+)
+from orchestrator.engine.loop_thread import LoopThread, StreamInbox
+from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.openengine.v1 import (
+    generation_pb2,
+    kv_pb2,
+    lifecycle_pb2,
+    model_pb2,
+    openengine_pb2_grpc,
+    server_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+CLIENT_SCHEMA_REVISION = 1
+HealthState = lifecycle_pb2.HealthState
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # One TCP connection per worker; do not let grpc share subchannels across our clients.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+
+def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
+    """Refuse a worker whose schema revision we cannot speak (explicit, never an assert)."""
+    if info.schema_revision == 0:
+        raise IncompatibleWorker(
+            f"worker reports schema_revision 0 (unset or pre-release); this client speaks revision "
+            f"{CLIENT_SCHEMA_REVISION}", worker=worker, rpc="GetServerInfo")
+    if info.minimum_client_revision > CLIENT_SCHEMA_REVISION:
+        raise IncompatibleWorker(
+            f"worker schema_revision {info.schema_revision} requires client revision >= "
+            f"{info.minimum_client_revision}; this client speaks revision {CLIENT_SCHEMA_REVISION}",
+            worker=worker, rpc="GetServerInfo")
+
+
+class GenerateStream:
+    """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens."""
+
+    def __init__(self, inbox: StreamInbox, worker: str):
+        self._inbox = inbox
+        self._worker = worker
+        self._pending: list[ev.Event] = []
+
+    async def next_batch(self) -> list[ev.Event]:
+        """Every event that has arrived (at least one); [] when the stream ended."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            return batch
+        worker = self._worker
+        while True:
+            raw = await self._inbox.get_batch()
+            if not raw:
+                return []
+            decoded = [e for e in (ev.decode(m, worker=worker) for m in raw) if e is not None]
+            if decoded:
+                return decoded
+
+    def __aiter__(self) -> "GenerateStream":
+        return self
+
+    async def __anext__(self) -> ev.Event:
+        if not self._pending:
+            self._pending = await self.next_batch()
+            if not self._pending:
+                raise StopAsyncIteration
+        return self._pending.pop(0)
+
+
+class EngineClient:
+    def __init__(self, address: str, loop_thread: LoopThread, nursery: trio.Nursery, *,
+                 discovery_timeout: float, name: str | None = None):
+        self.address = address
+        self.name = name or address
+        self._loop_thread = loop_thread
+        self._channel: grpc.aio.Channel | None = None
+        self._inference: openengine_pb2_grpc.InferenceStub | None = None
+        self._control: openengine_pb2_grpc.ControlStub | None = None
+        self._closed = False
+        self._capabilities = SingleFlightCache(
+            self._discover, nursery=nursery, timeout=discovery_timeout, worker=self.name)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
+                   name: str | None = None) -> AsyncIterator["EngineClient"]:
+        address = address.removeprefix("grpc://")
+        async with trio.open_nursery() as nursery:
+            client = cls(address, loop_thread, nursery, discovery_timeout=discovery_timeout, name=name)
+
+            async def connect() -> None:  # grpc.aio objects belong to the loop they are made on
+                client._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                client._inference = openengine_pb2_grpc.InferenceStub(client._channel)
+                client._control = openengine_pb2_grpc.ControlStub(client._channel)
+
+            await loop_thread.run(connect)
+            try:
+                yield client
+            finally:
+                client._closed = True
+                client._capabilities.close()
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    channel = client._channel
+                    await loop_thread.run(lambda: channel.close(grace=None))
+
+    # ---- inference ---------------------------------------------------------------------------
+    @asynccontextmanager
+    async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[GenerateStream]:
+        self._check_open("Generate")
+        inbox = StreamInbox(self._loop_thread.trio_token)
+        holder: dict[str, grpc.aio.UnaryStreamCall] = {}
+        worker = self.name
+        stub = self._inference
+
+        def start() -> None:  # on the loop thread; no round trip back to trio needed
+            call = stub.Generate(request)
+            holder["call"] = call
+            holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
+
+        self._loop_thread.call_soon(start)
+        try:
+            yield GenerateStream(inbox, worker)
+        finally:
+            def cancel() -> None:
+                call = holder.get("call")
+                if call is not None and not call.done():
+                    call.cancel()
+
+            self._loop_thread.call_soon(cancel)
+
+    # ---- control -----------------------------------------------------------------------------
+    async def _unary(self, rpc: str, request, timeout: float | None):
+        self._check_open(rpc)
+        method = getattr(self._control, rpc)
+        worker = self.name
+
+        async def call():
+            try:
+                return await method(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, worker=worker, rpc=rpc) from None
+
+        return await self._loop_thread.run(call)
+
+    async def health(self, *, timeout: float | None = 5.0, probe: bool = False) -> int:
+        response = await self._unary("Health", lifecycle_pb2.HealthRequest(include_inference_probe=probe), timeout)
+        return response.state
+
+    async def server_info(self, *, timeout: float | None = 10.0) -> server_pb2.ServerInfo:
+        return await self._unary("GetServerInfo", server_pb2.GetServerInfoRequest(), timeout)
+
+    async def model_info(self, model: str = "", *, timeout: float | None = 10.0) -> model_pb2.ModelInfo:
+        return await self._unary("GetModelInfo", model_pb2.GetModelInfoRequest(model=model), timeout)
+
+    async def load(self, *, timeout: float | None = 5.0) -> server_pb2.LoadInfo:
+        return await self._unary("GetLoad", server_pb2.GetLoadRequest(), timeout)
+
+    async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
+                    timeout: float | None = 5.0) -> lifecycle_pb2.AbortResponse:
+        if (request_id is None) == (kv_session is None):
+            raise ValueError("abort takes exactly one of request_id or kv_session")
+        request = (lifecycle_pb2.AbortRequest(request_id=request_id) if request_id is not None
+                   else lifecycle_pb2.AbortRequest(kv_session=kv_session))
+        return await self._unary("Abort", request, timeout)
+
+    # ---- capabilities and readiness ------------------------------------------------------------
+    async def _discover(self) -> WorkerCapabilities:
+        server = await self.server_info()
+        check_revision(server, worker=self.name)
+        model = await self.model_info()
+        return WorkerCapabilities.from_protos(server, model)
+
+    async def capabilities(self) -> WorkerCapabilities:
+        """ServerInfo + ModelInfo, discovered once and cached; see SingleFlightCache."""
+        return await self._capabilities.get()
+
+    @property
+    def discovery_attempts(self) -> int:
+        return self._capabilities.attempts
+
+    async def wait_until_ready(self, *, deadline: float = 300.0, attempt_timeout: float = 5.0,
+                               retry_interval: float = 0.5) -> WorkerCapabilities:
+        """Connect until the worker is READY (or DEGRADED), then check its revision.
+
+        A worker still STARTING is waited for; one that is unreachable or NOT_READY at the deadline
+        is a WorkerNotReady naming the last cause. Every failed attempt is logged with its full cause
+        chain, rate-limited, from the first attempt on.
+        """
+        retry_log = RateLimitedLog(log, interval=5.0)
+        give_up_at = trio.current_time() + deadline
+        attempt = 0
+        last: str = "no attempt made"
+        last_error: BaseException | None = None
+        while True:
+            attempt += 1
+            try:
+                state = await self.health(timeout=attempt_timeout)
+            except EngineError as exc:
+                last, last_error = cause_chain(exc), exc
+                retry_log("waiting for worker %s (attempt %d): %s", self.name, attempt, last)
+            else:
+                if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                    self._capabilities.invalidate()
+                    caps = await self.capabilities()
+                    log.info("worker %s ready: %s role=%s model=%s", self.name, caps.engine, caps.role,
+                             caps.model_id)
+                    return caps
+                last, last_error = f"health state {HealthState.Name(state)}", None
+                retry_log("waiting for worker %s (attempt %d): %s", self.name, attempt, last)
+            if trio.current_time() + retry_interval > give_up_at:
+                raise WorkerNotReady(
+                    f"not ready after {deadline:g} s and {attempt} attempts; last: {last}",
+                    worker=self.name, rpc="Health", retryable=False) from last_error
+            await trio.sleep(retry_interval)
+
+    def _check_open(self, rpc: str) -> None:
+        if self._closed:
+            raise ClientClosed("engine client closed", worker=self.name, rpc=rpc)
+
+
+async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, worker: str) -> None:
+    """Loop-thread side of a Generate stream: move messages into the trio-side inbox."""
+    try:
+        async for message in call:
+            inbox.put(message)
+    except grpc.aio.AioRpcError as exc:
+        inbox.close(from_rpc_error(exc, worker=worker, rpc="Generate"))
+    except asyncio.CancelledError:
+        inbox.close(EngineError("stream cancelled", worker=worker, rpc="Generate",
+                                code=ErrorCode.ERROR_CODE_CANCELLED))
+    except BaseException as exc:  # keep the trio side from waiting forever
+        inbox.close(EngineError(f"stream failed: {exc!r}", worker=worker, rpc="Generate"))
+    else:
+        inbox.close()

@@ -1,0 +1,105 @@
+"""One small hierarchy for everything a worker can do wrong.
+
+Every error says which worker, which RPC, and why; `code` is always an OpenEngine `ErrorCode` so
+callers (the HTTP frontend) map one thing to statuses, whatever the failure came from.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from orchestrator.openengine.v1 import error_pb2
+
+ErrorCode = error_pb2.ErrorCode
+
+# gRPC status -> (ErrorCode, retryable). A transport failure before any response is retryable
+# elsewhere; an engine that says INVALID_ARGUMENT will say it again.
+_STATUS_MAP: dict[grpc.StatusCode, tuple[int, bool]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False),
+    grpc.StatusCode.OUT_OF_RANGE: (ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False),
+    grpc.StatusCode.NOT_FOUND: (ErrorCode.ERROR_CODE_MODEL_NOT_FOUND, False),
+    grpc.StatusCode.UNIMPLEMENTED: (ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE, False),
+    grpc.StatusCode.FAILED_PRECONDITION: (ErrorCode.ERROR_CODE_ROLE_MISMATCH, False),
+    grpc.StatusCode.ALREADY_EXISTS: (ErrorCode.ERROR_CODE_DUPLICATE_REQUEST, False),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (ErrorCode.ERROR_CODE_OVERLOADED, True),
+    grpc.StatusCode.UNAVAILABLE: (ErrorCode.ERROR_CODE_INTERNAL, True),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (ErrorCode.ERROR_CODE_INTERNAL, True),
+    grpc.StatusCode.CANCELLED: (ErrorCode.ERROR_CODE_CANCELLED, False),
+}
+
+
+def code_name(code: int) -> str:
+    try:
+        return ErrorCode.Name(code)
+    except ValueError:
+        return f"ERROR_CODE_{code}"
+
+
+class EngineError(Exception):
+    """A worker RPC failed. `code` is an OpenEngine ErrorCode; `retryable` says another try may work."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: str,
+        rpc: str,
+        code: int = ErrorCode.ERROR_CODE_INTERNAL,
+        retryable: bool = False,
+        grpc_status: grpc.StatusCode | None = None,
+    ):
+        self.message = message
+        self.worker = worker
+        self.rpc = rpc
+        self.code = code
+        self.retryable = retryable
+        self.grpc_status = grpc_status
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        status = f" [{self.grpc_status.name}]" if self.grpc_status is not None else ""
+        retry = " (retryable)" if self.retryable else ""
+        return f"worker {self.worker} {self.rpc}: {code_name(self.code)}{status}{retry}: {self.message}"
+
+    @property
+    def code_name(self) -> str:
+        return code_name(self.code)
+
+
+class WorkerUnavailable(EngineError):
+    """The worker could not be reached, or the call timed out."""
+
+
+class IncompatibleWorker(EngineError):
+    """The worker speaks a schema revision we cannot use."""
+
+
+class WorkerNotReady(EngineError):
+    """The worker did not become ready before the start-up deadline."""
+
+
+class DiscoveryFailed(EngineError):
+    """Capability discovery (ServerInfo + ModelInfo) failed; every waiter on that attempt gets one."""
+
+
+class ClientClosed(EngineError):
+    """The engine client was closed (shutdown) while the caller was waiting."""
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, *, worker: str, rpc: str) -> EngineError:
+    status = exc.code()
+    code, retryable = _STATUS_MAP.get(status, (ErrorCode.ERROR_CODE_INTERNAL, False))
+    kind = (
+        WorkerUnavailable
+        if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        else EngineError
+    )
+    error = kind(exc.details() or status.name, worker=worker, rpc=rpc, code=code,
+                 retryable=retryable, grpc_status=status)
+    error.__cause__ = exc
+    return error
+
+
+def from_engine_error(proto: error_pb2.EngineError, *, worker: str, rpc: str) -> EngineError:
+    return EngineError(proto.message or code_name(proto.code), worker=worker, rpc=rpc,
+                       code=proto.code, retryable=proto.retryable)

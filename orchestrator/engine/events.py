@@ -1,0 +1,104 @@
+"""Typed events of a Generate stream, decoded from `GenerateResponse` messages.
+
+One small frozen class per event kind, so the coordinator matches on types instead of poking at
+protobuf oneofs. Decoding is on the hot path of every token: it does no more than it must.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from orchestrator.engine.errors import EngineError, from_engine_error
+from orchestrator.openengine.v1 import generation_pb2, kv_pb2
+
+FinishReason = generation_pb2.FinishReason
+
+
+@attrs.frozen(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int | None = None
+
+    @classmethod
+    def from_proto(cls, usage: generation_pb2.Usage) -> "Usage":
+        cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
+        return cls(usage.prompt_tokens, usage.completion_tokens, cached)
+
+
+@attrs.frozen(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen(slots=True)
+class Tokens:
+    """New output tokens, in order. `logprobs` is empty unless they were asked for."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@attrs.frozen(slots=True)
+class PrefillReady:
+    """The context-only leg is done; `kv_session` must reach the decode leg unchanged."""
+
+    kv_session: kv_pb2.KvSessionRef
+    usage: Usage | None = None
+
+
+@attrs.frozen(slots=True)
+class Finished:
+    reason: int  # FinishReason
+    usage: Usage | None = None
+    stop_token_id: int | None = None
+    stop_text: str | None = None
+    message: str = ""
+
+    @property
+    def reason_name(self) -> str:
+        return {FinishReason.FINISH_REASON_LENGTH: "length",
+                FinishReason.FINISH_REASON_CANCELLED: "cancelled"}.get(self.reason, "stop")
+
+
+@attrs.frozen(slots=True)
+class Failed:
+    """A terminal `GenerateResponse.error`; `error.code` and `error.retryable` say what and whether."""
+
+    error: EngineError
+
+
+Event = Tokens | PrefillReady | Finished | Failed
+
+
+def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event | None:
+    kind = response.WhichOneof("event")
+    if kind == "token":
+        infos = response.token.tokens
+        ids = tuple(t.token_id for t in infos)
+        if infos and infos[0].HasField("logprob"):
+            logprobs = tuple(
+                TokenLogprob(t.token_id, t.logprob, tuple((c.token_id, c.logprob) for c in t.candidates))
+                for t in infos
+            )
+            return Tokens(ids, logprobs)
+        return Tokens(ids)
+    usage = Usage.from_proto(response.usage) if response.HasField("usage") else None
+    if kind == "finished":
+        finished = response.finished
+        match = finished.stop_match.WhichOneof("match") if finished.HasField("stop_match") else None
+        return Finished(
+            reason=finished.reason,
+            usage=usage,
+            stop_token_id=(finished.stop_match.stop_token_id if match == "stop_token_id"
+                           else finished.stop_match.eos_token_id if match == "eos_token_id" else None),
+            stop_text=finished.stop_match.stop_text if match == "stop_text" else None,
+            message=finished.message,
+        )
+    if kind == "prefill_ready":
+        return PrefillReady(response.prefill_ready.kv_session, usage)
+    if kind == "error":
+        return Failed(from_engine_error(response.error, worker=worker, rpc="Generate"))
+    return None  # prompt logprobs and future event kinds: not used by the orchestrator

@@ -1,0 +1,71 @@
+"""Build models/tiny-chat: a byte-level BPE tokenizer trained on a small built-in corpus.
+
+    python -m orchestrator.models.build_tiny_chat
+
+Byte-level, so any UTF-8 text (emoji, CJK) round-trips; small (about 2,000 tokens), so the files are
+committed as data. The chat template is ChatML, rendered by the orchestrator with jinja2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+OUT = Path(__file__).resolve().parent / "tiny-chat"
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+CORPUS = """
+The orchestrator splits every request into a prefill stage and a decode stage. The prefill worker
+reads the prompt, fills the key value cache and hands the session to a decode worker, which streams
+the answer one token at a time. Disaggregation keeps long prompts from slowing down the tokens of
+everyone else. A cluster operator deploys workers from a file, watches them arrive and leave, and
+reads the figures on a dashboard. Benchmarks compare aggregated and disaggregated serving on the
+same hardware with the same workload, measuring time to first token, time per output token,
+throughput and goodput under a service level objective.
+Hello, how are you today? I am fine, thank you. What is the weather like? It is sunny and warm.
+Please describe the picture. The image shows a cat sitting on a red chair near a window, a small
+dog sleeping on the floor, green trees, blue sky, white clouds, a river, mountains and a bridge.
+Numbers: one two three four five six seven eight nine ten hundred thousand million 0 1 2 3 4 5 6 7 8 9.
+Questions and answers, stories and poems, code and data, history and science, music and art.
+def main(): return {"key": [1, 2, 3]}  # comments, (parentheses), [brackets], <tags>, 'quotes'.
+Café, naïve, déjà vu, Straße, smörgåsbord, 東京, こんにちは, 你好, Привет, مرحبا, 😀 🚀 ✨
+"""
+
+
+def build(out: Path = OUT) -> None:
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        min_frequency=1,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "model_max_length": 4096,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": (
+            "{% for message in messages %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        ),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(
+        {"model_type": "tiny-chat", "max_position_embeddings": 4096, "vocab_size": tokenizer.get_vocab_size()},
+        indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    build()
+    print(f"wrote {OUT}")

@@ -1,0 +1,93 @@
+"""`orchestrator sim-worker`: run one simulated TRT-LLM worker process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from orchestrator.engine.errors import ErrorCode
+from orchestrator.models import TINY_CHAT
+from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
+
+log = logging.getLogger("orchestrator.sim")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("sim-worker", help="run a simulated TRT-LLM worker (OpenEngine v1 gRPC)",
+                              description="Serve openengine.v1.Inference and Control with a GPU cost model. "
+                                          "Prints 'ready grpc://HOST:PORT' when ready.")
+    p.add_argument("--role", choices=["aggregated", "prefill", "decode"], required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--model", default="tiny-chat", help="served model name")
+    p.add_argument("--model-dir", type=Path, default=TINY_CHAT, help="tokenizer.json + tokenizer_config.json")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every cost-model duration (0.01: 100x faster; 0: no GPU time at all)")
+    p.add_argument("--instance-id", default="")
+    p.add_argument("--warmup", type=float, default=0.0, help="seconds in HEALTH_STATE_STARTING")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a prefill holds an unpulled KV session (kv_transfer_timeout_ms)")
+    p.add_argument("--abort-cleanup", action="store_true", help="honour Control.Abort by kv_session")
+    p.add_argument("--no-multimodal", dest="multimodal", action="store_false",
+                   help="ModelInfo.supports_multimodal = false")
+    p.add_argument("--modalities", default="text,image", help="ModelInfo.extra.modalities (comma separated)")
+    p.add_argument("--max-context-length", type=int, default=None)
+    p.add_argument("--total-kv-blocks", type=int, default=None)
+    p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
+    p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
+    p.add_argument("--drain-grace", type=float, default=30.0)
+    p.add_argument("--etcd", default=None, help="self-register in etcd at this URL (see `orchestrator register`)")
+    p.add_argument("--etcd-namespace", default="orchestrator")
+    faults = p.add_argument_group("fault injection")
+    faults.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
+    faults.add_argument("--error-phase", choices=["any", "prefill", "decode", "aggregated"], default="any")
+    faults.add_argument("--error-code", choices=[n for n in ErrorCode.keys() if n != "ERROR_CODE_UNSPECIFIED"],
+                        default="ERROR_CODE_INTERNAL")
+    faults.add_argument("--error-retryable", action="store_true")
+    faults.add_argument("--crash-after-tokens", type=int, default=None, help="exit(3) after this many tokens")
+    faults.add_argument("--stall-after-tokens", type=int, default=None, help="requests hang after this many tokens")
+    faults.add_argument("--slow-start", type=float, default=0.0, help="seconds before the port is bound")
+    faults.add_argument("--drop-kv-sessions", action="store_true", help="forget KV sessions right after prefill")
+    faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
+    faults.add_argument("--schema-revision", type=int, default=1)
+    faults.add_argument("--minimum-client-revision", type=int, default=1)
+    p.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from orchestrator.sim.server import SimConfig
+
+    return SimConfig(
+        role=args.role, host=args.host, port=args.port, model=args.model, model_dir=args.model_dir,
+        profile=PROFILES[args.profile], time_scale=args.time_scale, instance_id=args.instance_id,
+        warmup_s=args.warmup, kv_transfer_timeout_s=args.kv_transfer_timeout,
+        supports_abort_cleanup=args.abort_cleanup, supports_multimodal=args.multimodal,
+        modalities=tuple(m.strip() for m in args.modalities.split(",") if m.strip()),
+        max_context_length=args.max_context_length, total_kv_blocks=args.total_kv_blocks,
+        schema_revision=args.schema_revision, minimum_client_revision=args.minimum_client_revision,
+        error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
+        error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
+        stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,
+        not_ready=args.not_ready, eos_probability=args.eos_probability, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.sim.server import serve
+
+    config = config_from_args(args)
+    on_ready = None
+    if args.etcd:
+        from orchestrator.discovery.register import sim_self_registration
+
+        on_ready = sim_self_registration(args.etcd, args.etcd_namespace, config.role, config.model)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    return runner(serve(config, slow_start_s=args.slow_start, drain_grace_s=args.drain_grace, on_ready=on_ready))

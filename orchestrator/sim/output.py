@@ -1,0 +1,71 @@
+"""Deterministic output tokens: a pure function of (prompt ids, media identities, seed, position).
+
+So the same request yields the same tokens on an aggregated worker and on a prefill + decode pair.
+Tokens are drawn from the tokenizer's word-like pieces so that the detokenized text is readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def request_key(prompt_ids: list[int] | tuple[int, ...], media_ids: list[str], seed: int | None) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids))
+    for media_id in media_ids:
+        digest.update(b"\x00" + media_id.encode())
+    digest.update(b"\x01" + str(seed if seed is not None else 0).encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def prompt_digest(prompt_ids: list[int] | tuple[int, ...]) -> str:
+    return hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=12).hexdigest()
+
+
+def media_digest(media_ids: list[str]) -> str:
+    return hashlib.blake2b("\x00".join(media_ids).encode(), digest_size=12).hexdigest()
+
+
+class Vocabulary:
+    """The ids the simulator may emit, and the model's EOS id."""
+
+    def __init__(self, word_ids: list[int], eos_id: int):
+        if not word_ids:
+            raise ValueError("vocabulary has no word-like tokens to emit")
+        self.word_ids = word_ids
+        self.eos_id = eos_id
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> "Vocabulary":
+        tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+        vocab: dict[str, int] = tokenizer["model"]["vocab"]
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        special = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+        eos_id = special.get(config.get("eos_token") or "", None)
+        if eos_id is None:
+            raise ValueError(f"{model_dir}/tokenizer_config.json: eos_token not among the added tokens")
+        # Byte-level BPE marks a leading space with "Ġ"; "Ġword" pieces give readable text.
+        words = sorted(i for piece, i in vocab.items() if piece.startswith("Ġ") and piece[1:].isalpha()
+                       and len(piece) > 2)
+        return cls(words, eos_id)
+
+    def token_at(self, key: int, position: int) -> int:
+        return self.word_ids[_splitmix64(key ^ (position * 0xD1B54A32D192ED03 & _MASK)) % len(self.word_ids)]
+
+    def ends_at(self, key: int, position: int, probability: float) -> bool:
+        """Whether the sampled token at `position` is EOS (only when an EOS probability is set)."""
+        if probability <= 0.0:
+            return False
+        return (_splitmix64(key + position + 0x5EED) % 1_000_000) < probability * 1_000_000

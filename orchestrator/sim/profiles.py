@@ -1,0 +1,90 @@
+"""GPU cost profiles for the simulated worker: what one continuous-batching step costs.
+
+    step_ms = prefill(a + b*L + c*sum(l_i^2))   if the step has prefill tokens (L = sum of chunks l_i)
+            + decode(d + e*sum(context) + f*batch)  if the step has decoding requests
+
+Pure data and arithmetic; the scheduler in scheduler.py decides what goes into each step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+@attrs.frozen
+class Profile:
+    name: str
+    source: str
+    # prefill fit (ms): a + b*L + c*sum(l_i^2)
+    prefill_a: float
+    prefill_b: float
+    prefill_c: float
+    # decode fit (ms): d + e*sum(context tokens) + f*batch
+    decode_d: float
+    decode_e: float
+    decode_f: float
+    max_batch_size: int
+    max_num_tokens: int  # tokens per step (prefill chunk tokens + one per decoding request)
+    kv_block_size: int
+    total_kv_blocks: int
+    kv_bytes_per_token: int
+    kv_bandwidth_bytes_per_s: float  # prefill -> decode transfer
+    image_tokens: int  # prompt tokens one image expands into
+    max_context_length: int
+    max_output_tokens: int
+
+    def prefill_ms(self, chunks: list[int]) -> float:
+        if not chunks:
+            return 0.0
+        total = sum(chunks)
+        return self.prefill_a + self.prefill_b * total + self.prefill_c * sum(c * c for c in chunks)
+
+    def decode_ms(self, contexts: list[int]) -> float:
+        if not contexts:
+            return 0.0
+        return self.decode_d + self.decode_e * sum(contexts) + self.decode_f * len(contexts)
+
+    def step_ms(self, prefill_chunks: list[int], decode_contexts: list[int]) -> float:
+        return self.prefill_ms(prefill_chunks) + self.decode_ms(decode_contexts)
+
+    def kv_transfer_ms(self, tokens: int) -> float:
+        return 1000.0 * tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.kv_block_size)
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in [
+        Profile(
+            name="opt-13b-a100",
+            # DistServe (Zhong et al., OSDI 2024), latency model fitted for OPT-13B on one A100-80GB.
+            source="DistServe, OSDI 2024: public fit for OPT-13B on one A100 (ms)",
+            prefill_a=16.46, prefill_b=0.0926, prefill_c=6.47e-6,
+            decode_d=19.93, decode_e=6.27e-4, decode_f=0.0385,
+            max_batch_size=128, max_num_tokens=4096,
+            # 80 GB - 26 GB of fp16 weights, 90% for KV; OPT-13B: 2 * 40 layers * 5120 * 2 B per token
+            kv_block_size=32, total_kv_blocks=1850, kv_bytes_per_token=819_200,
+            kv_bandwidth_bytes_per_s=25e9,  # 200 Gb/s InfiniBand between the two GPUs' hosts
+            image_tokens=576, max_context_length=2048, max_output_tokens=1024,
+        ),
+        Profile(
+            name="llama3-8b-h100",
+            # Roofline from public figures: H100 SXM datasheet (989 TFLOPS dense BF16, 3.35 TB/s HBM3),
+            # Llama-3-8B config on the Hugging Face hub (32 layers, 8 KV heads, head dim 128, 8.0 B params).
+            # Prefill at 60% MFU: b = 2*8e9 FLOP / 593 TFLOP/s; c from attention (4*L^2*4096*32 FLOP);
+            # decode at 80% of HBM bandwidth: d = 16 GB weights / 2.68 TB/s, e = 128 KiB KV per token read.
+            source="roofline from the H100 SXM datasheet and the public Llama-3-8B config",
+            prefill_a=4.0, prefill_b=0.027, prefill_c=8.7e-7,
+            decode_d=6.0, decode_e=4.9e-5, decode_f=0.02,
+            max_batch_size=256, max_num_tokens=8192,
+            kv_block_size=32, total_kv_blocks=12000, kv_bytes_per_token=131_072,
+            kv_bandwidth_bytes_per_s=50e9,  # 400 Gb/s InfiniBand
+            image_tokens=576, max_context_length=8192, max_output_tokens=4096,
+        ),
+    ]
+}
+DEFAULT_PROFILE = "llama3-8b-h100"

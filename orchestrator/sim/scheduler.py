@@ -1,0 +1,220 @@
+"""Continuous batching, the way TRT-LLM's executor does it, with time from a cost profile.
+
+Each step takes every decoding request (one token each) plus prefill chunks up to the step's token
+budget; the step costs `profile.step_ms(...)` scaled by `time_scale`. KV blocks are reserved for
+prompt + max_tokens at admission (TRT-LLM's GUARANTEED_NO_EVICT policy); requests queue while the
+cache or the batch is full. In the aggregated role prefill chunks share steps with decodes: that
+interference is what disaggregation removes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+from typing import Callable
+
+import attrs
+
+from orchestrator.sim.output import Vocabulary
+from orchestrator.sim.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+FULL, CONTEXT_ONLY, GENERATION_ONLY = "full", "context_only", "generation_only"
+
+
+@attrs.define(eq=False)
+class SimRequest:
+    request_id: str
+    kind: str
+    prompt_len: int  # prompt tokens including image tokens
+    key: int  # output key (see output.request_key)
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
+    first_gen_tokens: tuple[int, ...] = ()  # generation_only: what the prefill already produced
+    # callbacks into the server: on_token(request, token_id), on_finish(request, reason, match)
+    on_token: Callable[["SimRequest", int], None] = lambda r, t: None
+    on_finish: Callable[["SimRequest", str, tuple[str, int] | None], None] = lambda r, why, m: None
+    on_context_done: Callable[["SimRequest", int], None] = lambda r, t: None
+    prefilled: int = 0
+    generated: int = 0
+    blocks: int = 0
+    state: str = "waiting"  # waiting | prefill | decode | stalled | done
+    output_ids: list[int] = attrs.field(factory=list)
+
+
+@attrs.define
+class Faults:
+    crash_after_tokens: int | None = None  # whole process exits after this many tokens
+    stall_after_tokens: int | None = None  # each request stops producing after this many tokens
+    eos_probability: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, profile: Profile, role: str, vocab: Vocabulary, *, time_scale: float = 1.0,
+                 faults: Faults | None = None, total_kv_blocks: int | None = None):
+        self.profile = profile
+        self.role = role
+        self.vocab = vocab
+        self.time_scale = time_scale
+        self.faults = faults or Faults()
+        self.total_blocks = total_kv_blocks or profile.total_kv_blocks
+        self.used_blocks = 0
+        self.waiting: collections.deque[SimRequest] = collections.deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[SimRequest] = []
+        self.stalled: list[SimRequest] = []
+        self.tokens_emitted = 0
+        self.steps = 0
+        self.last_step = (0, 0)  # (prefill tokens, decode batch) of the last step, for GetLoad
+        self._wake = asyncio.Event()
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def blocks_needed(self, request: SimRequest) -> int:
+        tokens = request.prompt_len if request.kind == CONTEXT_ONLY else request.prompt_len + request.max_tokens
+        return self.profile.blocks_for(tokens)
+
+    def submit(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+        self._wake.set()
+
+    def cancel(self, request: SimRequest) -> bool:
+        """Remove a request wherever it is and free its blocks. False if it had already finished."""
+        if request.state == "done":
+            return False
+        for queue in (self.prefilling, self.decoding, self.stalled):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        return True
+
+    def release_blocks(self, blocks: int) -> None:
+        """Blocks held outside a request (a KV session) are given back."""
+        self.used_blocks -= blocks
+        self._wake.set()
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding) + len(self.stalled)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def _release(self, request: SimRequest) -> None:
+        request.state = "done"
+        self.used_blocks -= request.blocks
+        request.blocks = 0
+        self._wake.set()
+
+    # ---- the step loop -------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and self.running < self.profile.max_batch_size:
+            request = self.waiting[0]
+            need = self.blocks_needed(request)
+            if self.used_blocks + need > self.total_blocks:
+                return  # queue until blocks come back
+            self.waiting.popleft()
+            self.used_blocks += need
+            request.blocks = need
+            if request.kind == GENERATION_ONLY:
+                request.state = "decode"
+                self.decoding.append(request)
+                self._emit(request)  # the prefill's first token, carried in the KV session
+            else:
+                request.state = "prefill"
+                self.prefilling.append(request)
+
+    async def run(self) -> None:
+        profile = self.profile
+        while True:
+            self._admit()
+            decodes = self.decoding[: profile.max_batch_size]
+            budget = profile.max_num_tokens - len(decodes)
+            chunks: list[tuple[SimRequest, int]] = []
+            for request in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(request.prompt_len - request.prefilled, budget)
+                chunks.append((request, n))
+                budget -= n
+            if not decodes and not chunks:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            contexts = [r.prompt_len + r.generated for r in decodes]
+            step_ms = profile.step_ms([n for _, n in chunks], contexts)
+            self.last_step = (sum(n for _, n in chunks), len(decodes))
+            await asyncio.sleep(step_ms * self.time_scale / 1000.0)
+            self.steps += 1
+            for request in decodes:
+                if request.state == "decode":
+                    self._emit(request)
+            for request, n in chunks:
+                if request.state != "prefill":
+                    continue  # cancelled during the step
+                request.prefilled += n
+                if request.prefilled < request.prompt_len:
+                    continue
+                self.prefilling.remove(request)
+                if request.kind == CONTEXT_ONLY:
+                    # The context phase samples the first token; it travels in the KV session.
+                    request.state = "done"
+                    request.on_context_done(request, self.vocab.token_at(request.key, 0))
+                else:
+                    request.state = "decode"
+                    self.decoding.append(request)
+                    self._emit(request)
+
+    def _emit(self, request: SimRequest) -> None:
+        """Produce the token at the request's next position, then apply stop rules."""
+        position = request.generated
+        if position == 0 and request.first_gen_tokens:
+            token = request.first_gen_tokens[0]
+        else:
+            token = self.vocab.token_at(request.key, position)
+        may_stop = position >= request.min_tokens
+        if may_stop and not request.ignore_eos and self.vocab.ends_at(request.key, position,
+                                                                        self.faults.eos_probability):
+            self._finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
+            return
+        if may_stop and token in request.stop_token_ids:
+            if request.include_stop:
+                self._output(request, token)
+            self._finish(request, "stop", ("stop_token_id", token))
+            return
+        self._output(request, token)
+        if request.state == "done":  # a stop string matched inside on_token
+            return
+        if request.generated >= request.max_tokens:
+            self._finish(request, "length", None)
+            return
+        stall = self.faults.stall_after_tokens
+        if stall is not None and request.generated >= stall:
+            self.decoding.remove(request)
+            request.state = "stalled"
+            self.stalled.append(request)
+
+    def _output(self, request: SimRequest, token: int) -> None:
+        request.generated += 1
+        request.output_ids.append(token)
+        request.on_token(request, token)
+        self.tokens_emitted += 1
+        crash = self.faults.crash_after_tokens
+        if crash is not None and self.tokens_emitted >= crash:
+            log.error("fault injection: crashing after %d tokens", self.tokens_emitted)
+            logging.shutdown()
+            os._exit(3)
+
+    def _finish(self, request: SimRequest, reason: str, match: tuple[str, int] | None) -> None:
+        if request in self.decoding:
+            self.decoding.remove(request)
+        self._release(request)
+        request.on_finish(request, reason, match)

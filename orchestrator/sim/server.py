@@ -1,0 +1,530 @@
+"""The simulated TRT-LLM worker: an OpenEngine v1 gRPC server over the scheduler and KV store.
+
+It is strict on purpose: a protocol mistake of the orchestrator (a context-only leg on a decode
+worker, a decode leg whose prompt or media differ from its prefill, a missing KV attribute) is an
+error here, as it would be on a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import json
+import logging
+import random
+import signal
+import time
+import uuid as uuidlib
+from pathlib import Path
+from typing import AsyncIterator
+
+import attrs
+import grpc
+import httpx
+from google.protobuf import json_format, struct_pb2
+from tokenizers import Tokenizer
+
+from orchestrator.openengine.v1 import (
+    error_pb2,
+    generation_pb2,
+    kv_pb2,
+    lifecycle_pb2,
+    model_pb2,
+    openengine_pb2_grpc,
+    server_pb2,
+)
+from orchestrator.sim import kv_transfer, media, output
+from orchestrator.sim.profiles import Profile
+from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Faults, Scheduler, SimRequest
+
+log = logging.getLogger("orchestrator.sim")
+E = error_pb2.ErrorCode
+HS = lifecycle_pb2.HealthState
+ROLES = {"aggregated": server_pb2.ENGINE_ROLE_AGGREGATED, "prefill": server_pb2.ENGINE_ROLE_PREFILL,
+         "decode": server_pb2.ENGINE_ROLE_DECODE}
+ENGINE_NAME = "tensorrt_llm-sim"
+ENGINE_VERSION = "1.0.0-sim"
+REQUIRED_KV_ATTRIBUTES = ("opaque_state", "first_gen_tokens", "draft_tokens", "disagg_request_id", "ctx_usage",
+                          "first_gen_log_probs", "schedule_style")
+
+
+@attrs.frozen
+class SimConfig:
+    role: str
+    host: str
+    port: int
+    model: str
+    model_dir: Path
+    profile: Profile
+    time_scale: float = 1.0
+    instance_id: str = ""
+    warmup_s: float = 0.0
+    kv_transfer_timeout_s: float = 30.0
+    supports_abort_cleanup: bool = False
+    supports_multimodal: bool = True
+    modalities: tuple[str, ...] = ("text", "image")
+    max_context_length: int | None = None
+    total_kv_blocks: int | None = None
+    schema_revision: int = 1
+    minimum_client_revision: int = 1
+    # faults
+    error_rate: float = 0.0
+    error_phase: str = "any"  # prefill | decode | aggregated | any
+    error_code: str = "ERROR_CODE_INTERNAL"
+    error_retryable: bool = False
+    crash_after_tokens: int | None = None
+    stall_after_tokens: int | None = None
+    drop_kv_sessions: bool = False
+    not_ready: bool = False
+    eos_probability: float = 0.0
+    seed: int = 0
+    media_limits: media.MediaLimits = media.MediaLimits()
+
+    @property
+    def context_window(self) -> int:
+        return self.max_context_length or self.profile.max_context_length
+
+
+class EngineFailure(Exception):
+    def __init__(self, code: int, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.code, self.message, self.retryable = code, message, retryable
+
+
+class _Outbox:
+    """Responses for one Generate call, filled by the scheduler, drained by the handler."""
+
+    __slots__ = ("items", "waiter", "closed")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+        self.closed = False
+
+    def put(self, item: generation_pb2.GenerateResponse, last: bool = False) -> None:
+        self.items.append(item)
+        self.closed = self.closed or last
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        batch = list(self.items)
+        self.items.clear()
+        return batch
+
+
+class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.ControlServicer):
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.instance_id = config.instance_id or f"sim-{config.role}-{uuidlib.uuid4().hex[:8]}"
+        self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+        self.vocab = output.Vocabulary.from_model_dir(config.model_dir)
+        faults = Faults(crash_after_tokens=config.crash_after_tokens, stall_after_tokens=config.stall_after_tokens,
+                        eos_probability=config.eos_probability)
+        self.scheduler = Scheduler(config.profile, config.role, self.vocab, time_scale=config.time_scale,
+                                   faults=faults, total_kv_blocks=config.total_kv_blocks)
+        self.sessions = kv_transfer.SessionStore(self.scheduler.release_blocks, config.kv_transfer_timeout_s)
+        self.kv_port = 0
+        self.started_at = time.monotonic()
+        self.draining = False
+        self.active: dict[str, SimRequest] = {}
+        self.finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.random = random.Random(config.seed)
+        self.http: httpx.AsyncClient | None = None
+        self.cancelled_by_client = 0
+
+    # ---- Control ---------------------------------------------------------------------------------
+    def health_state(self) -> int:
+        if self.draining:
+            return HS.HEALTH_STATE_DRAINING
+        if self.config.not_ready:
+            return HS.HEALTH_STATE_NOT_READY
+        if time.monotonic() - self.started_at < self.config.warmup_s:
+            return HS.HEALTH_STATE_STARTING
+        return HS.HEALTH_STATE_READY
+
+    async def Health(self, request, context):
+        state = self.health_state()
+        return lifecycle_pb2.HealthResponse(state=state, checks=[
+            lifecycle_pb2.HealthCheck(name="engine", state=state, message=HS.Name(state))])
+
+    async def GetServerInfo(self, request, context):
+        c = self.config
+        return server_pb2.ServerInfo(
+            engine_name=ENGINE_NAME, engine_version=ENGINE_VERSION, engine_role=ROLES[c.role],
+            instance_id=self.instance_id, supported_models=[c.model],
+            parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                   data_parallel_size=1, data_parallel_rank=0),
+            kv_connector=kv_pb2.KvConnectorInfo(
+                enabled=True, transfer_backend=kv_transfer.PROTOCOL,
+                local_endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
+                supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=c.role == "decode",
+                supports_decode_pull=True, supports_abort_cleanup=c.supports_abort_cleanup, supports_drain=True,
+                schema_version=1),
+            schema_revision=c.schema_revision, minimum_client_revision=c.minimum_client_revision,
+            schema_release="openengine-v1",
+            capacity=server_pb2.DeploymentCapacity(
+                kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
+                max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
+            extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale}),
+        )
+
+    async def GetModelInfo(self, request, context):
+        c = self.config
+        if request.model and request.model != c.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        return model_pb2.ModelInfo(
+            model_id=c.model, served_model_name=c.model, max_context_length=c.context_window,
+            max_output_tokens=c.profile.max_output_tokens, tokenizer_modes=["token_ids", "text"],
+            supports_text_input=True, supports_token_ids_input=True,
+            generation=model_pb2.GenerationCapabilities(
+                output_logprobs=model_pb2.LogprobCapabilities(
+                    supported=True, candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N],
+                    max_top_n=20),
+                guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
+                max_num_sequences=1, supports_stop_in_output=True),
+            supports_lora=False, supports_multimodal=c.supports_multimodal,
+            extra=_struct({"modalities": list(c.modalities)}),
+        )
+
+    async def GetLoad(self, request, context):
+        s = self.scheduler
+        prefill_tokens, decode_batch = s.last_step
+        return server_pb2.LoadInfo(
+            instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
+            running_requests=s.running, queued_requests=len(s.waiting),
+            active_kv_sessions=len(self.sessions.sessions), used_kv_blocks=s.used_blocks,
+            total_kv_blocks=s.total_blocks, running_tokens=sum(r.prompt_len + r.generated for r in s.decoding),
+            waiting_tokens=sum(r.prompt_len for r in s.waiting), prefill_batch_size=len(s.prefilling),
+            decode_batch_size=decode_batch,
+            attributes=_struct({"tokens_emitted": s.tokens_emitted, "steps": s.steps,
+                                "kv_sessions_expired": self.sessions.expired,
+                                "kv_sessions_pulled": self.sessions.pulled,
+                                "cancelled_by_client": self.cancelled_by_client}),
+        )
+
+    async def Abort(self, request, context):
+        target = request.WhichOneof("target")
+        if target == "request_id":
+            sim_request = self.active.get(request.request_id)
+            if sim_request is not None and self.scheduler.cancel(sim_request):
+                sim_request.on_finish(sim_request, "cancelled", None)
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+            if request.request_id in self.finished_ids or sim_request is not None:
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
+                                               message=f"request {request.request_id!r} not found")
+        if target == "kv_session":
+            if not self.config.supports_abort_cleanup:
+                return lifecycle_pb2.AbortResponse(
+                    status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
+                    message="abort by kv_session is not supported (supports_abort_cleanup is false); "
+                            "blocks are released when a decode pulls them or the transfer timeout expires")
+            if self.sessions.drop(request.kv_session.session_id):
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
+        if target == "all_requests":
+            for sim_request in list(self.active.values()):
+                if self.scheduler.cancel(sim_request):
+                    sim_request.on_finish(sim_request, "cancelled", None)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "abort needs a target")
+
+    async def _unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "LoRA adapters are not supported by the simulated worker")
+
+    LoadLora = UnloadLora = ListLoras = _unimplemented
+
+    async def GetKvEventSources(self, request, context):
+        return kv_pb2.GetKvEventSourcesResponse()
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not published by the simulated worker")
+
+    # ---- Inference -------------------------------------------------------------------------------
+    async def Generate(self, request: generation_pb2.GenerateRequest, context) -> AsyncIterator:
+        rid = request.request_id
+        outbox = _Outbox()
+        sim_request: SimRequest | None = None
+        try:
+            try:
+                sim_request = await self._admit(request, outbox)
+            except EngineFailure as failure:
+                yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
+                    code=failure.code, message=failure.message, retryable=failure.retryable))
+                return
+            while True:
+                batch = await outbox.drain()
+                for response in batch:
+                    yield response
+                if outbox.closed and not outbox.items:
+                    return
+        finally:
+            if sim_request is not None:
+                self.active.pop(rid, None)
+                if self.scheduler.cancel(sim_request):
+                    self.cancelled_by_client += 1
+                    log.info("request %s cancelled by the client", rid)
+                self._remember_finished(rid)
+
+    def _remember_finished(self, rid: str) -> None:
+        self.finished_ids[rid] = None
+        while len(self.finished_ids) > 10_000:
+            self.finished_ids.popitem(last=False)
+
+    async def _admit(self, request: generation_pb2.GenerateRequest, outbox: _Outbox) -> SimRequest:
+        c = self.config
+        if self.draining:
+            raise EngineFailure(E.ERROR_CODE_DRAINING, "worker is draining", retryable=True)
+        if self.health_state() != HS.HEALTH_STATE_READY:
+            raise EngineFailure(E.ERROR_CODE_OVERLOADED, "worker is not ready", retryable=True)
+        if not request.request_id:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request_id is required")
+        if request.request_id in self.active:
+            raise EngineFailure(E.ERROR_CODE_DUPLICATE_REQUEST, f"request {request.request_id!r} is already running")
+        if request.model and request.model != c.model:
+            raise EngineFailure(E.ERROR_CODE_MODEL_NOT_FOUND, f"model {request.model!r} is not served here")
+        extra = json_format.MessageToDict(request.extra) if request.HasField("extra") else {}
+        if extra.get("request_type") == "context_only":
+            kind = CONTEXT_ONLY
+        elif request.kv.HasField("session"):
+            kind = GENERATION_ONLY
+        else:
+            kind = FULL
+        allowed = {"aggregated": {FULL}, "prefill": {CONTEXT_ONLY}, "decode": {FULL, GENERATION_ONLY}}[c.role]
+        if kind not in allowed:
+            raise EngineFailure(E.ERROR_CODE_ROLE_MISMATCH, f"a {kind} request cannot run on a {c.role} worker")
+        if kind == CONTEXT_ONLY and request.stopping.max_tokens != 1:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "a context-only leg must set stopping.max_tokens = 1")
+        if request.sampling.HasField("num_sequences") and request.sampling.num_sequences > 1:
+            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "num_sequences > 1 is not supported")
+        if request.HasField("guided"):
+            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "guided decoding is not supported by this model")
+        self._maybe_inject_error(kind)
+
+        source = request.WhichOneof("input")
+        if source == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+        elif source == "prompt":
+            prompt_ids = self.tokenizer.encode(request.prompt, add_special_tokens=False).ids
+        else:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request has neither prompt nor token_ids")
+        if not prompt_ids:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "prompt is empty")
+        media_ids = await self._resolve_media(request)
+        prompt_len = len(prompt_ids) + len(media_ids) * c.profile.image_tokens
+        window = c.context_window
+        if prompt_len >= window:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                f"prompt of {prompt_len} tokens ({len(prompt_ids)} text, {len(media_ids)} images x "
+                                f"{c.profile.image_tokens}) does not fit the context window of {window} tokens")
+        stopping = request.stopping
+        room = window - prompt_len
+        if stopping.HasField("max_tokens"):
+            max_tokens = stopping.max_tokens
+            if max_tokens < 1:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "max_tokens must be at least 1")
+            if max_tokens > room:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                    f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the context "
+                                    f"window of {window} tokens")
+        else:
+            max_tokens = min(c.profile.max_output_tokens, room)
+        seed = request.sampling.seed if request.sampling.HasField("seed") else None
+        key = output.request_key(prompt_ids, media_ids, seed)
+
+        first_gen: tuple[int, ...] = ()
+        if kind == GENERATION_ONLY:
+            first_gen = await self._pull_kv(request.kv.session, prompt_ids, media_ids, prompt_len)
+
+        rid = request.request_id
+        want_logprobs = request.response.return_output_logprobs
+        top_n = request.response.output_candidates.top_n if want_logprobs else 0
+        sim_request = SimRequest(
+            request_id=rid, kind=kind, prompt_len=prompt_len, key=key, max_tokens=max_tokens,
+            min_tokens=stopping.min_tokens, ignore_eos=stopping.ignore_eos,
+            stop_token_ids=frozenset(cond.stop_token_id for cond in stopping.conditions
+                                     if cond.WhichOneof("condition") == "stop_token_id"),
+            include_stop=stopping.include_stop_in_output, first_gen_tokens=first_gen,
+        )
+        stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
+        sim_request.on_token = self._token_callback(outbox, rid, want_logprobs, top_n, stop_texts)
+        sim_request.on_finish = self._finish_callback(outbox, rid, prompt_len, len(prompt_ids))
+        sim_request.on_context_done = self._context_callback(outbox, rid, prompt_ids, media_ids, prompt_len)
+        self.active[rid] = sim_request
+        self.scheduler.submit(sim_request)
+        return sim_request
+
+    def _maybe_inject_error(self, kind: str) -> None:
+        c = self.config
+        if c.error_rate <= 0:
+            return
+        phase = {CONTEXT_ONLY: "prefill", GENERATION_ONLY: "decode", FULL: "aggregated"}[kind]
+        if c.error_phase not in ("any", phase):
+            return
+        if self.random.random() < c.error_rate:
+            raise EngineFailure(E.Value(c.error_code), f"injected fault in the {phase} phase",
+                                retryable=c.error_retryable)
+
+    async def _resolve_media(self, request: generation_pb2.GenerateRequest) -> list[str]:
+        if not request.media:
+            return []
+        c = self.config
+        if not (c.supports_multimodal and "image" in c.modalities):
+            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"model {c.model} does not accept images")
+        if self.http is None:
+            self.http = httpx.AsyncClient(follow_redirects=False)
+        try:
+            return [await media.resolve(item, c.media_limits, self.http) for item in request.media]
+        except media.MediaError as exc:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from exc
+
+    async def _pull_kv(self, session: kv_pb2.KvSessionRef, prompt_ids, media_ids, prompt_len) -> tuple[int, ...]:
+        attributes = json_format.MessageToDict(session.attributes_struct) if session.HasField("attributes_struct") else {}
+        missing = [name for name in REQUIRED_KV_ATTRIBUTES if name not in attributes]
+        if missing:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                f"kv_session.attributes_struct lacks {', '.join(missing)}")
+        if not session.endpoints:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "kv_session has no endpoints")
+        endpoint = session.endpoints[0]
+        first_gen = [int(t) for t in attributes["first_gen_tokens"]]
+        profile = self.config.profile
+        try:
+            await kv_transfer.pull(
+                endpoint.host, endpoint.port,
+                {"session_id": session.session_id, "prompt": output.prompt_digest(prompt_ids),
+                 "media": output.media_digest(media_ids), "opaque_state": attributes["opaque_state"],
+                 "first_gen_tokens": first_gen},
+                lambda tokens: profile.kv_transfer_ms(tokens) * self.config.time_scale / 1000.0)
+        except kv_transfer.KvTransferError as exc:
+            raise EngineFailure(E.Value("ERROR_CODE_" + exc.code), str(exc),
+                                retryable=exc.code == "KV_TRANSFER_FAILED") from exc
+        return tuple(first_gen)
+
+    # ---- scheduler callbacks -> responses ----------------------------------------------------------
+    def _token_callback(self, outbox: _Outbox, rid: str, want_logprobs: bool, top_n: int, stop_texts: list[str]):
+        GenerateResponse, TokenOutput, TokenInfo = (generation_pb2.GenerateResponse, generation_pb2.TokenOutput,
+                                                    generation_pb2.TokenInfo)
+        vocab_words = self.vocab.word_ids
+
+        def on_token(request: SimRequest, token: int) -> None:
+            info = TokenInfo(token_id=token)
+            if want_logprobs:
+                info.logprob = -((token * 7919 + request.generated) % 1000) / 400.0
+                for rank in range(top_n):
+                    alt = vocab_words[(token + rank * 31) % len(vocab_words)]
+                    info.candidates.add(token_id=alt, logprob=info.logprob - rank * 0.5, rank=rank + 1)
+            outbox.put(GenerateResponse(request_id=rid, token=TokenOutput(output_index=0, tokens=[info])))
+            if stop_texts:
+                text = self.tokenizer.decode(request.output_ids[-16:])
+                for stop in stop_texts:
+                    if stop in text and self.scheduler.cancel(request):
+                        request.on_finish(request, "stop", ("stop_text", stop))
+                        return
+
+        return on_token
+
+    def _finish_callback(self, outbox: _Outbox, rid: str, prompt_len: int, text_prompt_len: int):
+        reasons = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
+                   "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
+
+        def on_finish(request: SimRequest, reason: str, match) -> None:
+            stop_match = None
+            if match is not None:
+                stop_match = generation_pb2.StopMatch(**{match[0]: match[1]})
+            outbox.put(generation_pb2.GenerateResponse(
+                request_id=rid,
+                finished=generation_pb2.GenerationFinished(output_index=0, reason=reasons[reason],
+                                                           stop_match=stop_match),
+                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=request.generated,
+                                           total_tokens=prompt_len + request.generated)), last=True)
+
+        return on_finish
+
+    def _context_callback(self, outbox: _Outbox, rid: str, prompt_ids, media_ids, prompt_len: int):
+        def on_context_done(request: SimRequest, first_token: int) -> None:
+            c = self.config
+            opaque = base64.b64encode(json.dumps(
+                {"ctx_request_id": rid, "instance": self.instance_id, "nonce": uuidlib.uuid4().hex}).encode()).decode()
+            held = kv_transfer.HeldSession(
+                session_id=rid, blocks=request.blocks, tokens=prompt_len,
+                prompt_digest=output.prompt_digest(prompt_ids), media_digest=output.media_digest(media_ids),
+                opaque_state=opaque, first_gen_tokens=[first_token], expires_at=time.monotonic() + c.kv_transfer_timeout_s)
+            request.blocks = 0  # the blocks now belong to the session, not the request
+            if not c.drop_kv_sessions:
+                self.sessions.hold(held)
+            else:
+                self.scheduler.release_blocks(held.blocks)
+            session = kv_pb2.KvSessionRef(
+                session_id=rid, transfer_backend=kv_transfer.PROTOCOL,
+                endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
+                dp_rank=0,
+                attributes_struct=_struct({
+                    "opaque_state": opaque, "first_gen_tokens": [first_token], "draft_tokens": [],
+                    "disagg_request_id": rid, "ctx_usage": {"prompt_tokens": prompt_len},
+                    "first_gen_log_probs": [], "schedule_style": "context_first"}))
+            outbox.put(generation_pb2.GenerateResponse(
+                request_id=rid, prefill_ready=generation_pb2.PrefillReady(kv_session=session),
+                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=0,
+                                           total_tokens=prompt_len)), last=True)
+
+        return on_context_done
+
+    # ---- drain ---------------------------------------------------------------------------------
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        log.info("draining: %d running, %d queued", self.scheduler.running, len(self.scheduler.waiting))
+        deadline = time.monotonic() + grace_s
+        while not self.scheduler.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    result = struct_pb2.Struct()
+    result.update(values)
+    return result
+
+
+async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: float = 30.0,
+                on_ready=None) -> int:
+    """Run a sim worker until SIGTERM/SIGINT; drain, then return 0."""
+    if slow_start_s > 0:
+        log.info("fault injection: slow start, binding in %.1f s", slow_start_s)
+        await asyncio.sleep(slow_start_s)
+    worker = SimWorker(config)
+    kv_server = await asyncio.start_server(worker.sessions.serve_connection, config.host, 0)
+    worker.kv_port = kv_server.sockets[0].getsockname()[1]
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    openengine_pb2_grpc.add_InferenceServicer_to_server(worker, server)
+    openengine_pb2_grpc.add_ControlServicer_to_server(worker, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
+    await server.start()
+    scheduler_task = asyncio.create_task(worker.scheduler.run())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    address = f"grpc://{config.host}:{port}"
+    log.info("sim worker %s role=%s model=%s profile=%s time_scale=%g kv=%s:%d", worker.instance_id, config.role,
+             config.model, config.profile.name, config.time_scale, config.host, worker.kv_port)
+    if on_ready is not None:
+        await on_ready(worker, address)
+    print(f"ready {address}", flush=True)
+    await stop.wait()
+    await worker.drain(drain_grace_s)
+    await server.stop(grace=1.0)
+    scheduler_task.cancel()
+    kv_server.close()
+    if worker.http is not None:
+        await worker.http.aclose()
+    log.info("sim worker %s stopped", worker.instance_id)
+    return 0
