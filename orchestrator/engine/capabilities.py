@@ -122,11 +122,12 @@ class SingleFlightCache(Generic[T]):
         if attempt.error is not None:
             if isinstance(attempt.error, ClientClosed):
                 raise self._closed_error()
+            cause = attempt.error
             raise DiscoveryFailed(
-                f"{self._what} failed: {attempt.error}",
-                worker=self._worker, rpc=attempt.error.rpc, code=attempt.error.code,
-                retryable=True,
-            ) from attempt.error
+                f"{self._what} failed: {type(cause).__name__}: {cause.message}",
+                worker=self._worker, rpc=cause.rpc, code=cause.code, retryable=cause.retryable,
+                grpc_status=cause.grpc_status,
+            ) from cause
         return attempt.value  # type: ignore[return-value]
 
     async def _run(self, attempt: _Attempt[T]) -> None:

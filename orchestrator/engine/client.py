@@ -63,12 +63,13 @@ def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
     if info.schema_revision == 0:
         raise IncompatibleWorker(
             f"worker reports schema_revision 0 (unset or pre-release); this client speaks revision "
-            f"{CLIENT_SCHEMA_REVISION}", worker=worker, rpc="GetServerInfo")
+            f"{CLIENT_SCHEMA_REVISION}", worker=worker, rpc="GetServerInfo",
+            code=ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE)
     if info.minimum_client_revision > CLIENT_SCHEMA_REVISION:
         raise IncompatibleWorker(
             f"worker schema_revision {info.schema_revision} requires client revision >= "
             f"{info.minimum_client_revision}; this client speaks revision {CLIENT_SCHEMA_REVISION}",
-            worker=worker, rpc="GetServerInfo")
+            worker=worker, rpc="GetServerInfo", code=ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE)
 
 
 class GenerateStream:
@@ -145,7 +146,7 @@ class EngineClient:
     @asynccontextmanager
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[GenerateStream]:
         self._check_open("Generate")
-        inbox = StreamInbox(self._loop_thread.trio_token)
+        inbox = self._loop_thread.new_inbox()
         holder: dict[str, grpc.aio.UnaryStreamCall] = {}
         worker = self.name
         stub = self._inference
@@ -170,15 +171,10 @@ class EngineClient:
     async def _unary(self, rpc: str, request, timeout: float | None):
         self._check_open(rpc)
         method = getattr(self._control, rpc)
-        worker = self.name
-
-        async def call():
-            try:
-                return await method(request, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, worker=worker, rpc=rpc) from None
-
-        return await self._loop_thread.run(call)
+        try:
+            return await self._loop_thread.run(lambda: method(request, timeout=timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, worker=self.name, rpc=rpc) from None
 
     async def health(self, *, timeout: float | None = 5.0, probe: bool = False) -> int:
         response = await self._unary("Health", lifecycle_pb2.HealthRequest(include_inference_probe=probe), timeout)
@@ -238,6 +234,7 @@ class EngineClient:
                 retry_log("waiting for worker %s (attempt %d): %s", self.name, attempt, last)
             else:
                 if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                    check_revision(await self.server_info(), worker=self.name)
                     self._capabilities.invalidate()
                     caps = await self.capabilities()
                     log.info("worker %s ready: %s role=%s model=%s", self.name, caps.engine, caps.role,

@@ -39,6 +39,10 @@ class LoopThread:
         self.loop = loop
         self._thread = thread
         self.trio_token = token
+        self._dispatcher = _WakeDispatcher(loop, token)
+
+    def new_inbox(self) -> "StreamInbox":
+        return StreamInbox(self._dispatcher)
 
     @classmethod
     @asynccontextmanager
@@ -80,21 +84,28 @@ class LoopThread:
         Cancelling the trio caller cancels the asyncio task (and so the gRPC call).
         """
         future: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(_call(make_coro), self.loop)
-        done = trio.Event()
+        return await self._wait(future, future.add_done_callback, future.cancel)
+
+    async def _wait(self, future: concurrent.futures.Future, add_done_callback, cancel) -> Any:
+        task = trio.lowlevel.current_task()
         token = self.trio_token
 
-        def wake(_: concurrent.futures.Future) -> None:
+        def wake(_: Any) -> None:
             try:
-                token.run_sync_soon(done.set)
+                token.run_sync_soon(trio.lowlevel.reschedule, task)
             except trio.RunFinishedError:
                 pass
 
-        future.add_done_callback(wake)
-        try:
-            await done.wait()
-        except trio.Cancelled:
-            future.cancel()
-            raise
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            # The wake-up will still come (the future completes as cancelled); let it land.
+            cancel()
+            return trio.lowlevel.Abort.FAILED
+
+        add_done_callback(wake)
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        if future.cancelled():
+            await trio.lowlevel.checkpoint()  # raises the pending trio.Cancelled
+            raise trio.Cancelled._create()  # pragma: no cover - checkpoint always raises here
         return future.result()
 
 
@@ -102,14 +113,48 @@ async def _call(make_coro: Callable[[], Awaitable[T]]) -> T:
     return await make_coro()
 
 
+class _WakeDispatcher:
+    """Coalesces wake-ups of trio readers: at most one trio callback per asyncio loop iteration.
+
+    An inbox that receives data marks itself dirty; the first dirty inbox of an iteration schedules
+    `flush` with `call_soon`, which runs after every message of that iteration was delivered and
+    wakes trio once for all of them (measured: per-message wake-ups halved stream throughput).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken):
+        self._loop = loop
+        self._token = token
+        self._dirty: list[StreamInbox] = []
+        self._flush_pending = False
+
+    def mark(self, inbox: "StreamInbox") -> None:  # loop thread
+        self._dirty.append(inbox)
+        if not self._flush_pending:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:  # loop thread
+        self._flush_pending = False
+        dirty, self._dirty = self._dirty, []
+        try:
+            self._token.run_sync_soon(_wake_all, dirty)
+        except trio.RunFinishedError:
+            pass
+
+
+def _wake_all(inboxes: list["StreamInbox"]) -> None:  # trio thread
+    for inbox in inboxes:
+        inbox._wake()
+
+
 class StreamInbox:
     """Messages from one asyncio-side stream, handed to one trio-side reader in batches."""
 
-    __slots__ = ("_items", "_token", "_wake_pending", "_reader", "_closed", "_error")
+    __slots__ = ("_items", "_dispatcher", "_wake_pending", "_reader", "_closed", "_error")
 
-    def __init__(self, token: trio.lowlevel.TrioToken):
+    def __init__(self, dispatcher: _WakeDispatcher):
         self._items: collections.deque = collections.deque()
-        self._token = token
+        self._dispatcher = dispatcher
         self._wake_pending = False
         self._reader: trio.lowlevel.Task | None = None
         self._closed = False
@@ -118,20 +163,16 @@ class StreamInbox:
     # ---- loop thread side -------------------------------------------------------------------
     def put(self, item: Any) -> None:
         self._items.append(item)
-        self._schedule_wake()
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._dispatcher.mark(self)
 
     def close(self, error: BaseException | None = None) -> None:
         self._error = error
         self._closed = True
-        self._schedule_wake()
-
-    def _schedule_wake(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
-            try:
-                self._token.run_sync_soon(self._wake)
-            except trio.RunFinishedError:
-                pass
+            self._dispatcher.mark(self)
 
     # ---- trio side -----------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -143,27 +184,27 @@ class StreamInbox:
     async def get_batch(self) -> list[Any]:
         """Everything queued so far (at least one item); [] once closed and drained.
 
-        Raises the error the stream was closed with, after its items were read.
+        Raises the error the stream was closed with, after its items were read. Either it parks
+        until woken (that park is the checkpoint), or it finds items at once and yields to the
+        scheduler once, so a fast stream cannot starve other tasks.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            batch = []
-            items = self._items
-            while items:
-                batch.append(items.popleft())
-            if batch:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return batch
-            if self._closed:
-                if items:  # put() raced with close(): read those first
-                    continue
-                if self._error is not None:
-                    raise self._error
-                return []
-            self._reader = trio.lowlevel.current_task()
+        items = self._items
+        if items or self._closed:
+            await trio.lowlevel.checkpoint()
+        else:
+            while not items and not self._closed:
+                self._reader = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
+        batch = []
+        while items:
+            batch.append(items.popleft())
+        if batch:
+            return batch
+        # closed; put() always happens before close(), so nothing can arrive after this point
+        if self._error is not None:
+            raise self._error
+        return []
 
-            def abort(_: Any) -> trio.lowlevel.Abort:
-                self._reader = None
-                return trio.lowlevel.Abort.SUCCEEDED
-
-            await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._reader = None
+        return trio.lowlevel.Abort.SUCCEEDED

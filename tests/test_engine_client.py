@@ -1,0 +1,172 @@
+"""The trio engine client against real simulated-worker processes over real gRPC."""
+
+import logging
+
+import pytest
+import trio
+
+from orchestrator.engine import (
+    ErrorCode,
+    Failed,
+    Finished,
+    IncompatibleWorker,
+    Tokens,
+    WorkerNotReady,
+    WorkerUnavailable,
+)
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import lifecycle_pb2
+from orchestrator.testing import free_port, wait_for_load
+
+
+def request(rid, max_tokens=8, **extra):
+    req = g.GenerateRequest(request_id=rid, token_ids=g.TokenIds(ids=[5, 6, 7, 8, 9]),
+                            stopping=g.StoppingOptions(max_tokens=max_tokens))
+    for key, value in extra.items():
+        req.extra[key] = value
+    return req
+
+
+def attr(load, name):
+    return load.attributes.fields[name].number_value
+
+
+async def test_generate_streams_typed_events_and_usage(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("r1", max_tokens=6)) as stream:
+            events = [e async for e in stream]
+    tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+    assert len(tokens) == 6
+    assert isinstance(events[-1], Finished) and events[-1].reason_name == "length"
+    assert events[-1].usage.prompt_tokens == 5 and events[-1].usage.completion_tokens == 6
+
+
+async def test_cancelling_the_scope_cancels_the_rpc_and_the_worker_sees_it(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")  # real GPU-time steps: ~6 ms each
+    async with engine_client(worker.address) as client:
+        with trio.CancelScope() as scope:
+            async with client.generate(request("long", max_tokens=2000)) as stream:
+                seen = 0
+                async for event in stream:
+                    seen += isinstance(event, Tokens)
+                    if seen == 3:
+                        scope.cancel()
+        assert scope.cancelled_caught
+        load = await wait_for_load(client, lambda l: attr(l, "cancelled_by_client") == 1)
+        assert load.running_requests == 0 and load.used_kv_blocks == 0
+
+
+async def test_abort_by_request_id_finishes_the_stream_as_cancelled(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("victim", max_tokens=2000)) as stream:
+            first = await stream.__anext__()
+            assert isinstance(first, Tokens)
+            response = await client.abort(request_id="victim")
+            assert response.status == lifecycle_pb2.ABORT_STATUS_ABORTED
+            rest = [e async for e in stream]
+        assert isinstance(rest[-1], Finished) and rest[-1].reason_name == "cancelled"
+        again = await client.abort(request_id="victim")
+        assert again.status == lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED
+        assert (await client.load()).running_requests == 0
+
+
+async def test_engine_errors_are_typed_events_with_code_and_retryable_flag(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address) as client:
+        # A context-only leg on an aggregated worker is a protocol mistake the worker must refuse.
+        req = request("ctx", max_tokens=1, request_type="context_only")
+        async with client.generate(req) as stream:
+            events = [e async for e in stream]
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    error = events[0].error
+    assert error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH and not error.retryable
+    assert worker.target in str(error) and "Generate" in str(error) and "ROLE_MISMATCH" in str(error)
+
+
+async def test_injected_retryable_error_keeps_its_flag(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--error-rate", "1",
+                               "--error-code", "ERROR_CODE_OVERLOADED", "--error-retryable")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("x")) as stream:
+            (event,) = [e async for e in stream]
+    assert event.error.code == ErrorCode.ERROR_CODE_OVERLOADED and event.error.retryable
+
+
+async def test_unreachable_worker_is_a_typed_error_naming_the_address(engine_client):
+    port = free_port()
+    async with engine_client(f"grpc://127.0.0.1:{port}") as client:
+        with pytest.raises(WorkerUnavailable) as info:
+            await client.health(timeout=2)
+        with pytest.raises(WorkerUnavailable):
+            async with client.generate(request("nowhere")) as stream:
+                [e async for e in stream]
+    assert f"127.0.0.1:{port}" in str(info.value) and info.value.rpc == "Health"
+    assert info.value.retryable
+
+
+async def test_connect_until_ready_waits_for_a_late_server_and_logs_the_cause_from_attempt_one(
+        sim_workers, engine_client, caplog):
+    caplog.set_level(logging.WARNING, logger="orchestrator.engine")
+    port = free_port()
+    sim_workers.spawn("aggregated", "--port", str(port), "--slow-start", "1.5", "--warmup", "0.5",
+                      "--time-scale", "0")
+    async with engine_client(f"grpc://127.0.0.1:{port}") as client:
+        caps = await client.wait_until_ready(deadline=30, attempt_timeout=1, retry_interval=0.1)
+    assert caps.role == "aggregated"
+    retries = [r.getMessage() for r in caplog.records if "waiting for worker" in r.getMessage()]
+    assert retries and "(attempt 1)" in retries[0]
+    assert "Connection refused" in retries[0] or "failed to connect" in retries[0].lower()
+    assert f"127.0.0.1:{port}" in retries[0]
+    # rate-limited: the attempts over ~2 s gave at most a couple of lines, and STARTING was seen
+    assert len(retries) <= 3
+
+
+async def test_a_worker_that_stays_not_ready_is_a_clear_startup_failure(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--not-ready")
+    async with engine_client(worker.address) as client:
+        with pytest.raises(WorkerNotReady, match="HEALTH_STATE_NOT_READY") as info:
+            await client.wait_until_ready(deadline=1.0, retry_interval=0.2)
+    assert "not ready after 1 s" in str(info.value)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--schema-revision", "0"), ["schema_revision 0", "revision 1"]),
+    (("--schema-revision", "2", "--minimum-client-revision", "2"), ["requires client revision >= 2", "revision 1"]),
+])
+async def test_revision_guard_refuses_incompatible_workers(sim_workers, engine_client, flags, words):
+    worker = sim_workers.start("aggregated", *flags)
+    async with engine_client(worker.address) as client:
+        with pytest.raises(IncompatibleWorker) as info:
+            await client.wait_until_ready(deadline=5)
+    for word in words:
+        assert word in str(info.value)
+
+
+async def test_capabilities_are_discovered_once_for_concurrent_callers(sim_workers, engine_client):
+    worker = sim_workers.start("prefill", "--abort-cleanup", "--modalities", "text")
+    async with engine_client(worker.address) as client:
+        results = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                nursery.start_soon(lambda: _append(results, client.capabilities()))
+        assert client.discovery_attempts == 1
+        caps = results[0]
+        assert all(r is caps for r in results)
+        assert caps.role == "prefill" and caps.supports_abort_cleanup and not caps.accepts_images
+        assert caps.max_context_length == 8192 and caps.model_id == "tiny-chat"
+
+
+async def _append(results, awaitable):
+    results.append(await awaitable)
+
+
+async def test_closed_client_refuses_calls(sim_workers, engine_client):
+    from orchestrator.engine import ClientClosed
+
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address) as client:
+        pass
+    with pytest.raises(ClientClosed):
+        await client.health()
