@@ -10,7 +10,7 @@ from orchestrator import __version__, log
 
 
 # Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
-SUBCOMMAND_MODULES = ("orchestrator.sim.cli",)
+SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,301 @@
+"""The orchestrator's configuration: frozen attrs classes loaded from YAML.
+
+Every error names the file, the key (as a dotted path) and what was expected; unknown keys are
+rejected so that a typo never passes silently. `orchestrator check-config FILE` runs `load()`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from orchestrator.models import MODELS_DIR
+
+MODES = ("aggregated", "disaggregated", "conditional")
+ROLES = ("aggregated", "prefill", "decode")
+POLICIES = ("round_robin", "least_loaded")
+
+
+class ConfigError(ValueError):
+    def __init__(self, file: str, key: str, expected: str, got: Any = attrs.NOTHING):
+        self.file, self.key, self.expected = file, key, expected
+        found = "" if got is attrs.NOTHING else f", got {got!r}"
+        super().__init__(f"{file}: {key}: expected {expected}{found}")
+
+
+def _positive(instance, attribute, value):
+    if value is not None and value <= 0:
+        raise _InvalidField(attribute.name, "a number > 0", value)
+
+
+class _InvalidField(ValueError):
+    """Raised by validators; _build turns it into a ConfigError with the full key."""
+
+    def __init__(self, name: str, expected: str, got: Any):
+        super().__init__(name, expected, got)
+        self.name, self.expected, self.got = name, expected, got
+
+
+@attrs.frozen
+class ModelConfig:
+    name: str = "tiny-chat"  # the API's `model`
+    dir: str = "builtin:tiny-chat"  # tokenizer.json + tokenizer_config.json; builtin:NAME = shipped
+    context_window: int | None = attrs.field(default=None, validator=_positive)
+    aliases: tuple[str, ...] = ()
+
+    def resolved_dir(self, base: Path) -> Path:
+        if self.dir.startswith("builtin:"):
+            return MODELS_DIR / self.dir.removeprefix("builtin:")
+        path = Path(self.dir)
+        return path if path.is_absolute() else (base / path).resolve()
+
+
+@attrs.frozen
+class ConditionalConfig:
+    max_local_prefill_length: int = attrs.field(default=512, validator=_positive)
+
+
+@attrs.frozen
+class StaticDiscovery:
+    aggregated: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class EtcdDiscovery:
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    namespace: str = "orchestrator"
+    lease_ttl_s: int = attrs.field(default=10, validator=_positive)
+
+
+@attrs.frozen
+class DiscoveryConfig:
+    static: StaticDiscovery | None = None
+    etcd: EtcdDiscovery | None = None
+
+
+@attrs.frozen
+class RoutingConfig:
+    aggregated: str = "round_robin"
+    prefill: str = "round_robin"
+    decode: str = "least_loaded"
+    load_staleness_ms: int = attrs.field(default=250, validator=_positive)
+
+
+@attrs.frozen
+class LimitsConfig:
+    max_images: int = attrs.field(default=16, validator=_positive)
+    max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
+    max_total_image_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
+    max_request_bytes: int = attrs.field(default=96 * 1024 * 1024, validator=_positive)
+    request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    worker_startup_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    discovery_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    health_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    prefill_retries: int = 1
+    kv_cleanup_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=_positive)
+
+
+@attrs.frozen
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@attrs.frozen
+class SimSpec:
+    profile: str = "llama3-8b-h100"
+    time_scale: float = 1.0
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class WorkerLaunch:
+    role: str
+    count: int = attrs.field(default=1, validator=_positive)
+    sim: SimSpec | None = None
+    command: tuple[str, ...] = ()  # a real worker: argv with {port} substituted
+    register: bool = False  # run `orchestrator register` beside it (etcd discovery)
+
+
+@attrs.frozen
+class EtcdLaunch:
+    enabled: bool = False
+    binary: str = "etcd"
+
+
+@attrs.frozen
+class LaunchConfig:
+    etcd: EtcdLaunch = EtcdLaunch()
+    workers: tuple[WorkerLaunch, ...] = ()
+    ready_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+
+
+@attrs.frozen
+class Config:
+    mode: str = "disaggregated"
+    model: ModelConfig = ModelConfig()
+    conditional: ConditionalConfig = ConditionalConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig(static=StaticDiscovery())
+    routing: RoutingConfig = RoutingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    http: HttpConfig = HttpConfig()
+    launch: LaunchConfig = LaunchConfig()
+    log_level: str = "INFO"
+    source: str = attrs.field(default="<defaults>", eq=False)
+    base_dir: Path = attrs.field(default=Path("."), eq=False)
+
+    @property
+    def needed_roles(self) -> tuple[str, ...]:
+        return {"aggregated": ("aggregated",), "disaggregated": ("prefill", "decode"),
+                "conditional": ("prefill", "decode")}[self.mode]
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model.resolved_dir(self.base_dir)
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if attrs.has(tp):
+        return "a mapping"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+            type(None): "null", Path: "a path"}.get(tp, str(tp))
+
+
+def _convert(value: Any, tp: Any, file: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, file, key)
+            except ConfigError:
+                continue
+        raise ConfigError(file, key, _describe(tp), value)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(file, key, _describe(tp), value)
+        (item_type, *_) = typing.get_args(tp)
+        return tuple(_convert(v, item_type, file, f"{key}[{i}]") for i, v in enumerate(value))
+    if attrs.has(tp):
+        return _build(tp, value, file, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(file, key, "true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(file, key, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(file, key, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(file, key, "a string", value)
+        return value
+    raise ConfigError(file, key, _describe(tp), value)
+
+
+def _build(cls: type, data: Any, file: str, prefix: str) -> Any:
+    where = prefix or "(top level)"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(file, where, "a mapping", data)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls) if f.eq and f.name not in ("source", "base_dir")}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(file, key, f"one of the known keys ({', '.join(sorted(fields))}); unknown key")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], file, key)
+    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in kwargs]
+    if missing:
+        raise ConfigError(file, f"{prefix}.{missing[0]}" if prefix else missing[0], "a value (required)")
+    try:
+        return cls(**kwargs)
+    except _InvalidField as exc:
+        raise ConfigError(file, f"{prefix}.{exc.name}" if prefix else exc.name, exc.expected, exc.got) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(file, where, str(exc)) from exc
+
+
+def _check(config: Config, file: str) -> None:
+    if config.mode not in MODES:
+        raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
+    for role in ROLES:
+        policy = getattr(config.routing, role)
+        if policy not in POLICIES:
+            raise ConfigError(file, f"routing.{role}", " or ".join(POLICIES), policy)
+    model_dir = config.model_dir
+    for needed in ("tokenizer.json", "tokenizer_config.json"):
+        if not (model_dir / needed).is_file():
+            raise ConfigError(file, "model.dir", f"a directory holding {needed} (looked in {model_dir})",
+                              config.model.dir)
+    discovery = config.discovery
+    if (discovery.static is None) == (discovery.etcd is None):
+        raise ConfigError(file, "discovery", "exactly one of static or etcd")
+    if discovery.static is not None:
+        for role in ROLES:
+            for i, address in enumerate(getattr(discovery.static, role)):
+                if not address.startswith("grpc://") or ":" not in address.removeprefix("grpc://"):
+                    raise ConfigError(file, f"discovery.static.{role}[{i}]", "grpc://HOST:PORT", address)
+    for i, worker in enumerate(config.launch.workers):
+        key = f"launch.workers[{i}]"
+        if worker.role not in ROLES:
+            raise ConfigError(file, f"{key}.role", " or ".join(ROLES), worker.role)
+        if (worker.sim is None) == (not worker.command):
+            raise ConfigError(file, key, "exactly one of sim or command")
+        if worker.sim is not None:
+            from orchestrator.sim.profiles import PROFILES
+
+            if worker.sim.profile not in PROFILES:
+                raise ConfigError(file, f"{key}.sim.profile", " or ".join(sorted(PROFILES)), worker.sim.profile)
+            if worker.sim.time_scale < 0:
+                raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
+    if config.limits.prefill_retries < 0:
+        raise ConfigError(file, "limits.prefill_retries", "an integer >= 0", config.limits.prefill_retries)
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(file, "(file)", f"a readable YAML file ({exc.strerror})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(file, "(syntax)", f"valid YAML: {exc}") from exc
+    return from_dict(data, file=file, base_dir=path.resolve().parent)
+
+
+def from_dict(data: Any, *, file: str = "<dict>", base_dir: Path = Path(".")) -> Config:
+    config = _build(Config, data, file, "")
+    config = attrs.evolve(config, source=file, base_dir=base_dir)
+    _check(config, file)
+    return config

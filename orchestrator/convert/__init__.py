@@ -1,0 +1,15 @@
+"""The pure core: OpenAI requests -> validated values -> OpenEngine legs. No I/O anywhere here.
+
+- api: parse and validate request bodies (chat, completions) into ApiRequest
+- media: image part rules, ordering and UUIDs
+- engine: the context-window rule, media gating, and the full engine leg
+- errors: ApiError in the OpenAI error format
+"""
+
+from orchestrator.convert.api import ApiRequest, parse_chat, parse_completion
+from orchestrator.convert.engine import Limits, check_media_capability, full_leg, resolve_limits
+from orchestrator.convert.errors import ApiError
+from orchestrator.convert.media import ImageRef, MediaLimits
+
+__all__ = ["ApiError", "ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability", "full_leg",
+           "parse_chat", "parse_completion", "resolve_limits"]

@@ -1,0 +1,256 @@
+"""Parse and validate OpenAI-style request bodies into frozen values. Pure: no I/O, no tokenizer.
+
+Everything a request can get wrong is a 400 here, with `param` naming the field, before any
+worker is touched. Unknown fields are ignored (as OpenAI-compatible servers do); known fields of
+the wrong type are not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+
+from orchestrator.convert.errors import invalid
+from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
+
+IMAGE_PLACEHOLDER = "<image>"  # where an image stood in the text; the engine expands it
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@attrs.frozen
+class Sampling:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+@attrs.frozen
+class Guided:
+    kind: str  # "json_schema" | "json_object"
+    json_schema: str = ""
+
+
+@attrs.frozen
+class Message:
+    role: str
+    content: str  # text with IMAGE_PLACEHOLDER where images stood
+
+
+@attrs.frozen
+class ApiRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None  # completion with text
+    prompt_ids: tuple[int, ...] | None = None  # completion with token ids
+    images: tuple[ImageRef, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling: Sampling = Sampling()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    guided: Guided | None = None
+    echo: bool = False
+
+
+# ---- small typed getters ------------------------------------------------------------------------
+
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
+            integer: bool = False, lo_open: bool = False) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise invalid(f"{name}: expected {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(f"{name}: expected a finite number", param=name)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise invalid(f"{name}: must be {'>' if lo_open else '>='} {lo:g}, got {value!r}", param=name)
+    if hi is not None and value > hi:
+        raise invalid(f"{name}: must be <= {hi:g}, got {value!r}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name}: expected true or false, got {value!r}", param=name)
+    return value
+
+
+def _int_list(value, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in value):
+        raise invalid(f"{name}: expected a list of non-negative integers", param=name)
+    return tuple(value)
+
+
+def _common(body: dict, kind: str) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model: a model name is required", param="model")
+    n = _number(body, "n", 1, integer=True)
+    if n is not None and n > 1:
+        raise invalid("n: only n=1 is supported (each engine leg produces one sequence)", param="n")
+    best_of = _number(body, "best_of", 1, integer=True)
+    if best_of is not None and best_of > 1:
+        raise invalid("best_of: only best_of=1 is supported", param="best_of")
+    if body.get("use_beam_search"):
+        raise invalid("use_beam_search: beam search is not supported", param="use_beam_search")
+    for unsupported in ("tools", "functions"):
+        if body.get(unsupported):
+            raise invalid(f"{unsupported}: tool calling is not supported by this deployment", param=unsupported)
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise invalid("stream_options: expected an object", param="stream_options")
+        if not stream:
+            raise invalid("stream_options: only allowed when stream is true", param="stream_options")
+        include_usage = _bool(stream_options, "include_usage")
+
+    max_tokens = _number(body, "max_completion_tokens", 1, integer=True) if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise invalid("stop: expected a string or a list of non-empty strings", param="stop")
+    if len(stops) > 16:
+        raise invalid("stop: at most 16 stop strings", param="stop")
+    stop_token_ids = _int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else ()
+    sampling = Sampling(
+        temperature=_number(body, "temperature", 0, 2),
+        top_p=_number(body, "top_p", 0, 1, lo_open=True),
+        top_k=_number(body, "top_k", -1, integer=True),
+        min_p=_number(body, "min_p", 0, 1),
+        seed=_number(body, "seed", 0, 2**64 - 1, integer=True),
+        presence_penalty=_number(body, "presence_penalty", -2, 2),
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2),
+        repetition_penalty=_number(body, "repetition_penalty", 0, lo_open=True),
+    )
+    return dict(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                min_tokens=_number(body, "min_tokens", 0, integer=True), stop=stops, stop_token_ids=stop_token_ids,
+                ignore_eos=_bool(body, "ignore_eos"), sampling=sampling)
+
+
+def _guided(body: dict) -> Guided | None:
+    response_format = body.get("response_format")
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise invalid("response_format: expected an object with a type", param="response_format")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guided("json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format.json_schema.schema: expected a JSON schema object",
+                          param="response_format.json_schema")
+        return Guided("json_schema", json.dumps(spec["schema"], separators=(",", ":"), sort_keys=True))
+    raise invalid(f"response_format.type: expected text, json_object or json_schema, got {kind!r}",
+                  param="response_format.type")
+
+
+def parse_chat(body: dict, limits: MediaLimits = MediaLimits()) -> ApiRequest:
+    common = _common(body, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages: expected a non-empty list of messages", param="messages")
+    parsed: list[Message] = []
+    images: list[ImageRef] = []
+    total_bytes = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where}: expected an object", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            parsed.append(Message(role, content))
+            continue
+        if not isinstance(content, list):
+            raise invalid(f"{where}.content: expected a string or a list of content parts", param=f"{where}.content")
+        texts = []
+        for j, part in enumerate(content):
+            part_where = f"{where}.content[{j}]"
+            if not isinstance(part, dict):
+                raise invalid(f"{part_where}: expected an object", param=part_where)
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise invalid(f"{part_where}.text: expected a string", param=f"{part_where}.text")
+                texts.append(part["text"])
+            elif kind == "image_url":
+                if role != "user":
+                    raise invalid(f"{part_where}: images are only allowed in user messages", param=part_where)
+                image, size = parse_image_part(part, part_where, limits)
+                total_bytes += size
+                if total_bytes > limits.max_total_image_bytes:
+                    raise invalid(f"{part_where}: the request's images exceed {limits.max_total_image_bytes} "
+                                  "bytes in total", param=part_where)
+                images.append(image)
+                texts.append(IMAGE_PLACEHOLDER)
+            else:
+                raise invalid(f"{part_where}.type: expected text or image_url, got {kind!r}",
+                              param=f"{part_where}.type")
+        parsed.append(Message(role, "\n".join(texts)))  # as OpenAI-compatible servers join parts
+    logprobs = _bool(body, "logprobs")
+    top_logprobs = _number(body, "top_logprobs", 0, 20, integer=True) or 0
+    if top_logprobs and not logprobs:
+        raise invalid("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    return ApiRequest(kind="chat", messages=tuple(parsed),
+                      images=apply_request_uuids(images, body.get("multi_modal_uuids"), limits),
+                      logprobs=logprobs, top_logprobs=top_logprobs, guided=_guided(body), **common)
+
+
+def parse_completion(body: dict) -> ApiRequest:
+    common = _common(body, "completion")
+    prompt = body.get("prompt")
+    prompt_text, prompt_ids = None, None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt: must not be empty", param="prompt")
+        prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt_ids = _int_list(prompt, "prompt")
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) and prompt[0]:
+        prompt_text = prompt[0]
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt: batched prompts are not supported; send one prompt per request", param="prompt")
+    else:
+        raise invalid("prompt: expected a non-empty string or a list of token ids", param="prompt")
+    logprobs = _number(body, "logprobs", 0, 20, integer=True)
+    if _bool(body, "echo"):
+        raise invalid("echo: not supported", param="echo")
+    return ApiRequest(kind="completion", prompt=prompt_text, prompt_ids=prompt_ids,
+                      logprobs=logprobs is not None, top_logprobs=logprobs or 0, guided=_guided(body), **common)

@@ -1,0 +1,115 @@
+"""API request -> OpenEngine GenerateRequest legs, and the limits that decide max_tokens. Pure.
+
+- `resolve_limits`: the context-window rule and max_tokens (text and media requests differ,
+  because the engine expands images into tokens the orchestrator cannot count);
+- `check_media_capability`: images go only to workers whose both signals say they take images;
+- `full_leg`: the one leg of aggregated mode (and of conditional mode's local path);
+- the disaggregated legs are in orchestrator.disagg (the KV-handoff codec).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from orchestrator.convert.api import ApiRequest
+from orchestrator.convert.errors import ApiError, invalid
+from orchestrator.convert.media import ImageRef
+from orchestrator.openengine.v1 import generation_pb2 as g
+
+
+@attrs.frozen
+class Limits:
+    max_tokens: int | None  # None: leave unset, the engine decides (media requests)
+    window: int
+
+
+def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: int | None,
+                   engine_window: int | None, max_output_tokens: int | None) -> Limits:
+    """Apply the context-window rule.
+
+    Text: a prompt at or over the window is a 400 naming both numbers; max_tokens is the client's
+    (clamped to max_output_tokens, and it must fit the window), or else window - prompt tokens.
+    Media: the prompt length is only known engine-side, so a configured window tighter than the
+    engine's cannot be enforced: refuse. max_tokens stays unset unless the client gave one.
+    """
+    window = configured_window or engine_window
+    if req.images:
+        if configured_window is not None and engine_window is not None and configured_window < engine_window:
+            raise invalid(
+                f"requests with images cannot be served under the configured context window of "
+                f"{configured_window} tokens: the engine expands images into tokens the orchestrator cannot "
+                f"count, and the engine's own window is {engine_window}", param="messages", code="context_window")
+        max_tokens = req.max_tokens
+        if max_tokens is not None and max_output_tokens:
+            max_tokens = min(max_tokens, max_output_tokens)
+        return Limits(max_tokens, window or 0)
+    if window is None:
+        raise ApiError(503, "the worker did not report a context window (ModelInfo.max_context_length)")
+    if prompt_tokens >= window:
+        raise invalid(f"the prompt has {prompt_tokens} tokens, which does not fit the context window of "
+                      f"{window} tokens", param="messages" if req.kind == "chat" else "prompt",
+                      code="context_length_exceeded")
+    room = window - prompt_tokens
+    if req.max_tokens is not None:
+        max_tokens = min(req.max_tokens, max_output_tokens) if max_output_tokens else req.max_tokens
+        if max_tokens > room:
+            raise invalid(f"max_tokens of {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context "
+                          f"window of {window} tokens", param="max_tokens", code="context_length_exceeded")
+    else:
+        max_tokens = min(room, max_output_tokens) if max_output_tokens else room
+    return Limits(max_tokens, window)
+
+
+def check_media_capability(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:
+    """`workers`: (role, accepts_images) for every worker the request will touch."""
+    if not req.images:
+        return
+    for role, accepts in workers:
+        if not accepts:
+            raise invalid(f"model {req.model!r} does not accept images (its {role} worker does not advertise "
+                          "supports_multimodal with the image modality)", param="messages", code="images_not_supported")
+
+
+def media_items(images: tuple[ImageRef, ...]) -> list[g.MediaItem]:
+    items = []
+    for image in images:
+        item = g.MediaItem(modality=g.MODALITY_IMAGE, mime_type=image.mime_type, uuid=image.uuid or "")
+        if image.url is not None:
+            item.url = image.url
+        else:
+            item.data_uri = image.data_uri
+        items.append(item)
+    return items
+
+
+def full_leg(req: ApiRequest, *, request_id: str, model: str, prompt_ids: list[int] | tuple[int, ...],
+             limits: Limits) -> g.GenerateRequest:
+    """The complete engine request: prompt tokens, media in order, sampling, stopping, logprobs, guides."""
+    s = req.sampling
+    sampling = g.SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    stopping = g.StoppingOptions(
+        conditions=[g.StopCondition(stop_text=t) for t in req.stop]
+        + [g.StopCondition(stop_token_id=t) for t in req.stop_token_ids])
+    if limits.max_tokens is not None:
+        stopping.max_tokens = limits.max_tokens
+    if req.min_tokens is not None:
+        stopping.min_tokens = req.min_tokens
+    if req.ignore_eos:
+        stopping.ignore_eos = True
+    request = g.GenerateRequest(request_id=request_id, model=model, token_ids=g.TokenIds(ids=prompt_ids),
+                                sampling=sampling, stopping=stopping, media=media_items(req.images))
+    if req.logprobs:
+        request.response.return_output_logprobs = True
+        if req.top_logprobs:
+            request.response.output_candidates.top_n = req.top_logprobs
+    if req.guided is not None:
+        if req.guided.kind == "json_schema":
+            request.guided.json_schema = req.guided.json_schema
+        else:
+            request.guided.json_object.SetInParent()
+    return request

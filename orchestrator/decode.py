@@ -1,0 +1,84 @@
+"""The decode stage's output side: engine events -> text deltas for the client.
+
+`stream_output` reads a generation stream batch by batch (every event that has arrived, so
+tokens are coalesced into one chunk under load), detokenizes incrementally, honours stop strings,
+and reports the terminal event. It never decides about workers; the coordinator does.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import attrs
+import trio
+
+from orchestrator.engine import EngineError, Failed, Finished, GenerateStream, PrefillReady, Tokens
+from orchestrator.engine.errors import ErrorCode
+from orchestrator.engine.events import TokenLogprob
+from orchestrator.tokenizer import IncrementalDetokenizer
+
+
+class OutputSink(Protocol):
+    async def delta(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None: ...
+
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+
+@attrs.define
+class StreamState:
+    """What the coordinator needs to know about a generation stream, also after a cancellation."""
+
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    finished: Finished | None = None
+    stopped_on: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.finished is not None or self.stopped_on is not None
+
+
+async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
+                        state: StreamState, *, worker: str, on_chunk=None) -> None:
+    """Read until the engine finishes or a stop string matches; raises the engine's error."""
+    while not state.terminal:
+        batch = await stream.next_batch()
+        if not batch:
+            raise EngineError("the generation stream ended without a finished event", worker=worker,
+                              rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL)
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        for event in batch:
+            if isinstance(event, Tokens):
+                ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
+            elif isinstance(event, Finished):
+                state.finished = event
+                if event.usage is not None:
+                    state.prompt_tokens = event.usage.prompt_tokens
+                break
+            elif isinstance(event, Failed):
+                raise event.error
+            elif isinstance(event, PrefillReady):
+                raise EngineError("a generation leg answered with prefill_ready", worker=worker, rpc="Generate")
+        if ids:
+            if state.first_token_at is None:
+                state.first_token_at = trio.current_time()
+            state.completion_tokens += len(ids)
+            text = detokenizer.add(ids)
+            if detokenizer.stopped_on is not None:
+                state.stopped_on = detokenizer.stopped_on
+            if on_chunk is not None:
+                on_chunk()
+            if text or logprobs:
+                await sink.delta(text, ids, logprobs)
+    tail = detokenizer.finish()
+    if tail:
+        await sink.delta(tail, (), ())
+
+
+def finish_reason(state: StreamState) -> str:
+    if state.stopped_on is not None:
+        return "stop"
+    return state.finished.reason_name if state.finished is not None else "stop"

@@ -1,0 +1,33 @@
+"""The registry interface: an async stream of complete snapshots of the worker set.
+
+Snapshots, not deltas, so a consumer can always resynchronise by diffing; `healthy` is False while
+the registry cannot reach its source (the last snapshot stays in service, /health says degraded).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import AsyncIterator
+
+import attrs
+
+
+@attrs.frozen
+class WorkerSpec:
+    address: str  # grpc://host:port
+    role: str  # aggregated | prefill | decode
+    model: str = ""
+    instance_id: str = ""
+
+
+@attrs.frozen
+class Snapshot:
+    workers: frozenset[WorkerSpec]
+    healthy: bool = True
+    detail: str = ""
+
+
+class WorkerRegistry(abc.ABC):
+    @abc.abstractmethod
+    def snapshots(self) -> AsyncIterator[Snapshot]:
+        """Yield the current worker set, then every change, until cancelled."""

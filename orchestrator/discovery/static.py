@@ -1,0 +1,19 @@
+"""The static registry: the worker list from the YAML, one snapshot, forever."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import trio
+
+from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+
+
+class StaticRegistry(WorkerRegistry):
+    def __init__(self, workers: dict[str, tuple[str, ...]], model: str = ""):
+        self.workers = frozenset(WorkerSpec(address=a, role=role, model=model)
+                                 for role, addresses in workers.items() for a in addresses)
+
+    async def snapshots(self) -> AsyncIterator[Snapshot]:
+        yield Snapshot(self.workers)
+        await trio.sleep_forever()

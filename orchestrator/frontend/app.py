@@ -1,0 +1,288 @@
+"""The ASGI application: OpenAI-compatible routes over the coordinator.
+
+Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
+before any byte of the response) -> execute in the request's nursery, whose watcher cancels it when
+the client disconnects. A failure after streaming began becomes a final SSE error event and
+`data: [DONE]`. Every accepted request ends in exactly one terminal response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from orchestrator.config import Config
+from orchestrator.convert import ApiError, MediaLimits, parse_chat, parse_completion
+from orchestrator.coordinator import Coordinator, new_request_id
+from orchestrator.engine import EngineError
+from orchestrator.frontend import openai_format as fmt
+from orchestrator.frontend.errors import from_engine_error
+from orchestrator.metrics import Metrics
+from orchestrator.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    pass
+
+
+class App:
+    def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics):
+        self.config = config
+        self.coordinator = coordinator
+        self.pool = pool
+        self.metrics = metrics
+        self.draining = False
+        self.media_limits = MediaLimits(config.limits.max_images, config.limits.max_image_bytes,
+                                        config.limits.max_total_image_bytes)
+        self.routes: dict[tuple[str, str], Callable] = {
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/completions"): self.completions,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.metrics_route,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None:
+            allowed = [m for (m, p) in self.routes if p == scope["path"]]
+            error = (ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
+                     if allowed else ApiError(404, f"no route {scope['path']}", code="not_found"))
+            await send_json(send, error.status, error.body())
+            return
+        await handler(scope, receive, send)
+
+    # ---- simple routes -------------------------------------------------------------------------
+    async def models(self, scope, receive, send) -> None:
+        names = [self.config.model.name, *self.config.model.aliases]
+        await send_json(send, 200, {"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "orchestrator"} for n in names]})
+
+    async def health(self, scope, receive, send) -> None:
+        roles = {role: self.pool.ready_count(role) for role in self.config.needed_roles}
+        ready = all(roles.values()) and not self.draining
+        status = "draining" if self.draining else ("degraded" if not self.pool.registry_healthy else
+                                                   ("ready" if ready else "not_ready"))
+        body = {"status": status, "mode": self.config.mode, "ready_workers": roles, "workers": self.pool.snapshot()}
+        if not self.pool.registry_healthy:
+            body["registry"] = self.pool.registry_detail
+        await send_json(send, 200 if ready else 503, body)
+
+    async def metrics_route(self, scope, receive, send) -> None:
+        body = self.metrics.render()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def chat(self, scope, receive, send) -> None:
+        await self._complete("chat", scope, receive, send)
+
+    async def completions(self, scope, receive, send) -> None:
+        await self._complete("completion", scope, receive, send)
+
+    async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
+        route = "chat" if kind == "chat" else "completions"
+        request_id = new_request_id(_header(scope, b"x-request-id"))
+        headers = [(b"x-request-id", request_id.encode())]
+        response = _Response(send, headers)
+        self.metrics.inflight.inc()
+        outcome = "error"
+        try:
+            if self.draining:
+                raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
+            body = await read_json(receive, self.config.limits.max_request_bytes)
+            api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+            # Engine request ids must be unique per worker even when clients reuse an X-Request-Id.
+            engine_id = f"{request_id}-{secrets.token_hex(4)}"
+            plan = await self.coordinator.plan(api, engine_id)
+            outcome = await self._run(kind, request_id, api, plan, response, receive)
+        except ApiError as error:
+            outcome = "client_error" if error.status < 500 else "error"
+            await response.error(error)
+        except EngineError as error:
+            await response.error(from_engine_error(error))
+        except ClientGone:
+            outcome = "disconnected"
+        except Exception:
+            log.exception("request %s failed", request_id)
+            await response.error(ApiError(500, f"internal error while serving request {request_id}"))
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(route, self.config.mode, outcome).inc()
+
+    async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive) -> str:
+        model = api.model
+        created = int(time.time())
+        disconnected = False
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            cancel_scope.cancel()
+
+        token_text = self.coordinator.tokenizer.token_text
+        if api.stream:
+            sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text)
+            await response.start_stream()
+        else:
+            sink = _CollectingSink(kind, api, token_text)
+        try:
+            await self.coordinator.execute(plan, sink, watch=watch)
+        except (ApiError, EngineError) as error:
+            if not api.stream:
+                raise
+            api_error = error if isinstance(error, ApiError) else from_engine_error(error)
+            await response.stream_error(api_error)
+            return "error"
+        if disconnected:
+            raise ClientGone()
+        if api.stream:
+            await response.end_stream()
+        else:
+            await send_json(response.send, 200, sink.response(request_id, model, created), response.headers)
+        return "ok"
+
+
+# ---- output sinks ------------------------------------------------------------------------------
+
+class _StreamingSink:
+    def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text):
+        self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
+        self.offset = 0
+
+    async def delta(self, text, token_ids, logprobs) -> None:
+        lp = None
+        if self.api.logprobs and logprobs:
+            lp = (fmt.chat_logprobs(logprobs, self.token_text) if self.writer.kind == "chat"
+                  else fmt.completion_logprobs(logprobs, self.token_text, self.offset))
+        self.offset += len(text)
+        await self.response.chunk(self.writer.delta(text, lp))
+
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        data = self.writer.finish(reason)
+        if self.api.include_usage:
+            data += self.writer.usage(prompt_tokens, completion_tokens)
+        await self.response.chunk(data)
+
+
+class _CollectingSink:
+    def __init__(self, kind: str, api, token_text):
+        self.kind, self.api, self.token_text = kind, api, token_text
+        self.parts: list[str] = []
+        self.logprobs: list = []
+        self.reason = "stop"
+        self.prompt_tokens = self.completion_tokens = 0
+
+    async def delta(self, text, token_ids, logprobs) -> None:
+        self.parts.append(text)
+        self.logprobs.extend(logprobs)
+
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
+
+    def response(self, request_id: str, model: str, created: int) -> dict:
+        lp = None
+        if self.api.logprobs:
+            lp = (fmt.chat_logprobs(self.logprobs, self.token_text) if self.kind == "chat"
+                  else fmt.completion_logprobs(self.logprobs, self.token_text, 0))
+        return fmt.full_response(self.kind, request_id, model, created, "".join(self.parts), self.reason,
+                                 self.prompt_tokens, self.completion_tokens, lp)
+
+
+# ---- ASGI plumbing -------------------------------------------------------------------------------
+
+class _Response:
+    """Tracks what was sent so that exactly one terminal response goes out."""
+
+    def __init__(self, send: Send, headers: list):
+        self.send = send
+        self.headers = headers
+        self.streaming = False
+        self.done = False
+
+    async def start_stream(self) -> None:
+        self.streaming = True
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *self.headers]})
+
+    async def chunk(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self) -> None:
+        self.done = True
+        await self.send({"type": "http.response.body", "body": fmt.DONE, "more_body": False})
+
+    async def stream_error(self, error: ApiError) -> None:
+        self.done = True
+        await self.send({"type": "http.response.body", "body": fmt.error_event(error.body()) + fmt.DONE,
+                         "more_body": False})
+
+    async def error(self, error: ApiError) -> None:
+        if self.done:
+            return
+        if self.streaming:
+            await self.stream_error(error)
+            return
+        self.done = True
+        extra = list(self.headers)
+        if error.retry_after is not None:
+            extra.append((b"retry-after", str(int(max(1, error.retry_after))).encode()))
+        await send_json(self.send, error.status, error.body(), extra)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_json(receive: Receive, limit: int) -> Any:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(body)
+        if not message.get("more_body"):
+            break
+    raw = b"".join(chunks)
+    if not raw:
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})

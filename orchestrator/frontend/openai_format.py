@@ -1,0 +1,100 @@
+"""Render OpenAI response objects and SSE chunks. Pure functions over plain values.
+
+Chunks are assembled from pre-serialised fragments: the per-request constant part is JSON-encoded
+once, so a streamed token costs one json.dumps of its text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Sequence
+
+from orchestrator.engine.events import TokenLogprob
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    content = []
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        content.append({
+            "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
+                             for tid, value in lp.top],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], offset: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({token_text(tid): value for tid, value in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ChunkWriter:
+    """SSE chunks for one streamed response (chat or completion)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, created: int):
+        self.kind = kind
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        head = _dumps({"id": request_id, "object": obj, "created": created, "model": model})[:-1]
+        self._head = "data: " + head + ',"choices":[{"index":0,'
+        self._role_sent = False
+
+    def delta(self, text: str, logprobs: dict | None = None) -> bytes:
+        if self.kind == "chat":
+            if not self._role_sent:
+                self._role_sent = True
+                body = '"delta":{"role":"assistant","content":' + _dumps(text) + "}"
+            else:
+                body = '"delta":{"content":' + _dumps(text) + "}"
+        else:
+            body = '"text":' + _dumps(text)
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        return (self._head + body + ',"logprobs":' + lp + ',"finish_reason":null}]}\n\n').encode()
+
+    def finish(self, reason: str) -> bytes:
+        body = ('"delta":{}' if self._role_sent else '"delta":{"role":"assistant","content":""}') \
+            if self.kind == "chat" else '"text":""'
+        return (self._head + body + ',"logprobs":null,"finish_reason":' + _dumps(reason) + "}]}\n\n").encode()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        head = self._head[: -len('{"index":0,')]
+        return (head + "]," + '"usage":' + _dumps(usage(prompt_tokens, completion_tokens)) + "}\n\n").encode()
+
+
+def error_event(body: dict) -> bytes:
+    return sse(body)
+
+
+def full_response(kind: str, request_id: str, model: str, created: int, text: str, reason: str,
+                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None) -> dict:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,233 @@
+"""The live worker pool: one engine client per worker, its health, capabilities and load.
+
+A worker is routable when its last health check said READY (or DEGRADED) and it is not being
+removed. Snapshots from the registry are diffed: new workers are connected, removed ones stop
+getting requests at once and are closed when their in-flight requests are done (or a grace
+period passes). A transport failure during a request marks the worker unhealthy until the next
+good health check.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
+import trio
+
+from orchestrator.convert.errors import ApiError
+from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.engine import EngineClient, EngineError, LoopThread
+from orchestrator.engine.client import HealthState
+from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.metrics import Metrics
+from orchestrator.routing import make_policy
+
+log = logging.getLogger(__name__)
+STATES = ("connecting", "ready", "unhealthy", "draining", "misconfigured", "removing")
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.address = spec.address
+        self.role = spec.role
+        self.client: EngineClient | None = None
+        self.state = "connecting"
+        self.detail = ""
+        self.inflight = 0
+        self.sent_since_load = 0
+        self.load_sample: tuple[float, int] | None = None  # (trio time, running + queued)
+        self.scope = trio.CancelScope()
+        self.idle = trio.Event()
+        self.idle.set()
+        self.wake_monitor = trio.Event()
+        self.log = RateLimitedLog(log, interval=10.0)
+
+    def load_score(self, now: float, staleness: float) -> float | None:
+        if self.load_sample is None or now - self.load_sample[0] > staleness:
+            return None
+        return float(self.load_sample[1])
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "ready" and self.client is not None
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.role} {self.address} {self.state}>"
+
+
+class WorkerPool:
+    def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
+                 health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0):
+        self._loop_thread = loop_thread
+        self._metrics = metrics
+        self.model = model
+        self.health_interval = health_interval
+        self.discovery_timeout = discovery_timeout
+        self.removal_grace = removal_grace
+        self.staleness_s = routing.load_staleness_ms / 1000.0
+        self._policy_names = {"aggregated": routing.aggregated, "prefill": routing.prefill, "decode": routing.decode}
+        self._policies = {role: make_policy(name, self.staleness_s) for role, name in self._policy_names.items()}
+        self.workers: dict[WorkerSpec, Worker] = {}
+        self.registry_healthy = True
+        self.registry_detail = ""
+        self.changed = trio.Event()  # set on every pool change; replaced after
+        self._nursery: trio.Nursery | None = None
+
+    # ---- running ---------------------------------------------------------------------------------
+    async def run(self, registry: WorkerRegistry, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            started = False
+            async for snapshot in registry.snapshots():
+                self._apply(snapshot)
+                if not started:
+                    started = True
+                    task_status.started()
+
+    def _apply(self, snapshot: Snapshot) -> None:
+        self.registry_healthy = snapshot.healthy
+        self.registry_detail = snapshot.detail
+        if not snapshot.healthy:
+            self._notify()
+            return  # keep the last known pool in service
+        current = set(self.workers)
+        for spec in snapshot.workers - current:
+            worker = self.workers[spec] = Worker(spec)
+            log.info("worker added: %s %s", spec.role, spec.address)
+            self._nursery.start_soon(self._run_worker, worker)
+        for spec in current - snapshot.workers:
+            worker = self.workers[spec]
+            if worker.state != "removing":
+                log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
+                worker.state = "removing"
+                self._nursery.start_soon(self._retire, worker)
+        self._notify()
+
+    async def _retire(self, worker: Worker) -> None:
+        with trio.move_on_after(self.removal_grace):
+            await worker.idle.wait()
+        worker.scope.cancel()
+
+    async def _run_worker(self, worker: Worker) -> None:
+        try:
+            with worker.scope:
+                async with EngineClient.open(worker.address, self._loop_thread,
+                                             discovery_timeout=self.discovery_timeout,
+                                             name=worker.address.removeprefix("grpc://")) as client:
+                    worker.client = client
+                    async with trio.open_nursery() as nursery:
+                        if self._policy_names[worker.role] == "least_loaded":
+                            nursery.start_soon(self._poll_load, worker)
+                        await self._monitor(worker)
+        finally:
+            if self.workers.get(worker.spec) is worker and worker.state == "removing":
+                del self.workers[worker.spec]
+            worker.client = None
+            self._notify()
+
+    async def _monitor(self, worker: Worker) -> None:
+        client = worker.client
+        while True:
+            previous = worker.state
+            try:
+                state = await client.health(timeout=max(1.0, self.health_interval * 2))
+            except EngineError as exc:
+                self._set_state(worker, "unhealthy", cause_chain(exc))
+            else:
+                if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                    await self._check_identity(worker)
+                elif state == HealthState.HEALTH_STATE_DRAINING:
+                    self._set_state(worker, "draining", "worker reports DRAINING")
+                else:
+                    self._set_state(worker, "unhealthy", f"health {HealthState.Name(state)}")
+            if worker.state != previous:
+                self._notify()
+            worker.wake_monitor = trio.Event()
+            with trio.move_on_after(self.health_interval):
+                await worker.wake_monitor.wait()
+
+    async def _check_identity(self, worker: Worker) -> None:
+        try:
+            caps = await worker.client.capabilities()
+        except EngineError as exc:
+            # Health is fine, discovery is not: keep the worker routable so that requests see the shared
+            # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
+            self._set_state(worker, "ready", f"capability discovery failing: {exc}")
+            return
+        if caps.role != worker.role:
+            self._set_state(worker, "misconfigured",
+                            f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
+        elif self.model and self.model not in caps.models and caps.model_id != self.model:
+            self._set_state(worker, "misconfigured", f"serves {caps.models}, not {self.model!r}")
+        else:
+            self._set_state(worker, "ready", "")
+
+    def _set_state(self, worker: Worker, state: str, detail: str) -> None:
+        if worker.state == "removing":
+            return
+        if state != worker.state or detail != worker.detail:
+            level = logging.INFO if state == "ready" else logging.WARNING
+            if state != worker.state:
+                log.log(level, "worker %s %s: %s -> %s %s", worker.role, worker.address, worker.state, state, detail)
+            elif detail:
+                worker.log("worker %s %s still %s: %s", worker.role, worker.address, state, detail)
+        worker.state, worker.detail = state, detail
+
+    async def _poll_load(self, worker: Worker) -> None:
+        interval = max(0.02, self.staleness_s / 2)
+        while True:
+            if worker.state == "ready":
+                try:
+                    load = await worker.client.load(timeout=max(1.0, interval * 4))
+                except EngineError:
+                    pass
+                else:
+                    worker.load_sample = (trio.current_time(), load.running_requests + load.queued_requests)
+                    worker.sent_since_load = 0
+            await trio.sleep(interval)
+
+    def _notify(self) -> None:
+        for role in ("aggregated", "prefill", "decode"):
+            for state in STATES:
+                self._metrics.workers.labels(role, state).set(
+                    sum(1 for w in self.workers.values() if w.role == role and w.state == state))
+        self.changed.set()
+        self.changed = trio.Event()
+
+    # ---- using workers -----------------------------------------------------------------------------
+    def ready_count(self, role: str) -> int:
+        return sum(1 for w in self.workers.values() if w.role == role and w.routable)
+
+    def pick(self, role: str, exclude: tuple[Worker, ...] = ()) -> Worker:
+        candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude]
+        if not candidates:
+            known = [w for w in self.workers.values() if w.role == role]
+            detail = "; ".join(f"{w.address} {w.state}{': ' + w.detail if w.detail else ''}" for w in known[:4])
+            raise ApiError(503, f"no {role} worker is available" + (f" ({detail})" if detail else
+                                                                    " (none registered)"),
+                           code="no_worker_available", retry_after=1)
+        return self._policies[role].choose(candidates, trio.current_time())
+
+    @contextmanager
+    def lease(self, worker: Worker) -> Iterator[Worker]:
+        worker.inflight += 1
+        worker.sent_since_load += 1
+        worker.idle = trio.Event() if worker.inflight == 1 else worker.idle
+        try:
+            yield worker
+        finally:
+            worker.inflight -= 1
+            if worker.inflight == 0:
+                worker.idle.set()
+
+    def report_unreachable(self, worker: Worker, error: EngineError) -> None:
+        """A request could not reach this worker: stop routing to it until its health is good again."""
+        self._set_state(worker, "unhealthy", cause_chain(error))
+        worker.wake_monitor.set()
+        self._notify()
+
+    def snapshot(self) -> list[dict]:
+        return [{"address": w.address, "role": w.role, "state": w.state, "detail": w.detail,
+                 "inflight": w.inflight} for w in self.workers.values()]

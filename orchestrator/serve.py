@@ -1,0 +1,129 @@
+"""`orchestrator serve -c CONFIG`: the HTTP frontend, the worker pool and the coordinator, on trio."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from functools import partial
+from pathlib import Path
+
+import attrs
+import trio
+
+from orchestrator import config as config_module
+from orchestrator.config import Config, ConfigError
+
+log = logging.getLogger("orchestrator.serve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the orchestrator (OpenAI-compatible HTTP API)",
+                              description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                          "/metrics. Prints 'ready http://HOST:PORT' once serving.")
+    p.add_argument("-c", "--config", type=Path, required=True)
+    p.add_argument("--host", default=None, help="override http.host")
+    p.add_argument("--port", type=int, default=None, help="override http.port (0: a free port)")
+    p.add_argument("--worker", action="append", default=[], metavar="ROLE=grpc://HOST:PORT",
+                   help="replace the static worker list of ROLE (repeatable); used by `orchestrator launch`")
+    p.set_defaults(run=run)
+
+
+def apply_worker_overrides(config: Config, overrides: list[str]) -> Config:
+    if not overrides:
+        return config
+    lists: dict[str, list[str]] = {}
+    for item in overrides:
+        role, sep, address = item.partition("=")
+        if not sep or role not in config_module.ROLES or not address.startswith("grpc://"):
+            raise ConfigError("--worker", item, "ROLE=grpc://HOST:PORT with ROLE aggregated, prefill or decode")
+        lists.setdefault(role, []).append(address)
+    static = config.discovery.static or config_module.StaticDiscovery()
+    static = attrs.evolve(static, **{role: tuple(addresses) for role, addresses in lists.items()})
+    return attrs.evolve(config, discovery=config_module.DiscoveryConfig(static=static))
+
+
+def make_registry(config: Config):
+    if config.discovery.etcd is not None:
+        from orchestrator.discovery.etcd import EtcdRegistry
+
+        etcd = config.discovery.etcd
+        return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name)
+    from orchestrator.discovery.static import StaticRegistry
+
+    static = config.discovery.static
+    return StaticRegistry({"aggregated": static.aggregated, "prefill": static.prefill, "decode": static.decode},
+                          model=config.model.name)
+
+
+async def serve(config: Config, *, host: str, port: int, ready_line: bool = True,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.engine import LoopThread
+    from orchestrator.frontend.app import App
+    from orchestrator.metrics import Metrics
+    from orchestrator.pool import WorkerPool
+    from orchestrator.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer.from_dir(config.model_dir)
+    metrics = Metrics()
+    limits = config.limits
+    async with LoopThread.open() as loop_thread:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
+                          health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
+                          removal_grace=limits.shutdown_grace_s)
+        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics)
+        hc = HypercornConfig()
+        hc.bind = [f"{host}:{port}"]
+        hc.graceful_timeout = limits.shutdown_grace_s
+        hc.keep_alive_timeout = 75
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run, make_registry(config))
+            binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
+            url = binds[0]
+            log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
+            nursery.start_soon(_on_signal, app, shutdown)
+            with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
+                while not all(pool.ready_count(role) for role in config.needed_roles):
+                    await pool.changed.wait()
+            if waiting.cancelled_caught:
+                log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, /health says "
+                          "not ready", config.mode, limits.worker_startup_timeout_s)
+            if ready_line:
+                print(f"ready {url}", flush=True)
+            task_status.started(url)
+            await shutdown.wait()
+            # hypercorn stops accepting, lets in-flight requests finish for graceful_timeout, then
+            # cancels them (their nurseries abort the engine work); then the pool goes.
+            with trio.move_on_after(limits.shutdown_grace_s + 5):
+                while app.pool and app.metrics.inflight._value.get() > 0:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    log.info("stopped")
+
+
+async def _on_signal(app, shutdown: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s: draining (grace %.0f s)", signal.Signals(signum).name, app.config.limits.shutdown_grace_s)
+            app.draining = True
+            shutdown.set()
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = apply_worker_overrides(config_module.load(args.config), args.worker)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    host = args.host or config.http.host
+    port = config.http.port if args.port is None else args.port
+    trio.run(partial(serve, config, host=host, port=port))
+    return 0

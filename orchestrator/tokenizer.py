@@ -1,0 +1,160 @@
+"""The model's tokenizer and chat template, and incremental detokenization with stop strings.
+
+`ModelTokenizer` reads a model directory: tokenizer.json (the `tokenizers` library) and
+tokenizer_config.json (chat_template for jinja2, eos/bos tokens).
+
+`IncrementalDetokenizer` turns token ids into text as they stream:
+- text is released only once its UTF-8 is complete (a multi-byte character split over tokens
+  decodes to U+FFFD until its last byte arrives);
+- text that could still become a stop string is held back; when a stop string appears the text
+  before it is released and the stream is over (the stop string itself never reaches the client).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class ModelTokenizer:
+    def __init__(self, tokenizer: Tokenizer, config: dict, source: Path):
+        self.tokenizer = tokenizer
+        self.source = source
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(template) if template else None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelTokenizer":
+        model_dir = Path(model_dir)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls(tokenizer, config, model_dir)
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        if self._template is None:
+            raise TemplateError(f"{self.source}/tokenizer_config.json has no chat_template")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    # Tokens kept before the read offset, so the tokenizer sees enough context to decode spaces and
+    # byte sequences the same way as in a full decode.
+    _CONTEXT = 6
+
+    def __init__(self, tokenizer: ModelTokenizer, stop: Sequence[str] = ()):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are reflected in self._text
+        self._text = ""  # all decoded text so far
+        self._released = 0  # chars of self._text handed out
+        self._stops = tuple(s for s in stop if s)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.stopped_on: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._released]
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Feed new token ids; returns the text that may be released now (maybe "")."""
+        if self.stopped_on is not None:
+            return ""
+        self._ids.extend(ids)
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read])
+        after = decode(self._ids[self._prefix:])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # an incomplete UTF-8 sequence: wait for the rest of it
+        self._text += after[len(before):]
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - self._CONTEXT)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The stream ended: release whatever is held (a partial stop string is just text)."""
+        if self.stopped_on is None and self._read < len(self._ids):
+            tail = self._tokenizer.decode(self._ids[self._prefix:])
+            head = self._tokenizer.decode(self._ids[self._prefix:self._read])
+            self._text += tail[len(head):]
+            self._read = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        if self.stopped_on is not None:
+            return ""
+        text = self._text
+        if self._stops:
+            search_from = max(0, self._released - self._hold)
+            best: tuple[int, str] | None = None
+            for stop in self._stops:
+                at = text.find(stop, search_from)
+                if at != -1 and (best is None or at < best[0]):
+                    best = (at, stop)
+            if best is not None:
+                out = text[self._released: best[0]]
+                self._text = text[: best[0]]
+                self._released = best[0]
+                self.stopped_on = best[1]
+                return out
+            if not final:
+                limit = len(text) - self._longest_stop_prefix_suffix(text)
+                out = text[self._released: limit] if limit > self._released else ""
+                self._released = max(self._released, limit)
+                return out
+        out = text[self._released:]
+        self._released = len(text)
+        return out
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
