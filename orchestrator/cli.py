@@ -10,7 +10,7 @@ from orchestrator import __version__, log
 
 
 # Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
-SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve")
+SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrator.launch", "orchestrator.config_check")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="override http.port (0: a free port)")
     p.add_argument("--worker", action="append", default=[], metavar="ROLE=grpc://HOST:PORT",
                    help="replace the static worker list of ROLE (repeatable); used by `orchestrator launch`")
+    p.add_argument("--etcd-endpoint", action="append", default=[], metavar="URL",
+                   help="replace discovery.etcd.endpoints (repeatable); used by `orchestrator launch`")
     p.set_defaults(run=run)
+
+
+def apply_etcd_overrides(config: Config, endpoints: list[str]) -> Config:
+    if not endpoints:
+        return config
+    if config.discovery.etcd is None:
+        raise ConfigError("--etcd-endpoint", "discovery.etcd", "an etcd discovery section in the config")
+    etcd = attrs.evolve(config.discovery.etcd, endpoints=tuple(endpoints))
+    return attrs.evolve(config, discovery=config_module.DiscoveryConfig(etcd=etcd))
 
 
 def apply_worker_overrides(config: Config, overrides: list[str]) -> Config:
@@ -119,7 +130,8 @@ async def _on_signal(app, shutdown: trio.Event) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = apply_worker_overrides(config_module.load(args.config), args.worker)
+        config = apply_etcd_overrides(apply_worker_overrides(config_module.load(args.config), args.worker),
+                                      args.etcd_endpoint)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

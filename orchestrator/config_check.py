@@ -1,0 +1,30 @@
+"""`orchestrator check-config FILE`: load a config and say what is wrong, or what it describes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from orchestrator import config as config_module
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("check-config", help="validate a config file (names the key on error)")
+    p.add_argument("config", type=Path, nargs="+")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.config:
+        try:
+            config = config_module.load(path)
+        except config_module.ConfigError as exc:
+            print(f"error: {exc}")
+            status = 1
+            continue
+        discovery = "etcd" if config.discovery.etcd is not None else "static"
+        workers = sum(w.count for w in config.launch.workers)
+        print(f"ok: {path}: {config.mode} mode, model {config.model.name} ({config.model_dir}), {discovery} "
+              f"discovery, {workers} launched workers")
+    return status

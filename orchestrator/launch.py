@@ -1,0 +1,263 @@
+"""`orchestrator launch CONFIG`: bring a whole topology up in order, and down in reverse.
+
+Order: etcd (if `launch.etcd.enabled`), workers (simulated or real commands), register sidecars,
+then `orchestrator serve`. Each child's output is prefixed with its name on our stderr; our stdout
+gets one line, `ready http://HOST:PORT`, once the orchestrator reports every role ready. Ctrl-C or
+SIGTERM stops everything in reverse order and exits 0. A child that dies during start-up tears the
+rest down, prints the tail of its log and makes the launcher exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from orchestrator import config as config_module
+from orchestrator.config import Config, ConfigError
+
+log = logging.getLogger("orchestrator.launch")
+
+
+class LaunchFailed(Exception):
+    pass
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("launch", help="start every component a config names, in order; stop them on Ctrl-C",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("config", type=Path)
+    p.add_argument("--http-port", type=int, default=None, help="the orchestrator's port (default: http.port; 0: free)")
+    p.add_argument("--host", default=None)
+    p.set_defaults(run=run)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.argv = argv
+        self.process: trio.Process | None = None
+        self.ready_url: str | None = None
+        self.ready = trio.Event()
+        self.exited = trio.Event()
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Start the process and pump its output; returns when it exits."""
+        self.process = await trio.lowlevel.open_process(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        log.info("started %s (pid %d): %s", self.name, self.process.pid, " ".join(self.argv))
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, self.process.stdout, True)
+                nursery.start_soon(self._pump, self.process.stderr, False)
+                await self.process.wait()
+        finally:
+            self.exited.set()
+            self.ready.set()
+
+    async def _pump(self, stream, is_stdout: bool) -> None:
+        buffer = b""
+        async for chunk in stream:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                self._line(raw.decode(errors="replace"), is_stdout)
+        if buffer:
+            self._line(buffer.decode(errors="replace"), is_stdout)
+
+    def _line(self, line: str, is_stdout: bool) -> None:
+        self.tail.append(line)
+        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+        if is_stdout and self.ready_url is None and line.startswith("ready "):
+            self.ready_url = line.split(" ", 1)[1].strip()
+            self.ready.set()
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(timeout):
+            await self.exited.wait()
+            return
+        log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
+        self.process.kill()
+        with trio.move_on_after(5):
+            await self.exited.wait()
+
+    def describe_failure(self) -> str:
+        state = f"exited with code {self.returncode}" if self.returncode is not None else "did not become ready"
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"{self.name} {state}; last lines of its log:\n{lines}"
+
+
+def orchestrator_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator", *args]
+
+
+class Launcher:
+    def __init__(self, config: Config, config_path: Path, *, http_port: int | None, host: str | None):
+        self.config = config
+        self.config_path = config_path
+        self.http_port = config.http.port if http_port is None else http_port
+        self.host = host or config.http.host
+        self.children: list[Child] = []
+        self.etcd_url: str | None = None
+        self._tmp = tempfile.mkdtemp(prefix="orch-launch-")
+
+    async def _start(self, nursery: trio.Nursery, child: Child, *, ready_timeout: float) -> Child:
+        self.children.append(child)
+        await nursery.start(child.run)
+        with trio.move_on_after(ready_timeout):
+            await child.ready.wait()
+        if child.ready_url is None:
+            raise LaunchFailed(child.describe_failure())
+        return child
+
+    async def up(self, nursery: trio.Nursery) -> str:
+        launch = self.config.launch
+        timeout = launch.ready_timeout_s
+        if launch.etcd.enabled:
+            await self._start_etcd(nursery, timeout)
+        overrides: list[str] = []
+        etcd_flags: list[str] = []
+        if self.config.discovery.etcd is not None:
+            url = self.etcd_url or self.config.discovery.etcd.endpoints[0]
+            etcd_flags = ["--etcd", url, "--etcd-namespace", self.config.discovery.etcd.namespace]
+        for spec in launch.workers:
+            for i in range(spec.count):
+                name = f"{spec.role}-{i}" if spec.sim is None else f"sim-{spec.role}-{i}"
+                if spec.sim is not None:
+                    argv = orchestrator_argv("sim-worker", "--role", spec.role, "--port", "0",
+                                             "--model", self.config.model.name, "--profile", spec.sim.profile,
+                                             "--time-scale", repr(spec.sim.time_scale), *etcd_flags, *spec.sim.args)
+                    child = await self._start(nursery, Child(name, argv), ready_timeout=timeout)
+                    address = child.ready_url
+                else:
+                    port = free_port()
+                    argv = [part.replace("{port}", str(port)) for part in spec.command]
+                    child = Child(name, argv)
+                    self.children.append(child)
+                    await nursery.start(child.run)
+                    address = f"grpc://127.0.0.1:{port}"
+                    if spec.register and etcd_flags:
+                        await self._start(nursery, Child(f"register-{name}", orchestrator_argv(
+                            "register", "--worker", address, "--role", spec.role, *etcd_flags,
+                            "--model", self.config.model.name)), ready_timeout=timeout)
+                overrides += ["--worker", f"{spec.role}={address}"]
+        serve_argv = orchestrator_argv("serve", "-c", str(self.config_path), "--host", self.host,
+                                       "--port", str(self.http_port))
+        if self.config.discovery.static is not None:
+            serve_argv += overrides
+        elif self.etcd_url:
+            serve_argv += ["--etcd-endpoint", self.etcd_url]
+        child = await self._start(nursery, Child("orchestrator", serve_argv), ready_timeout=timeout)
+        return child.ready_url
+
+    async def _start_etcd(self, nursery: trio.Nursery, timeout: float) -> None:
+        binary = shutil.which(self.config.launch.etcd.binary)
+        if binary is None:
+            raise LaunchFailed(f"{self.config_path}: launch.etcd.binary: {self.config.launch.etcd.binary!r} is not on "
+                               "PATH (Debian: apt-get install etcd-server)")
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        argv = [binary, "--name", "orch-launch", "--data-dir", os.path.join(self._tmp, "etcd"),
+                "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", f"orch-launch={peer_url}", "--log-level", "warn", "--logger", "zap"]
+        child = Child("etcd", argv)
+        self.children.append(child)
+        await nursery.start(child.run)
+        with trio.move_on_after(timeout):
+            while child.returncode is None:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", client)
+                    await stream.aclose()
+                    return
+                except OSError:
+                    await trio.sleep(0.05)
+        raise LaunchFailed(child.describe_failure())
+
+    async def down(self) -> None:
+        with trio.CancelScope(shield=True):
+            for child in reversed(self.children):
+                await child.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def died(self) -> Child | None:
+        return next((c for c in self.children if c.exited.is_set()), None)
+
+
+async def launch(config: Config, config_path: Path, *, http_port: int | None, host: str | None) -> int:
+    launcher = Launcher(config, config_path, http_port=http_port, host=host)
+    outcome: dict[str, object] = {}
+    async with trio.open_nursery() as children:  # owns the child processes' pumps
+        try:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async with trio.open_nursery() as control:
+                    control.start_soon(_first_signal, signals, control.cancel_scope, outcome)
+                    control.start_soon(_first_death, launcher, control.cancel_scope, outcome)
+                    try:
+                        url = await launcher.up(children)
+                    except LaunchFailed as exc:
+                        outcome.setdefault("error", str(exc))
+                        control.cancel_scope.cancel()
+                    else:
+                        print(f"ready {url}", flush=True)
+                        log.info("all components ready; Ctrl-C to stop")
+                        await trio.sleep_forever()
+        finally:
+            await launcher.down()
+            children.cancel_scope.cancel()
+    if "error" in outcome and "signal" not in outcome:
+        log.error("launch failed: %s", outcome["error"])
+        return 1
+    return 0
+
+
+async def _first_signal(signals, scope: trio.CancelScope, outcome: dict) -> None:
+    async for signum in signals:
+        log.info("%s: stopping everything in reverse order", signal.Signals(signum).name)
+        outcome["signal"] = signum
+        scope.cancel()
+        return
+
+
+async def _first_death(launcher: Launcher, scope: trio.CancelScope, outcome: dict) -> None:
+    while (dead := launcher.died()) is None:
+        await trio.sleep(0.1)
+    outcome.setdefault("error", dead.describe_failure())
+    scope.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_module.load(args.config)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return trio.run(partial(launch, config, args.config, http_port=args.http_port, host=args.host))
