@@ -1,0 +1,65 @@
+"""Small helpers shared by tests that drive sim workers through the engine client."""
+
+import base64
+import io
+import struct
+import zlib
+
+from orchestrator import disagg
+from orchestrator.engine import Failed, Finished, PrefillReady, Tokens
+from orchestrator.openengine.v1 import generation_pb2 as g
+
+
+def png_bytes(width=2, height=2, color=(200, 30, 30)) -> bytes:
+    """A real, valid PNG made with zlib (no imaging library needed)."""
+    raw = b"".join(b"\x00" + bytes(color) * width for _ in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def jpeg_bytes() -> bytes:
+    """A minimal JPEG-signed payload (SOI + APP0 JFIF header + EOI); engines sniff the magic bytes."""
+    return b"\xff\xd8\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00" + b"\xff\xd9"
+
+
+def data_uri(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def full_request(rid, ids=(11, 12, 13, 14, 15), max_tokens=8, seed=1, media=(), **stopping):
+    return g.GenerateRequest(request_id=rid, token_ids=g.TokenIds(ids=list(ids)),
+                             sampling=g.SamplingParams(seed=seed), media=list(media),
+                             stopping=g.StoppingOptions(max_tokens=max_tokens, **stopping))
+
+
+async def collect(client, request):
+    async with client.generate(request) as stream:
+        return [e async for e in stream]
+
+
+def token_ids(events):
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def terminal(events):
+    return events[-1]
+
+
+async def run_disaggregated(prefill, decode, full: g.GenerateRequest, mutate_decode=None):
+    """Context-only leg on `prefill`, then the generation leg on `decode`; returns (ctx events, gen events)."""
+    ctx_events = await collect(prefill, disagg.context_only_leg(full))
+    ready = terminal(ctx_events)
+    if not isinstance(ready, PrefillReady):
+        return ctx_events, []
+    leg = disagg.generation_leg(full, ready.kv_session)
+    if mutate_decode is not None:
+        mutate_decode(leg)
+    return ctx_events, await collect(decode, leg)
+
+
+__all__ = ["Failed", "Finished", "PrefillReady", "Tokens", "collect", "data_uri", "full_request", "jpeg_bytes",
+           "png_bytes", "run_disaggregated", "terminal", "token_ids"]

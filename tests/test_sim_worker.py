@@ -1,0 +1,247 @@
+"""The simulated TRT-LLM worker, as real processes, through the real engine client."""
+
+import signal
+
+import pytest
+import trio
+
+from orchestrator.engine import ErrorCode, WorkerUnavailable
+from orchestrator.engine.client import HealthState
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.testing import wait_for_load
+from sim_helpers import (
+    Failed, Finished, PrefillReady, collect, data_uri, full_request, png_bytes, run_disaggregated, terminal,
+    token_ids,
+)
+
+FAST = ("--time-scale", "0")
+
+
+def attr(load, name):
+    return load.attributes.fields[name].number_value
+
+
+@pytest.fixture
+def trio_of_workers(sim_workers):
+    return (sim_workers.start("aggregated", *FAST), sim_workers.start("prefill", *FAST),
+            sim_workers.start("decode", *FAST))
+
+
+async def test_disaggregated_output_equals_aggregated_token_for_token(trio_of_workers, engine_client):
+    agg, pre, dec = trio_of_workers
+    async with engine_client(agg.address) as a, engine_client(pre.address) as p, engine_client(dec.address) as d:
+        for seed, ids in [(1, (11, 12, 13)), (2, (11, 12, 13)), (1, tuple(range(40, 90)))]:
+            full = full_request(f"r{seed}-{len(ids)}", ids=ids, seed=seed, max_tokens=24)
+            agg_events = await collect(a, full)
+            ctx_events, gen_events = await run_disaggregated(p, d, full)
+            assert [type(e) for e in ctx_events] == [PrefillReady]
+            assert token_ids(gen_events) == token_ids(agg_events) and len(token_ids(agg_events)) == 24
+            assert terminal(gen_events).usage.completion_tokens == 24
+        # a different seed gives different output
+        first = token_ids(await collect(a, full_request("s1", seed=1)))
+        assert first != token_ids(await collect(a, full_request("s2", seed=2)))
+
+
+async def test_kv_session_is_held_until_pulled_then_released(trio_of_workers, engine_client):
+    _, pre, dec = trio_of_workers
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        from orchestrator import disagg
+
+        full = full_request("held", max_tokens=4)
+        ready = terminal(await collect(p, disagg.context_only_leg(full)))
+        session = ready.kv_session
+        assert session.session_id and session.endpoints[0].port > 0
+        for name in disagg.SESSION_ATTRIBUTES:
+            assert name in session.attributes_struct.fields
+        load = await p.load()
+        assert load.active_kv_sessions == 1 and load.used_kv_blocks > 0 and load.running_requests == 0
+        events = await collect(d, disagg.generation_leg(full, session))
+        assert isinstance(terminal(events), Finished)
+        load = await p.load()
+        assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0 and attr(load, "kv_sessions_pulled") == 1
+        # pulling the same session again: it is gone
+        again = await collect(d, disagg.generation_leg(full_request("held-2", max_tokens=4), session))
+        assert terminal(again).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
+
+
+async def test_an_unpulled_session_expires_after_the_transfer_timeout(sim_workers, engine_client):
+    pre = sim_workers.start("prefill", *FAST, "--kv-transfer-timeout", "0.5")
+    dec = sim_workers.start("decode", *FAST)
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        from orchestrator import disagg
+
+        full = full_request("late")
+        ready = terminal(await collect(p, disagg.context_only_leg(full)))
+        load = await wait_for_load(p, lambda l: l.active_kv_sessions == 0, timeout=5)
+        assert load.used_kv_blocks == 0 and attr(load, "kv_sessions_expired") == 1
+        events = await collect(d, disagg.generation_leg(full, ready.kv_session))
+        assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
+
+
+async def test_a_decode_whose_prompt_or_media_differ_from_the_prefill_is_refused(trio_of_workers, engine_client):
+    _, pre, dec = trio_of_workers
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        def other_prompt(leg):
+            leg.token_ids.ids.append(99)
+
+        def other_media(leg):
+            leg.media.add(modality=g.MODALITY_IMAGE, data_uri=data_uri(png_bytes()), uuid="sneaky")
+
+        def lost_attribute(leg):
+            del leg.kv.session.attributes_struct["first_gen_tokens"]
+
+        for name, mutate, code in [("prompt", other_prompt, ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED),
+                                   ("media", other_media, ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED),
+                                   ("attr", lost_attribute, ErrorCode.ERROR_CODE_INVALID_ARGUMENT)]:
+            _, events = await run_disaggregated(p, d, full_request(f"mm-{name}"), mutate_decode=mutate)
+            assert isinstance(terminal(events), Failed), name
+            assert terminal(events).error.code == code, name
+
+
+async def test_roles_are_strict_and_decode_runs_whole_requests_locally(trio_of_workers, engine_client):
+    agg, pre, dec = trio_of_workers
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d, engine_client(agg.address) as a:
+        wrong = terminal(await collect(p, full_request("full-on-prefill")))
+        assert wrong.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
+        from orchestrator import disagg
+
+        ctx_on_decode = terminal(await collect(d, disagg.context_only_leg(full_request("ctx-on-decode"))))
+        assert ctx_on_decode.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
+        # conditional disaggregation: no kv.session on a decode worker = prefill + decode locally
+        local = await collect(d, full_request("local", max_tokens=6))
+        assert token_ids(local) == token_ids(await collect(a, full_request("agg", max_tokens=6)))
+
+
+async def test_images_expand_into_prompt_tokens_and_count_against_the_window(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--max-context-length", "1100")
+    image = g.MediaItem(modality=g.MODALITY_IMAGE, data_uri=data_uri(png_bytes()))
+    async with engine_client(worker.address) as client:
+        one = terminal(await collect(client, full_request("img1", media=[image], max_tokens=4)))
+        assert one.usage.prompt_tokens == 5 + 576
+        too_long = terminal(await collect(client, full_request("img2", media=[image, image], max_tokens=4)))
+        assert too_long.error.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT
+        assert "1157 tokens" in too_long.error.message and "1100" in too_long.error.message
+        not_an_image = g.MediaItem(modality=g.MODALITY_IMAGE, data_uri=data_uri(b"GIF? no, plain text"))
+        bad = terminal(await collect(client, full_request("img3", media=[not_an_image])))
+        assert bad.error.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT and "PNG, JPEG" in bad.error.message
+
+
+async def test_stopping_options_min_tokens_stop_ids_eos_and_ignore_eos(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--eos-probability", "0.3")
+    async with engine_client(worker.address) as client:
+        ends = [terminal(await collect(client, full_request(f"e{i}", seed=i, max_tokens=40))) for i in range(8)]
+        eos = [e for e in ends if e.reason_name == "stop"]
+        assert eos and all(e.stop_token_id is not None for e in eos)
+        ignored = await collect(client, full_request("ign", seed=0, max_tokens=40, ignore_eos=True))
+        assert len(token_ids(ignored)) == 40 and terminal(ignored).reason_name == "length"
+        held = await collect(client, full_request("min", seed=0, max_tokens=40, min_tokens=30))
+        assert len(token_ids(held)) >= 30
+        first = token_ids(ignored)[3]
+        stopped = await collect(client, full_request("stop", seed=0, max_tokens=40, ignore_eos=True,
+                                                     conditions=[g.StopCondition(stop_token_id=first)]))
+        assert terminal(stopped).stop_token_id == first and first not in token_ids(stopped)
+
+
+async def test_get_load_is_truthful_while_running_and_after(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(collect, client, full_request(f"load{i}", max_tokens=60))
+            busy = await wait_for_load(client, lambda l: l.running_requests == 5)
+            assert busy.used_kv_blocks > 0 and busy.decode_batch_size >= 1
+        idle = await client.load()
+        assert idle.running_requests == 0 and idle.queued_requests == 0
+        assert idle.active_kv_sessions == 0 and idle.used_kv_blocks == 0
+
+
+async def test_kv_capacity_queues_requests_until_blocks_come_back(sim_workers, engine_client):
+    # 4 blocks of 32 tokens: one request of 5 + 100 tokens needs all of them, the next one waits.
+    worker = sim_workers.start("aggregated", "--time-scale", "0.5", "--total-kv-blocks", "4")
+    async with engine_client(worker.address) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(collect, client, full_request(f"q{i}", max_tokens=100))
+            load = await wait_for_load(client, lambda l: l.queued_requests == 1 and l.running_requests == 1)
+            assert load.running_requests == 1 and load.used_kv_blocks == 4
+        assert (await client.load()).used_kv_blocks == 0
+
+
+async def test_fault_crash_after_tokens_kills_the_process(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--crash-after-tokens", "5")
+    async with engine_client(worker.address) as client:
+        with pytest.raises(WorkerUnavailable):
+            await collect(client, full_request("boom", max_tokens=50))
+    worker.process.process.wait(10)
+    assert worker.process.process.returncode == 3
+
+
+async def test_fault_stall_hangs_the_stream_and_cancel_still_frees_it(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--stall-after-tokens", "3")
+    async with engine_client(worker.address) as client:
+        got = []
+        with trio.move_on_after(1.0) as scope:
+            async with client.generate(full_request("stall", max_tokens=50)) as stream:
+                async for event in stream:
+                    got.append(event)
+        assert scope.cancelled_caught and len(token_ids(got)) == 3
+        load = await wait_for_load(client, lambda l: l.running_requests == 0)
+        assert load.used_kv_blocks == 0
+
+
+async def test_fault_drop_kv_sessions_gives_session_not_found(sim_workers, engine_client):
+    pre = sim_workers.start("prefill", *FAST, "--drop-kv-sessions")
+    dec = sim_workers.start("decode", *FAST)
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        _, events = await run_disaggregated(p, d, full_request("dropped"))
+        assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
+        assert (await p.load()).used_kv_blocks == 0
+
+
+async def test_fault_error_rate_applies_to_the_chosen_phase_only(sim_workers, engine_client):
+    pre = sim_workers.start("prefill", *FAST)
+    dec = sim_workers.start("decode", *FAST, "--error-rate", "1", "--error-phase", "decode",
+                            "--error-code", "ERROR_CODE_KV_TRANSFER_FAILED")
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        local = await collect(d, full_request("local-ok", max_tokens=3))  # aggregated phase: unaffected
+        assert isinstance(terminal(local), Finished)
+        _, events = await run_disaggregated(p, d, full_request("decode-fails"))
+        assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED
+
+
+async def test_sigterm_drains_in_flight_work_then_exits_cleanly(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address) as client:
+        async with client.generate(full_request("inflight", max_tokens=120)) as stream:
+            await stream.__anext__()
+            worker.process.signal(signal.SIGTERM)
+            with trio.fail_after(5):
+                while await client.health() != HealthState.HEALTH_STATE_DRAINING:
+                    await trio.sleep(0.02)
+            refused = terminal(await collect(client, full_request("late", max_tokens=3)))
+            assert refused.error.code == ErrorCode.ERROR_CODE_DRAINING and refused.error.retryable
+            rest = [e async for e in stream]
+        assert isinstance(terminal(rest), Finished) and terminal(rest).reason_name == "length"
+    assert await trio.to_thread.run_sync(worker.process.process.wait, 10) == 0
+
+
+async def test_warmup_reports_starting_then_ready(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--warmup", "0.6")
+    async with engine_client(worker.address) as client:
+        assert await client.health() == HealthState.HEALTH_STATE_STARTING
+        refused = terminal(await collect(client, full_request("early")))
+        assert refused.error.retryable
+        await client.wait_until_ready(deadline=10, retry_interval=0.1)
+        assert await client.health() == HealthState.HEALTH_STATE_READY
+
+
+async def test_lora_rpcs_answer_unimplemented_with_a_message(sim_workers):
+    import grpc
+
+    from orchestrator.openengine.v1 import lora_pb2, openengine_pb2_grpc
+
+    worker = sim_workers.start("aggregated", *FAST)
+    with grpc.insecure_channel(worker.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            openengine_pb2_grpc.ControlStub(channel).ListLoras(lora_pb2.ListLorasRequest())
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "LoRA" in info.value.details()
