@@ -118,20 +118,23 @@ class Coordinator:
         """Run the plan in the request's own nursery. Raises ApiError/EngineError; trio.Cancelled if the
         watcher or an outer scope cancelled it (after every worker was released)."""
         started = trio.current_time()
-        async with trio.open_nursery() as request_nursery:
-            if watch is not None:
-                request_nursery.start_soon(watch, request_nursery.cancel_scope)
-            try:
-                with trio.fail_after(self.config.limits.request_timeout_s):
-                    if plan.path == "disaggregated":
-                        await self._disaggregated(plan, sink, started)
-                    else:
-                        await self._single_leg(plan, sink, started)
-            except trio.TooSlowError:
-                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:g} s",
-                               code="timeout") from None
-            finally:
-                request_nursery.cancel_scope.cancel()  # stop the watcher
+        try:
+            async with trio.open_nursery() as request_nursery:
+                if watch is not None:
+                    request_nursery.start_soon(watch, request_nursery.cancel_scope)
+                try:
+                    with trio.fail_after(self.config.limits.request_timeout_s):
+                        if plan.path == "disaggregated":
+                            await self._disaggregated(plan, sink, started)
+                        else:
+                            await self._single_leg(plan, sink, started)
+                except trio.TooSlowError:
+                    raise ApiError(504, f"the request did not finish within "
+                                        f"{self.config.limits.request_timeout_s:g} s", code="timeout") from None
+                finally:
+                    request_nursery.cancel_scope.cancel()  # stop the watcher
+        except BaseExceptionGroup as group:
+            raise _sole_error(group) from None
 
     def _detokenizer(self, plan: Plan) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, stop=plan.api.stop)
@@ -269,6 +272,14 @@ class Coordinator:
                 except EngineError as exc:
                     log.warning("KV release of session %s via %s failed: %s", session.session_id,
                                 decode_worker.address, exc)
+
+
+def _sole_error(group: BaseExceptionGroup) -> BaseException:
+    """The request nursery runs one flow and one watcher that never fails: unwrap their one error."""
+    errors = group.exceptions
+    while len(errors) == 1 and isinstance(errors[0], BaseExceptionGroup):
+        errors = errors[0].exceptions
+    return errors[0] if len(errors) == 1 else group
 
 
 def new_request_id(given: str | None) -> str:

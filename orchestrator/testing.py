@@ -224,6 +224,24 @@ class OrchestratorServers:
             server.process.stop()
 
 
+def write_config(path: Path, mode: str, workers: dict[str, list[str]] | None = None, *,
+                 etcd: dict | None = None, **sections) -> Path:
+    """Write an orchestrator YAML for tests: static `workers` by role (or an `etcd` discovery section)."""
+    import yaml
+
+    data: dict = {"mode": mode, "model": {"name": "tiny-chat", "dir": "builtin:tiny-chat"},
+                  "http": {"host": "127.0.0.1", "port": 0},
+                  "limits": {"worker_startup_timeout_s": 30, "health_interval_s": 0.2}}
+    data["discovery"] = {"etcd": etcd} if etcd is not None else {"static": workers or {}}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 @pytest.fixture
 def sim_workers(tmp_path) -> SimWorkers:
     workers = SimWorkers(tmp_path)

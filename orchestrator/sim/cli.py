@@ -52,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--slow-start", type=float, default=0.0, help="seconds before the port is bound")
     faults.add_argument("--drop-kv-sessions", action="store_true", help="forget KV sessions right after prefill")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
+    faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
     faults.add_argument("--schema-revision", type=int, default=1)
     faults.add_argument("--minimum-client-revision", type=int, default=1)
     p.set_defaults(run=run)
@@ -71,7 +72,7 @@ def config_from_args(args: argparse.Namespace):
         error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,
-        not_ready=args.not_ready, eos_probability=args.eos_probability, seed=args.seed,
+        not_ready=args.not_ready, fail_model_info=args.fail_model_info, eos_probability=args.eos_probability, seed=args.seed,
     )
 
 

@@ -57,7 +57,7 @@ class Vocabulary:
         if eos_id is None:
             raise ValueError(f"{model_dir}/tokenizer_config.json: eos_token not among the added tokens")
         # Byte-level BPE marks a leading space with "Ġ"; "Ġword" pieces give readable text.
-        words = sorted(i for piece, i in vocab.items() if piece.startswith("Ġ") and piece[1:].isalpha()
+        words = sorted(i for piece, i in vocab.items() if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha()
                        and len(piece) > 2)
         return cls(words, eos_id)
 

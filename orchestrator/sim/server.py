@@ -77,6 +77,7 @@ class SimConfig:
     stall_after_tokens: int | None = None
     drop_kv_sessions: bool = False
     not_ready: bool = False
+    fail_model_info: bool = False
     eos_probability: float = 0.0
     seed: int = 0
     media_limits: media.MediaLimits = media.MediaLimits()
@@ -137,6 +138,7 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         self.random = random.Random(config.seed)
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
+        self.model_info_calls = 0
 
     # ---- Control ---------------------------------------------------------------------------------
     def health_state(self) -> int:
@@ -176,6 +178,9 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
 
     async def GetModelInfo(self, request, context):
         c = self.config
+        self.model_info_calls += 1
+        if c.fail_model_info:
+            await context.abort(grpc.StatusCode.INTERNAL, "fault injection: model info unavailable")
         if request.model and request.model != c.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         return model_pb2.ModelInfo(
@@ -205,7 +210,8 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             attributes=_struct({"tokens_emitted": s.tokens_emitted, "steps": s.steps,
                                 "kv_sessions_expired": self.sessions.expired,
                                 "kv_sessions_pulled": self.sessions.pulled,
-                                "cancelled_by_client": self.cancelled_by_client}),
+                                "cancelled_by_client": self.cancelled_by_client,
+                                "model_info_calls": self.model_info_calls}),
         )
 
     async def Abort(self, request, context):

@@ -1,0 +1,281 @@
+"""`orchestrator serve` as a real process against sim-worker processes, through the openai SDK and httpx."""
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+import trio
+
+from orchestrator.testing import write_config
+from serve_helpers import Deployment, chat_body, sse_events
+
+FAST = ("--time-scale", "0.02")
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory):
+    deployment = Deployment(tmp_path_factory.mktemp("disagg"), "disaggregated",
+                            {"prefill": [FAST], "decode": [FAST]})
+    yield deployment
+    deployment.close()
+
+
+@pytest.fixture(scope="module")
+def agg(tmp_path_factory):
+    deployment = Deployment(tmp_path_factory.mktemp("agg"), "aggregated", {"aggregated": [FAST]})
+    yield deployment
+    deployment.close()
+
+
+def _complete(deployment, **extra):
+    return deployment.openai().chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Describe the river and the bridge"}], **extra)
+
+
+def test_agg_and_disagg_give_identical_tokens_for_the_same_seed(agg, disagg):
+    for seed in (1, 2, 3):
+        a = _complete(agg, max_tokens=20, seed=seed)
+        d = _complete(disagg, max_tokens=20, seed=seed)
+        assert a.choices[0].message.content == d.choices[0].message.content
+        assert a.choices[0].message.content.strip()
+        assert a.usage.completion_tokens == d.usage.completion_tokens == 20
+        assert a.choices[0].finish_reason == d.choices[0].finish_reason == "length"
+
+
+def test_streaming_with_the_openai_sdk_equals_non_streaming(disagg):
+    full = _complete(disagg, max_tokens=16, seed=9).choices[0].message.content
+    chunks = list(_complete(disagg, max_tokens=16, seed=9, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+
+
+def test_completions_endpoint_streams_and_not(agg):
+    client = agg.openai()
+    plain = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, seed=4)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-chat", prompt="Hello", max_tokens=8, seed=4, stream=True))
+    assert plain.choices[0].text == streamed and plain.usage.prompt_tokens > 0
+
+
+def test_logprobs_stop_strings_and_request_ids(disagg):
+    with disagg.http() as http:
+        response = http.post("/v1/chat/completions", headers={"X-Request-Id": "trace-42"},
+                             json=chat_body(max_tokens=6, seed=5, logprobs=True, top_logprobs=2))
+        assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"
+        body = response.json()
+        assert body["id"] == "trace-42"
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == 6 and all(len(c["top_logprobs"]) == 2 for c in content)
+        assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"]
+        text = body["choices"][0]["message"]["content"]
+        word = text.split()[2]
+        stopped = http.post("/v1/chat/completions", json=chat_body(max_tokens=6, seed=5, stop=[word])).json()
+        assert stopped["choices"][0]["message"]["content"] == text[: text.index(word)]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"", 400, None),
+    (json.dumps(chat_body(max_tokens="many")).encode(), 400, "max_tokens"),
+    (json.dumps({**chat_body(), "model": "gpt-17"}).encode(), 404, "model"),
+    (json.dumps({"model": "tiny-chat", "messages": []}).encode(), 400, "messages"),
+    (json.dumps(chat_body(content="weather " * 9000)).encode(), 400, "messages"),
+    (json.dumps(chat_body(n=2)).encode(), 400, "n"),
+])
+def test_bad_input_is_a_4xx_in_the_openai_format_and_the_server_keeps_serving(disagg, body, status, param):
+    with disagg.http() as http:
+        response = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["type"] and error["param"] == param
+        assert http.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
+
+
+def test_max_tokens_is_clamped_to_the_engines_max_output_tokens(disagg):
+    with disagg.http() as http:
+        body = http.post("/v1/chat/completions", json=chat_body(max_tokens=9000, seed=1, ignore_eos=True)).json()
+    assert body["usage"]["completion_tokens"] == 4096  # ModelInfo.max_output_tokens of the profile
+
+
+def test_oversize_prompt_error_names_both_numbers(disagg):
+    with disagg.http() as http:
+        error = http.post("/v1/chat/completions", json=chat_body(content="weather " * 9000)).json()["error"]
+    from orchestrator.models import TINY_CHAT
+    from orchestrator.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
+    expected = len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "weather " * 9000}])))
+    assert f"{expected} tokens" in error["message"] and "context window of 8192" in error["message"]
+
+
+def test_openai_sdk_raises_typed_errors(disagg):
+    with pytest.raises(openai.NotFoundError):
+        disagg.openai().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        _complete(disagg, n=3)
+
+
+def test_models_health_and_metrics(disagg):
+    with disagg.http() as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-chat"]
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["ready_workers"] == {"prefill": 1, "decode": 1}
+        http.post("/v1/chat/completions", json=chat_body(max_tokens=3))
+        metrics = http.get("/metrics").text
+    for name in ("orchestrator_requests_total", "orchestrator_time_to_first_token_seconds_bucket",
+                 "orchestrator_inter_token_latency_seconds", 'orchestrator_stage_duration_seconds_count{stage="prefill"}',
+                 'stage="kv_handoff"', 'stage="decode"', "orchestrator_requests_in_flight",
+                 'orchestrator_workers{role="decode",state="ready"} 1.0'):
+        assert name in metrics, name
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _load_attr(load, name):
+    return load.attributes.fields[name].number_value
+
+
+async def test_conditional_mode_sends_short_prompts_to_decode_only(tmp_path, sim_workers, orchestrator_servers,
+                                                                     engine_client):
+    prefill, decode = sim_workers.start("prefill", *FAST), sim_workers.start("decode", *FAST)
+    config = write_config(tmp_path / "cond.yaml", "conditional",
+                          {"prefill": [prefill.address], "decode": [decode.address]},
+                          conditional={"max_local_prefill_length": 64})
+    server = orchestrator_servers.start(config)
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http, engine_client(prefill.address) as p:
+        short = await http.post("/v1/chat/completions", json=chat_body("short", max_tokens=3))
+        assert short.status_code == 200
+        assert _load_attr(await p.load(), "steps") == 0  # the prefill worker never ran a step
+        long = await http.post("/v1/chat/completions", json=chat_body("weather " * 100, max_tokens=3))
+        assert long.status_code == 200
+        assert _load_attr(await p.load(), "kv_sessions_pulled") == 1
+
+
+async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_path, sim_workers,
+                                                                             orchestrator_servers, engine_client):
+    slow = ("--time-scale", "1", "--kv-transfer-timeout", "300")  # real GPU-time steps; sessions never expire
+    prefill, decode = sim_workers.start("prefill", *slow), sim_workers.start("decode", *slow)
+    config = write_config(tmp_path / "cancel.yaml", "disaggregated",
+                          {"prefill": [prefill.address], "decode": [decode.address]})
+    server = orchestrator_servers.start(config)
+    rng = random.Random(7)
+    outcomes = {"before_first_byte": 0, "mid_stream": 0, "completed": 0}
+
+    async def one(http, i):
+        delay = rng.choice([0.0, 0.005, 0.02, 0.05]) if i % 3 == 0 else rng.uniform(0.0, 0.6)
+        with trio.move_on_after(delay):
+            async with http.stream("POST", "/v1/chat/completions",
+                                   json=chat_body("weather " * rng.randint(5, 400), max_tokens=60, stream=True)) as r:
+                outcomes["before_first_byte"] -= 1
+                outcomes["mid_stream"] += 1
+                async for _ in r.aiter_bytes():
+                    pass
+                outcomes["mid_stream"] -= 1
+                outcomes["completed"] += 1
+            return
+        outcomes["before_first_byte"] += 1
+
+    limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, http, i)
+    assert sum(outcomes.values()) == 200 and outcomes["mid_stream"] > 10
+    async with engine_client(prefill.address) as p, engine_client(decode.address) as d:
+        from orchestrator.testing import wait_for_load
+
+        for client in (p, d):
+            load = await wait_for_load(client, lambda l: l.running_requests == 0 and l.active_kv_sessions == 0
+                                       and l.used_kv_blocks == 0 and l.queued_requests == 0, timeout=30)
+            assert _load_attr(load, "kv_sessions_expired") == 0
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        with trio.fail_after(10):
+            while True:
+                health = (await http.get("/health")).json()
+                metrics = (await http.get("/metrics")).text
+                if "orchestrator_requests_in_flight 0.0" in metrics and all(
+                        w["inflight"] == 0 for w in health["workers"]):
+                    break
+                await trio.sleep(0.1)
+        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
+
+
+async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_worker(tmp_path, sim_workers,
+                                                                                   orchestrator_servers):
+    flaky = sim_workers.start("prefill", *FAST, "--error-rate", "1", "--error-code", "ERROR_CODE_OVERLOADED",
+                              "--error-retryable")
+    good = sim_workers.start("prefill", *FAST)
+    decode = sim_workers.start("decode", *FAST)
+    overloaded_decode = sim_workers.start("decode", *FAST, "--error-rate", "1", "--error-phase", "decode",
+                                          "--error-code", "ERROR_CODE_OVERLOADED", "--error-retryable")
+    retry = orchestrator_servers.start(write_config(
+        tmp_path / "retry.yaml", "disaggregated", {"prefill": [flaky.address, good.address],
+                                                   "decode": [decode.address]}, routing={"prefill": "round_robin"}))
+    busy = orchestrator_servers.start(write_config(
+        tmp_path / "busy.yaml", "disaggregated", {"prefill": [good.address], "decode": [overloaded_decode.address]}))
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(4):  # round robin sends some prefills to the flaky worker; each is retried once
+            assert (await http.post(retry.url + "/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
+        metrics = (await http.get(retry.url + "/metrics")).text
+        retries = _metric(metrics, "orchestrator_prefill_retries_total")
+        assert 1 <= retries <= 4
+        assert _metric(metrics, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED"}') == retries
+        refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+        streamed = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2, stream=True))
+        events = sse_events(streamed.text)
+        assert streamed.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "overloaded"
+
+
+async def test_an_error_after_streaming_began_is_a_final_sse_event(tmp_path, sim_workers, orchestrator_servers):
+    crashing = sim_workers.start("aggregated", "--time-scale", "0.05", "--crash-after-tokens", "5")
+    server = orchestrator_servers.start(write_config(tmp_path / "crash.yaml", "aggregated",
+                                                     {"aggregated": [crashing.address]}))
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=50, stream=True))
+        events = sse_events(response.text)
+        assert any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
+                   for e in events)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert events[-2]["error"]["code"] == "worker_unavailable"
+        health = await http.get(server.url + "/health")
+        assert health.status_code == 503
+
+
+async def test_request_deadline_is_a_504(tmp_path, sim_workers, orchestrator_servers):
+    stalling = sim_workers.start("aggregated", *FAST, "--stall-after-tokens", "2")
+    server = orchestrator_servers.start(write_config(tmp_path / "stall.yaml", "aggregated",
+                                                     {"aggregated": [stalling.address]},
+                                                     limits={"request_timeout_s": 1.0}))
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=50))
+    assert response.status_code == 504 and "1 s" in response.json()["error"]["message"]
+
+
+async def test_sigterm_finishes_in_flight_streams_then_exits(tmp_path, sim_workers, orchestrator_servers):
+    import signal
+
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    server = orchestrator_servers.start(write_config(tmp_path / "term.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=80, stream=True)) as r:
+            chunks = r.aiter_text()
+            first = await chunks.__anext__()
+            server.process.signal(signal.SIGTERM)
+            rest = "".join([c async for c in chunks])
+    events = sse_events(first + rest)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert await trio.to_thread.run_sync(server.process.process.wait, 20) == 0
