@@ -106,7 +106,7 @@ def test_generation_leg_carries_the_session_untouched_and_the_same_prompt_and_me
     session = _session()
     leg = disagg.generation_leg(full, session)
     assert leg.kv.session == session
-    assert leg.kv.session.SerializeToString() == session.SerializeToString()
+    assert leg.kv.session.SerializeToString(deterministic=True) == session.SerializeToString(deterministic=True)
     assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)
     assert [m.uuid for m in leg.media] == ["u1", "u2"]
     assert leg.stopping.max_tokens == 5 and "request_type" not in leg.extra
