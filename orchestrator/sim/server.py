@@ -139,6 +139,8 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
         self.model_info_calls = 0
+        # what recent requests carried, for tests and debugging: {id, kind, media: [...]}
+        self.recent: collections.deque[dict] = collections.deque(maxlen=32)
 
     # ---- Control ---------------------------------------------------------------------------------
     def health_state(self) -> int:
@@ -211,7 +213,8 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
                                 "kv_sessions_expired": self.sessions.expired,
                                 "kv_sessions_pulled": self.sessions.pulled,
                                 "cancelled_by_client": self.cancelled_by_client,
-                                "model_info_calls": self.model_info_calls}),
+                                "model_info_calls": self.model_info_calls,
+                                "recent_requests": list(self.recent)}),
         )
 
     async def Abort(self, request, context):
@@ -324,6 +327,10 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         if not prompt_ids:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "prompt is empty")
         media_ids = await self._resolve_media(request)
+        self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids), "media": [
+            {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
+             if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}
+            for m, identity in zip(request.media, media_ids)]})
         prompt_len = len(prompt_ids) + len(media_ids) * c.profile.image_tokens
         window = c.context_window
         if prompt_len >= window:
