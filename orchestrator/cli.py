@@ -10,7 +10,8 @@ from orchestrator import __version__, log
 
 
 # Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
-SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrator.launch", "orchestrator.config_check")
+SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrator.launch", "orchestrator.config_check",
+                      "orchestrator.discovery.register")
 
 
 def build_parser() -> argparse.ArgumentParser:

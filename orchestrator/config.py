@@ -99,6 +99,7 @@ class LimitsConfig:
     discovery_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     health_interval_s: float = attrs.field(default=1.0, validator=_positive)
     prefill_retries: int = 1
+    decode_retries: int = 1  # generation legs that failed before their first token
     kv_cleanup_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=_positive)
 
@@ -276,8 +277,9 @@ def _check(config: Config, file: str) -> None:
                 raise ConfigError(file, f"{key}.sim.profile", " or ".join(sorted(PROFILES)), worker.sim.profile)
             if worker.sim.time_scale < 0:
                 raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
-    if config.limits.prefill_retries < 0:
-        raise ConfigError(file, "limits.prefill_retries", "an integer >= 0", config.limits.prefill_retries)
+    for name in ("prefill_retries", "decode_retries"):
+        if getattr(config.limits, name) < 0:
+            raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
 
 
 def load(path: str | Path) -> Config:

@@ -175,6 +175,29 @@ class Coordinator:
 
     async def _generate(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
                         state: StreamState, started: float, *, first_token_matters: bool, prefill=None) -> None:
+        """Run a generation leg; a retryable failure before anything was streamed moves it to another
+        worker of the same role (a decode leg can pull the same KV session from there)."""
+        tried = [worker]
+        while True:
+            try:
+                await self._generate_once(worker, leg, plan, sink, state, started,
+                                          first_token_matters=first_token_matters, prefill=prefill)
+                return
+            except EngineError as exc:
+                if (state.first_token_at is not None or not exc.retryable
+                        or len(tried) > self.config.limits.decode_retries):
+                    raise
+                try:
+                    worker = self.pool.pick(worker.role, exclude=tuple(tried))
+                except ApiError:
+                    raise exc from None
+                tried.append(worker)
+                self.metrics.retries.labels(worker.role).inc()
+                log.warning("%s leg %s failed before its first token (%s); retrying on %s", worker.role,
+                            leg.request_id, exc.code_name, worker.address)
+
+    async def _generate_once(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
+                             state: StreamState, started: float, *, first_token_matters: bool, prefill=None) -> None:
         mode = plan.path
         last_chunk = [None]
 

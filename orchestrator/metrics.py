@@ -23,7 +23,8 @@ class Metrics:
         self.workers = Gauge("orchestrator_workers", "Workers in the pool by role and state", ["role", "state"],
                              registry=r)
         self.engine_errors = Counter("orchestrator_engine_errors", "Engine errors by code", ["code"], registry=r)
-        self.retries = Counter("orchestrator_prefill_retries", "Prefill legs retried on another worker", registry=r)
+        self.retries = Counter("orchestrator_retries", "Legs retried on another worker of the same role, by role",
+                               ["role"], registry=r)
         self.kv_cleanups = Counter("orchestrator_kv_cleanups", "KV sessions released after a cancellation, by way",
                                    ["way"], registry=r)
 

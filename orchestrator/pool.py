@@ -79,12 +79,15 @@ class WorkerPool:
     async def run(self, registry: WorkerRegistry, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            started = False
-            async for snapshot in registry.snapshots():
+            first = trio.Event()
+
+            def publish(snapshot: Snapshot) -> None:
                 self._apply(snapshot)
-                if not started:
-                    started = True
-                    task_status.started()
+                first.set()
+
+            nursery.start_soon(registry.run, publish)
+            await first.wait()
+            task_status.started()
 
     def _apply(self, snapshot: Snapshot) -> None:
         self.registry_healthy = snapshot.healthy

@@ -63,7 +63,7 @@ async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *
             worker = pool.pick("prefill", exclude=tuple(tried))
         except Exception:
             raise error from None
-        metrics.retries.inc()
+        metrics.retries.labels("prefill").inc()
         log.warning("prefill of %s failed on %s (%s); retrying on %s", leg.request_id, tried[-1].address,
                     error.code_name, worker.address)
 

@@ -54,12 +54,12 @@ def apply_worker_overrides(config: Config, overrides: list[str]) -> Config:
     return attrs.evolve(config, discovery=config_module.DiscoveryConfig(static=static))
 
 
-def make_registry(config: Config):
+def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
 
         etcd = config.discovery.etcd
-        return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name)
+        return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name, loop_thread=loop_thread)
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static
@@ -95,7 +95,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         hc.errorlog = logging.getLogger("hypercorn.error")
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
-            await nursery.start(pool.run, make_registry(config))
+            await nursery.start(pool.run, make_registry(config, loop_thread))
             binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
             url = binds[0]
             log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)

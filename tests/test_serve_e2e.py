@@ -227,7 +227,7 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
         for _ in range(4):  # round robin sends some prefills to the flaky worker; each is retried once
             assert (await http.post(retry.url + "/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
         metrics = (await http.get(retry.url + "/metrics")).text
-        retries = _metric(metrics, "orchestrator_prefill_retries_total")
+        retries = _metric(metrics, 'orchestrator_retries_total{role="prefill"}')
         assert 1 <= retries <= 4
         assert _metric(metrics, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED"}') == retries
         refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))

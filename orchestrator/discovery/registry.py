@@ -1,4 +1,4 @@
-"""The registry interface: an async stream of complete snapshots of the worker set.
+"""The registry interface: a task that publishes complete snapshots of the worker set.
 
 Snapshots, not deltas, so a consumer can always resynchronise by diffing; `healthy` is False while
 the registry cannot reach its source (the last snapshot stays in service, /health says degraded).
@@ -7,7 +7,7 @@ the registry cannot reach its source (the last snapshot stays in service, /healt
 from __future__ import annotations
 
 import abc
-from typing import AsyncIterator
+from typing import Callable
 
 import attrs
 
@@ -27,7 +27,10 @@ class Snapshot:
     detail: str = ""
 
 
+Publish = Callable[[Snapshot], None]
+
+
 class WorkerRegistry(abc.ABC):
     @abc.abstractmethod
-    def snapshots(self) -> AsyncIterator[Snapshot]:
-        """Yield the current worker set, then every change, until cancelled."""
+    async def run(self, publish: Publish) -> None:
+        """Publish the current worker set, then every change, until cancelled."""

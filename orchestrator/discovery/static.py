@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 import trio
 
-from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
 
 
 class StaticRegistry(WorkerRegistry):
@@ -14,6 +12,6 @@ class StaticRegistry(WorkerRegistry):
         self.workers = frozenset(WorkerSpec(address=a, role=role, model=model)
                                  for role, addresses in workers.items() for a in addresses)
 
-    async def snapshots(self) -> AsyncIterator[Snapshot]:
-        yield Snapshot(self.workers)
+    async def run(self, publish: Publish) -> None:
+        publish(Snapshot(self.workers))
         await trio.sleep_forever()

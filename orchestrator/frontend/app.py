@@ -79,8 +79,9 @@ class App:
     async def health(self, scope, receive, send) -> None:
         roles = {role: self.pool.ready_count(role) for role in self.config.needed_roles}
         ready = all(roles.values()) and not self.draining
-        status = "draining" if self.draining else ("degraded" if not self.pool.registry_healthy else
-                                                   ("ready" if ready else "not_ready"))
+        # degraded: still serving the last known pool while the registry (etcd) is unreachable
+        status = ("draining" if self.draining else "not_ready" if not ready
+                  else "degraded" if not self.pool.registry_healthy else "ready")
         body = {"status": status, "mode": self.config.mode, "ready_workers": roles, "workers": self.pool.snapshot()}
         if not self.pool.registry_healthy:
             body["registry"] = self.pool.registry_detail

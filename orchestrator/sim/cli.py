@@ -41,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-grace", type=float, default=30.0)
     p.add_argument("--etcd", default=None, help="self-register in etcd at this URL (see `orchestrator register`)")
     p.add_argument("--etcd-namespace", default="orchestrator")
+    p.add_argument("--etcd-ttl", type=int, default=10, help="lease TTL of the self-registration (seconds)")
     faults = p.add_argument_group("fault injection")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
     faults.add_argument("--error-phase", choices=["any", "prefill", "decode", "aggregated"], default="any")
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.etcd:
         from orchestrator.discovery.register import sim_self_registration
 
-        on_ready = sim_self_registration(args.etcd, args.etcd_namespace, config.role, config.model)
+        on_ready = sim_self_registration(args.etcd, args.etcd_namespace, config.role, config.model, args.etcd_ttl)
     try:
         import uvloop
 

@@ -139,6 +139,7 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
         self.model_info_calls = 0
+        self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
         # what recent requests carried, for tests and debugging: {id, kind, media: [...]}
         self.recent: collections.deque[dict] = collections.deque(maxlen=32)
 
@@ -533,7 +534,12 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
         await on_ready(worker, address)
     print(f"ready {address}", flush=True)
     await stop.wait()
+    worker.draining = True  # health says DRAINING at once, so a registration withdraws now
     await worker.drain(drain_grace_s)
+    for task in worker.background:
+        task.cancel()
+    if worker.background:
+        await asyncio.gather(*worker.background, return_exceptions=True)
     await server.stop(grace=1.0)
     scheduler_task.cancel()
     kv_server.close()

@@ -1,0 +1,125 @@
+"""EtcdRegistry: the worker pool from etcd, by lease + watch.
+
+Initial `get_prefix`, then a watch from the next revision. When the watch breaks (etcd down, a
+compaction, a network cut) it publishes the last known pool as unhealthy (the pool keeps serving
+it, /health says degraded), reconnects with backoff, takes a fresh snapshot and publishes it whole:
+the pool diffs it, so workers that left while etcd was unreachable are dropped, new ones added.
+
+aetcd is asyncio: it runs on the orchestrator's asyncio loop thread, next to the engine clients
+(grpc.aio wants one loop per process), and watch events reach trio through a StreamInbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import trio
+
+from orchestrator.discovery import keys
+from orchestrator.discovery.registration import new_client
+from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.engine.loop_thread import LoopThread
+from orchestrator.log import RateLimitedLog, cause_chain
+
+log = logging.getLogger(__name__)
+
+
+class WatchBroken(Exception):
+    pass
+
+
+class EtcdRegistry(WorkerRegistry):
+    def __init__(self, endpoints: tuple[str, ...], namespace: str, *, model: str, loop_thread: LoopThread,
+                 max_backoff: float = 2.0):
+        if not endpoints:
+            raise ValueError("etcd discovery needs at least one endpoint")
+        self.endpoints = endpoints
+        self.prefix = keys.workers_prefix(namespace, model)
+        self.model = model
+        self._loop_thread = loop_thread
+        self._max_backoff = max_backoff
+        self._entries: dict[str, WorkerSpec] = {}
+        self._retry_log = RateLimitedLog(log, interval=10.0)
+
+    async def run(self, publish: Publish) -> None:
+        backoff = 0.1
+        attempt = 0
+        while True:
+            endpoint = self.endpoints[attempt % len(self.endpoints)]
+            attempt += 1
+            try:
+                await self._session(endpoint, publish)
+            except Exception as exc:  # etcd client errors of every kind: publish degraded, retry
+                publish(Snapshot(frozenset(self._entries.values()), healthy=False,
+                                 detail=f"etcd {endpoint} unreachable: {cause_chain(exc)}"))
+                self._retry_log("etcd %s: watch of %s lost, resynchronising in %.1f s: %s", endpoint, self.prefix,
+                                backoff, cause_chain(exc))
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff)
+            else:  # pragma: no cover - _session only returns by raising
+                backoff = 0.1
+
+    async def _session(self, endpoint: str, publish: Publish) -> None:
+        loop_thread = self._loop_thread
+        client = new_client(endpoint, timeout=3.0)
+        prefix = self.prefix.encode()
+        inbox = loop_thread.new_inbox()
+        holder: dict = {}
+        try:
+            async def snapshot():
+                await client.connect()
+                return await client.get_prefix(prefix)
+
+            result = await loop_thread.run(snapshot)
+            entries = {}
+            for kv in result.kvs:
+                key = kv.key.decode()
+                try:
+                    entries[key] = keys.parse_entry(key, kv.value)
+                except keys.BadEntry as exc:
+                    log.warning("etcd: ignoring %s", exc)
+            self._entries = entries
+            publish(Snapshot(frozenset(entries.values())))
+            log.info("etcd %s: %d workers under %s at revision %d", endpoint, len(entries), self.prefix,
+                     result.header.revision)
+
+            async def pump():
+                try:
+                    watch = await client.watch_prefix(prefix, start_revision=result.header.revision + 1)
+                    holder["watch"] = watch
+                    async for event in watch:
+                        inbox.put(event)
+                    inbox.close(WatchBroken("the watch stream ended"))
+                except asyncio.CancelledError:
+                    inbox.close(WatchBroken("watch cancelled"))
+                    raise
+                except Exception as exc:  # noqa: BLE001 - delivered to the trio side
+                    inbox.close(exc)
+
+            loop_thread.call_soon(lambda: holder.setdefault("task", asyncio.ensure_future(pump())))
+            while True:
+                events = await inbox.get_batch()
+                if not events:
+                    raise WatchBroken("the watch stream ended")
+                changed = False
+                for event in events:
+                    key = event.kv.key.decode()
+                    if event.kind == "PUT":
+                        try:
+                            self._entries[key] = keys.parse_entry(key, event.kv.value)
+                            changed = True
+                        except keys.BadEntry as exc:
+                            log.warning("etcd: ignoring %s", exc)
+                    elif self._entries.pop(key, None) is not None:
+                        changed = True
+                if changed:
+                    publish(Snapshot(frozenset(self._entries.values())))
+        finally:
+            def stop():
+                task = holder.get("task")
+                if task is not None:
+                    task.cancel()
+                asyncio.ensure_future(client.close())
+
+            loop_thread.call_soon(stop)

@@ -1,0 +1,124 @@
+"""Keeping one worker registered in etcd under a lease (asyncio; aetcd is an asyncio library).
+
+Used by the `orchestrator register` sidecar (on the orchestrator's asyncio loop thread) and by
+`orchestrator sim-worker --etcd` (in the simulator's own loop): one implementation of the rules.
+- registered while `is_healthy()` is true: a lease of `ttl` seconds, kept alive every ttl/3;
+- withdrawn (lease revoked, key gone) at once when the worker turns unhealthy or draining;
+- re-registered after etcd comes back (connection errors are retried with backoff and logged with
+  their cause chain, rate-limited);
+- on cancellation (SIGTERM) the lease is revoked, so the key disappears immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+from urllib.parse import urlsplit
+
+import aetcd
+
+from orchestrator.log import RateLimitedLog, cause_chain
+
+log = logging.getLogger(__name__)
+POLL_S = 0.1
+
+
+def parse_etcd_url(url: str) -> tuple[str, int]:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if not parts.hostname:
+        raise ValueError(f"etcd URL {url!r} has no host")
+    return parts.hostname, parts.port or 2379
+
+
+def new_client(url: str, timeout: float = 3.0) -> aetcd.Client:
+    host, port = parse_etcd_url(url)
+    return aetcd.Client(host=host, port=port, timeout=timeout)
+
+
+class Registration:
+    def __init__(self, etcd_url: str, key: str, value: bytes, *, ttl: int = 10,
+                 is_healthy: Callable[[], bool] = lambda: True):
+        self.etcd_url = etcd_url
+        self.key = key.encode()
+        self.value = value
+        self.ttl = ttl
+        self.is_healthy = is_healthy
+        self.registered = False
+        self.registrations = 0  # how many times the key was (re)written
+        self._lease = None
+        self._client: aetcd.Client | None = None
+        self._retry_log = RateLimitedLog(log, interval=10.0)
+
+    async def run(self) -> None:
+        backoff = 0.2
+        try:
+            while True:
+                try:
+                    self._client = new_client(self.etcd_url)
+                    await self._client.connect()
+                    await self._serve(self._client)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # aetcd raises its own errors and grpc's; all mean "retry"
+                    self._lease = None
+                    self.registered = False
+                    self._retry_log("etcd %s: registration of %s failed, retrying in %.1f s: %s", self.etcd_url,
+                                    self.key.decode(), backoff, cause_chain(exc))
+                    await _close(self._client)
+                    self._client = None
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            await self._revoke_on_exit()
+
+    async def _revoke_on_exit(self) -> None:
+        lease, client = self._lease, self._client
+        if lease is not None and client is not None:
+            try:
+                await asyncio.wait_for(client.revoke_lease(lease.id), 2.0)
+                log.info("etcd: revoked lease of %s", self.key.decode())
+            except Exception as exc:  # best effort on the way out; the TTL covers the rest
+                log.warning("etcd: could not revoke lease of %s: %s", self.key.decode(), cause_chain(exc))
+        self._lease = None
+        self.registered = False
+        await _close(client)
+        self._client = None
+
+    async def _serve(self, client: aetcd.Client) -> None:
+        """Register / refresh / withdraw until an etcd error is raised."""
+        refresh_every = max(self.ttl / 3.0, POLL_S)
+        next_refresh = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            healthy = self.is_healthy()
+            if healthy and self._lease is None:
+                lease = await client.lease(self.ttl)
+                await client.put(self.key, self.value, lease=lease)
+                self._lease = lease
+                self.registered = True
+                self.registrations += 1
+                next_refresh = loop.time() + refresh_every
+                log.info("etcd: registered %s (lease %x, ttl %d s)", self.key.decode(), lease.id, self.ttl)
+            elif not healthy and self._lease is not None:
+                lease, self._lease = self._lease, None
+                self.registered = False
+                await client.revoke_lease(lease.id)
+                log.info("etcd: withdrew %s (worker not healthy)", self.key.decode())
+            elif self._lease is not None and loop.time() >= next_refresh:
+                reply = await client.refresh_lease(self._lease.id)
+                if getattr(reply, "TTL", 1) <= 0:  # etcd no longer knows the lease
+                    log.warning("etcd: lease of %s expired; registering again", self.key.decode())
+                    self._lease = None
+                    self.registered = False
+                    continue
+                next_refresh = loop.time() + refresh_every
+            await asyncio.sleep(POLL_S)
+
+
+async def _close(client) -> None:
+    if client is not None:
+        try:
+            await client.close()
+        except Exception:  # noqa: BLE001 - closing a broken channel
+            pass

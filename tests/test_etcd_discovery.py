@@ -1,0 +1,176 @@
+"""Worker discovery through a real etcd server, with real sim-worker and orchestrator processes."""
+
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import trio
+
+from orchestrator.discovery import keys
+from orchestrator.discovery.registry import WorkerSpec
+from orchestrator.testing import EtcdServer, python_command, write_config
+
+pytestmark = pytest.mark.etcd
+FAST = ("--time-scale", "0.02")
+TTL = 3
+
+
+def sim_flags(etcd, *extra):
+    return (*FAST, "--etcd", etcd.url, "--etcd-namespace", "test", "--etcd-ttl", str(TTL), *extra)
+
+
+def etcd_config(tmp_path, etcd, mode="disaggregated", name="etcd.yaml"):
+    return write_config(tmp_path / name, mode, etcd={"endpoints": [etcd.url], "namespace": "test"},
+                        limits={"worker_startup_timeout_s": 0.5, "health_interval_s": 0.2})
+
+
+async def pool_addresses(http, url):
+    return {(w["role"], w["address"]) for w in (await http.get(url + "/health")).json()["workers"]}
+
+
+async def wait_until(predicate, timeout, interval=0.05):
+    start = trio.current_time()
+    with trio.fail_after(timeout):
+        while not await predicate():
+            await trio.sleep(interval)
+    return trio.current_time() - start
+
+
+def chat(max_tokens=2):
+    return {"model": "tiny-chat", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_key_layout_and_values_round_trip():
+    spec = WorkerSpec(address="grpc://10.0.0.5:50051", role="decode", model="llama", instance_id="d-1")
+    key = keys.worker_key("prod", "llama", "decode", "d-1")
+    assert key == "prod/workers/llama/decode/d-1"
+    assert keys.parse_entry(key, keys.worker_value(spec, schema_revision=1)) == spec
+    for bad in (b"not json", b"[]", b'{"address": "http://x", "role": "decode"}', b'{"address": "grpc://x:1"}'):
+        with pytest.raises(keys.BadEntry):
+            keys.parse_entry(key, bad)
+    with pytest.raises(ValueError):
+        keys.worker_key("prod", "llama", "decode", "a/b")
+
+
+async def test_workers_arrive_serve_and_leave_through_etcd(tmp_path, etcd_server, sim_workers, orchestrator_servers):
+    server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server))
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await http.get(server.url + "/health")).status_code == 503  # nobody registered yet
+        prefill = sim_workers.start("prefill", *sim_flags(etcd_server))
+        decode = sim_workers.start("decode", *sim_flags(etcd_server))
+        registered_at = time.monotonic()  # both printed `ready` only after their key was written
+
+        async def serves():
+            return (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
+
+        await wait_until(serves, timeout=5, interval=0.02)
+        assert time.monotonic() - registered_at < 1.0, "a new worker gets traffic within 1 s of registering"
+
+        # SIGKILL: no goodbye; the lease expires within TTL and the worker leaves the pool
+        decode.process.process.kill()
+        killed_at = trio.current_time()
+        gone = await wait_until(lambda: _without(http, server.url, decode.address), timeout=TTL + 2)
+        assert gone <= TTL + 1.0
+        # draining (SIGTERM): the registration withdraws at once
+        decode2 = sim_workers.start("decode", *sim_flags(etcd_server))
+        await wait_until(lambda: _with(http, server.url, decode2.address), timeout=5)
+        prefill.process.signal(signal.SIGTERM)
+        left = await wait_until(lambda: _without(http, server.url, prefill.address), timeout=5)
+        assert left < 1.0
+        assert trio.current_time() - killed_at > 0
+
+
+async def _with(http, url, address):
+    return any(a == address for _, a in await pool_addresses(http, url))
+
+
+async def _without(http, url, address):
+    return not await _with(http, url, address)
+
+
+async def test_two_orchestrators_see_the_same_pool(tmp_path, etcd_server, sim_workers, orchestrator_servers):
+    first = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, name="a.yaml"))
+    second = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, name="b.yaml"))
+    sim_workers.start("prefill", *sim_flags(etcd_server))
+    sim_workers.start("decode", *sim_flags(etcd_server))
+    async with httpx.AsyncClient(timeout=30) as http:
+        async def both_full():
+            a, b = await pool_addresses(http, first.url), await pool_addresses(http, second.url)
+            return len(a) == 2 and a == b
+
+        await wait_until(both_full, timeout=5)
+        for server in (first, second):
+            assert (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
+
+
+async def test_etcd_outage_keeps_serving_and_the_pool_resynchronises(tmp_path, sim_workers, orchestrator_servers):
+    etcd = EtcdServer(tmp_path)  # our own: this test stops and restarts it
+    try:
+        server = orchestrator_servers.start(etcd_config(tmp_path, etcd))
+        sim_workers.start("prefill", *sim_flags(etcd))
+        decode = sim_workers.start("decode", *sim_flags(etcd))
+        leaver = sim_workers.start("decode", *sim_flags(etcd))
+        failures, sent = [], 0
+        async with httpx.AsyncClient(timeout=30) as http:
+            await wait_until(lambda: _count(http, server.url, 3), timeout=5)
+            etcd.stop()
+            stopped_at = trio.current_time()
+
+            async def degraded():
+                return (await http.get(server.url + "/health")).json()["status"] == "degraded"
+
+            await wait_until(degraded, timeout=5)
+            leaver.process.process.kill()  # leaves while etcd cannot see it
+            while trio.current_time() - stopped_at < 15:
+                response = await http.post(server.url + "/v1/chat/completions", json=chat())
+                sent += 1
+                if response.status_code != 200:
+                    failures.append(response.text)
+                await trio.sleep(0.1)
+            etcd.start()
+            # the pool resynchronises: ready again, and the leaver's key expires (TTL after etcd is back)
+            await wait_until(lambda: _without(http, server.url, leaver.address), timeout=TTL + 10)
+            assert (await http.get(server.url + "/health")).json()["status"] == "ready"
+            assert await _with(http, server.url, decode.address)
+            assert (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
+        assert sent > 50 and failures == []
+    finally:
+        etcd.close()
+
+
+async def _count(http, url, n):
+    return len(await pool_addresses(http, url)) == n
+
+
+def test_register_refuses_a_role_mismatch(etcd_server, sim_workers):
+    worker = sim_workers.start("prefill", *FAST)
+    result = subprocess.run(python_command("register", "--etcd", etcd_server.url, "--worker", worker.address,
+                                           "--role", "decode", "--namespace", "test-mismatch"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "refusing to register" in result.stderr and "engine_role is prefill" in result.stderr
+
+
+async def test_register_sidecar_announces_withdraws_and_revokes(tmp_path, etcd_server, sim_workers,
+                                                                 orchestrator_servers):
+    from orchestrator.testing import ManagedProcess
+
+    server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated"))
+    worker = sim_workers.start("aggregated", *FAST)
+    sidecar = ManagedProcess("register", python_command(
+        "register", "--etcd", etcd_server.url, "--worker", worker.address, "--role", "aggregated",
+        "--namespace", "test", "--ttl", str(TTL)), log_dir=tmp_path)
+    try:
+        key = sidecar.wait_ready(30)
+        assert key.startswith("test/workers/tiny-chat/aggregated/")
+        async with httpx.AsyncClient(timeout=30) as http:
+            await wait_until(lambda: _with(http, server.url, worker.address), timeout=5)
+            assert (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
+            sidecar.signal(signal.SIGTERM)  # revokes the lease: the worker leaves at once
+            left = await wait_until(lambda: _without(http, server.url, worker.address), timeout=5)
+            assert left < 1.0
+        assert await trio.to_thread.run_sync(sidecar.process.wait, 10) == 0
+    finally:
+        sidecar.stop()
