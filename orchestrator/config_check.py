@@ -11,6 +11,8 @@ from orchestrator import config as config_module
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("check-config", help="validate a config file (names the key on error)")
     p.add_argument("config", type=Path, nargs="+")
+    p.add_argument("--no-path-checks", action="store_true",
+                   help="skip checks of paths that exist only on the target host (model.dir)")
     p.set_defaults(run=run)
 
 
@@ -18,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     for path in args.config:
         try:
-            config = config_module.load(path)
+            config = config_module.load(path, check_paths=not args.no_path_checks)
         except config_module.ConfigError as exc:
             print(f"error: {exc}")
             status = 1

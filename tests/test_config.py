@@ -1,0 +1,78 @@
+"""Config loading: every shipped file passes, typos and wrong types are named by file and key."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator import config as config_module
+from orchestrator.config import ConfigError
+from orchestrator.testing import python_command
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_passes_check_config(path):
+    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("ok:"), result.stdout + result.stderr
+
+
+def test_real_trtllm_examples_pass_without_host_paths():
+    config_module.load(CONFIGS / "trtllm" / "disagg.yaml", check_paths=False)
+    documents = list(yaml.safe_load_all((CONFIGS / "trtllm" / "k8s" / "disagg.yaml").read_text()))
+    embedded = next(d for d in documents if d["kind"] == "ConfigMap")["data"]["orchestrator.yaml"]
+    config = config_module.from_dict(yaml.safe_load(embedded), file="k8s ConfigMap", check_paths=False)
+    assert config.discovery.etcd.endpoints == ("http://etcd:2379",)
+    for name in ("prefill-engine.yaml", "decode-engine.yaml"):
+        engine = yaml.safe_load((CONFIGS / "trtllm" / name).read_text())
+        assert engine["cache_transceiver_config"]["backend"] in ("DEFAULT", "UCX", "NIXL", "MPI")
+    assert yaml.safe_load((CONFIGS / "trtllm" / "prefill-engine.yaml").read_text())["disable_overlap_scheduler"]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_check_config_names_a_typoed_key(tmp_path):
+    path = write(tmp_path, "mode: aggregated\nrouting:\n  decdoe: round_robin\n")
+    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"{path}: routing.decdoe: expected one of the known keys" in result.stdout
+
+
+def test_check_config_names_a_missing_model_directory(tmp_path):
+    path = write(tmp_path, "model:\n  dir: ./no-such-model\n")
+    with pytest.raises(ConfigError) as info:
+        config_module.load(path)
+    assert info.value.key == "model.dir" and "tokenizer.json" in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("mode: hybrid\n", "mode", "aggregated or disaggregated or conditional"),
+    ("limits:\n  request_timeout_s: soon\n", "limits.request_timeout_s", "a number"),
+    ("limits:\n  max_images: -1\n", "limits.max_images", "> 0"),
+    ("limits:\n  prefill_retries: -1\n", "limits.prefill_retries", ">= 0"),
+    ("discovery:\n  static:\n    decode: [localhost:5]\n", "discovery.static.decode[0]", "grpc://HOST:PORT"),
+    ("discovery:\n  static: {}\n  etcd: {}\n", "discovery", "exactly one of static or etcd"),
+    ("launch:\n  workers:\n    - role: decode\n", "launch.workers[0]", "exactly one of sim or command"),
+    ("launch:\n  workers:\n    - {role: decode, sim: {profile: h200}}\n", "launch.workers[0].sim.profile",
+     "llama3-8b-h100"),
+    ("launch:\n  workers:\n    - sim: {}\n", "launch.workers[0].role", "required"),
+    ("http:\n  port: '8000'\n", "http.port", "an integer"),
+    ("- a list\n", "(top level)", "a mapping"),
+    ("mode: [unclosed\n", "(syntax)", "valid YAML"),
+])
+def test_config_errors_name_file_key_and_expectation(tmp_path, text, key, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        config_module.load(path)
+    assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_missing_file_is_a_config_error():
+    with pytest.raises(ConfigError, match="readable YAML file"):
+        config_module.load("/no/such/config.yaml")

@@ -1,0 +1,97 @@
+"""`orchestrator launch` as operators run it: whole topologies up, requests, down, nothing left behind."""
+
+import base64
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator.testing import ManagedProcess, ProcessFailed, python_command
+from sim_helpers import png_bytes
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def child_pids(launcher: ManagedProcess) -> dict[str, int]:
+    text = launcher.log_path.read_text()
+    return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", text)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0): read its state
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def requests(url: str) -> list[str]:
+    image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    bodies = [
+        {"messages": [{"role": "user", "content": "Describe the mountains"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                   {"type": "image_url", "image_url": {"url": image}}]}],
+         "multi_modal_uuids": ["red-pixel"]},
+    ]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        out = []
+        for body in bodies:
+            response = http.post("/v1/chat/completions", json={"model": "tiny-chat", "max_tokens": 10, "seed": 4, **body})
+            assert response.status_code == 200, response.text
+            out.append(response.json()["choices"][0]["message"]["content"])
+        return out
+
+
+def run_topology(tmp_path, config: str) -> list[str]:
+    launcher = ManagedProcess(f"launch-{Path(config).stem}",
+                              python_command("launch", str(CONFIGS / config), "--http-port", "0"), log_dir=tmp_path)
+    try:
+        url = launcher.wait_ready(120)
+        pids = child_pids(launcher)
+        assert pids and all(alive(pid) for pid in pids.values())
+        outputs = requests(url)
+        launcher.signal(signal.SIGINT)
+        assert launcher.process.wait(60) == 0
+    finally:
+        launcher.stop()
+    left = [name for name, pid in pids.items() if alive(pid)]
+    assert left == [], f"children left running: {left}"
+    log = launcher.log_path.read_text()
+    assert "[orchestrator]" in log and "[sim-" in log  # child logs are prefixed by component
+    return outputs
+
+
+def test_agg_and_disagg_topologies_give_the_same_answers_and_leave_nothing_behind(tmp_path):
+    agg = run_topology(tmp_path, "agg.yaml")
+    disagg = run_topology(tmp_path, "disagg.yaml")
+    assert agg == disagg and all(text.strip() for text in agg)
+
+
+@pytest.mark.etcd
+def test_disagg_with_a_launched_etcd(tmp_path):
+    outputs = run_topology(tmp_path, "disagg-etcd.yaml")
+    assert len(outputs) == 2
+
+
+def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text((CONFIGS / "disagg.yaml").read_text().replace(
+        "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1}",
+        "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, args: [--crash-after-tokens, lots]}"))
+    launcher = ManagedProcess("launch-broken", python_command("launch", str(config), "--http-port", "0"),
+                              log_dir=tmp_path)
+    with pytest.raises(ProcessFailed):
+        launcher.wait_ready(60)
+    assert launcher.process.wait(30) == 1
+    pids = child_pids(launcher)
+    log = launcher.log_path.read_text()
+    assert "launch failed: sim-decode-0 exited with code 2" in log
+    assert "invalid int value: 'lots'" in log.split("launch failed:")[1]  # the tail of the child's log
+    assert not any(alive(pid) for pid in pids.values())
+    launcher.stop()
