@@ -26,7 +26,9 @@ def test_without_endpoints_the_lane_skips():
 
 def test_required_lane_without_endpoints_fails():
     result = run_lane(ORCH_REQUIRE_LIVE_ENGINE="1")
-    assert result.returncode == 1 and "2 failed" in result.stdout, result.stdout
+    # a failing fixture is reported as an error: the run fails (exit 1) and nothing passed or skipped
+    assert result.returncode == 1 and "2 errors" in result.stdout, result.stdout
+    assert "passed" not in result.stdout and "skipped" not in result.stdout
     assert "ORCH_REQUIRE_LIVE_ENGINE=1 but" in result.stdout
 
 
