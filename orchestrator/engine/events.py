@@ -77,6 +77,8 @@ def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event |
     kind = response.WhichOneof("event")
     if kind == "token":
         infos = response.token.tokens
+        if len(infos) == 1 and not infos[0].HasField("logprob"):  # the common case: one plain token
+            return Tokens((infos[0].token_id,))
         ids = tuple(t.token_id for t in infos)
         if infos and infos[0].HasField("logprob"):
             logprobs = tuple(

@@ -2,12 +2,14 @@
 
 Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
 before any byte of the response) -> execute in the request's nursery, whose watcher cancels it when
-the client disconnects. A failure after streaming began becomes a final SSE error event and
-`data: [DONE]`. Every accepted request ends in exactly one terminal response.
+the client disconnects. A streamed response starts with its first chunk; a failure before that is a
+plain HTTP error, a failure after it a final SSE error event and `data: [DONE]`. Every accepted
+request ends in exactly one terminal response.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import secrets
@@ -29,6 +31,10 @@ log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+
+_ENGINE_ID_PREFIX = secrets.token_hex(3)
+_engine_ids = itertools.count()
 
 
 class ClientGone(Exception):
@@ -113,8 +119,9 @@ class App:
                 raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
             body = await read_json(receive, self.config.limits.max_request_bytes)
             api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
-            # Engine request ids must be unique per worker even when clients reuse an X-Request-Id.
-            engine_id = f"{request_id}-{secrets.token_hex(4)}"
+            # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
+            # (and across orchestrators): a per-process random prefix and a counter.
+            engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             plan = await self.coordinator.plan(api, engine_id)
             outcome = await self._run(kind, request_id, api, plan, response, receive)
         except ApiError as error:
@@ -145,14 +152,15 @@ class App:
 
         token_text = self.coordinator.tokenizer.token_text
         if api.stream:
+            # The SSE headers go out with the first chunk: the engine leg starts without waiting for
+            # them, and a failure before the first byte is still a plain HTTP error with its status.
             sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text)
-            await response.start_stream()
         else:
             sink = _CollectingSink(kind, api, token_text)
         try:
             await self.coordinator.execute(plan, sink, watch=watch)
         except (ApiError, EngineError) as error:
-            if not api.stream:
+            if not response.streaming:
                 raise
             api_error = error if isinstance(error, ApiError) else from_engine_error(error)
             await response.stream_error(api_error)
@@ -160,6 +168,8 @@ class App:
         if disconnected:
             raise ClientGone()
         if api.stream:
+            if not response.streaming:
+                await response.start_stream()
             await response.end_stream()
         else:
             await send_json(response.send, 200, sink.response(request_id, model, created), response.headers)
@@ -185,7 +195,7 @@ class _StreamingSink:
         data = self.writer.finish(reason)
         if self.api.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens)
-        await self.response.chunk(data)
+        self.response.tail = data  # sent with `data: [DONE]` in one write
 
 
 class _CollectingSink:
@@ -222,6 +232,7 @@ class _Response:
         self.headers = headers
         self.streaming = False
         self.done = False
+        self.tail = b""  # the final chunk(s) of a stream, written together with [DONE]
 
     async def start_stream(self) -> None:
         self.streaming = True
@@ -229,11 +240,13 @@ class _Response:
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *self.headers]})
 
     async def chunk(self, data: bytes) -> None:
+        if not self.streaming:
+            await self.start_stream()
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self) -> None:
         self.done = True
-        await self.send({"type": "http.response.body", "body": fmt.DONE, "more_body": False})
+        await self.send({"type": "http.response.body", "body": self.tail + fmt.DONE, "more_body": False})
 
     async def stream_error(self, error: ApiError) -> None:
         self.done = True

@@ -1,0 +1,178 @@
+"""What the orchestrator costs: the same streams read directly over gRPC and through the orchestrator.
+
+    python benchmarks/overhead.py [--requests-per-slot 8] [--max-tokens 64]
+
+Simulated workers at zero GPU cost (--time-scale 0), so every millisecond measured is software.
+For aggregated (1 worker) and disaggregated (1 prefill + 1 decode), at concurrency 1 and 64:
+  (a) direct: our engine client drives the legs itself (disagg: context-only leg, then the
+      generation leg with the KV session), and
+  (b) through `orchestrator serve` over HTTP/SSE (a lean keep-alive client, TCP_NODELAY),
+measured one after the other in the same run against the same worker processes. Prints streamed
+tokens/s of both, the ratio b/a, and the TTFT the orchestrator adds (p50/p99, ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from orchestrator import disagg
+from orchestrator.bench.sse_client import Connection
+from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
+from orchestrator.models import TINY_CHAT
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.testing import OrchestratorServers, SimWorkers, write_config
+from orchestrator.tokenizer import ModelTokenizer
+
+PROMPT = "Describe the river, the bridge and the mountains in the picture."
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+async def run_slots(concurrency: int, per_slot: int, one) -> tuple[float, list[float], int]:
+    """Run `concurrency` slots each doing `per_slot` requests; returns (seconds, ttfts, tokens)."""
+    ttfts: list[float] = []
+    tokens = 0
+
+    async def slot(i: int) -> None:
+        nonlocal tokens
+        state = await one.open_slot() if hasattr(one, "open_slot") else None
+        for j in range(per_slot):
+            ttft, n = await one(i, j, state)
+            ttfts.append(ttft)
+            tokens += n
+        if state is not None:
+            await one.close_slot(state)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(concurrency):
+            nursery.start_soon(slot, i)
+    return time.perf_counter() - start, ttfts, tokens
+
+
+class Direct:
+    def __init__(self, clients: dict[str, EngineClient], prompt_ids: list[int], max_tokens: int, mode: str):
+        self.clients, self.prompt_ids, self.max_tokens, self.mode = clients, prompt_ids, max_tokens, mode
+
+    async def __call__(self, i: int, j: int, state) -> tuple[float, int]:
+        full = g.GenerateRequest(request_id=f"d{self.mode}-{i}-{j}-{time.monotonic_ns()}",
+                                 token_ids=g.TokenIds(ids=self.prompt_ids),
+                                 stopping=g.StoppingOptions(max_tokens=self.max_tokens, ignore_eos=True))
+        start = time.perf_counter()
+        if self.mode == "disaggregated":
+            async with self.clients["prefill"].generate(disagg.context_only_leg(full)) as stream:
+                ready = [e async for e in stream][-1]
+            assert isinstance(ready, PrefillReady), ready
+            leg, client = disagg.generation_leg(full, ready.kv_session), self.clients["decode"]
+        else:
+            leg, client = full, self.clients["aggregated"]
+        first, count = None, 0
+        async with client.generate(leg) as stream:
+            while batch := await stream.next_batch():
+                for event in batch:
+                    if isinstance(event, Tokens):
+                        if first is None:
+                            first = time.perf_counter()
+                        count += len(event.token_ids)
+        return first - start, count
+
+
+class ThroughOrchestrator:
+    def __init__(self, url: str, max_tokens: int):
+        self.url = url
+        self.body = {"model": "tiny-chat", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                     "stream_options": {"include_usage": True},
+                     "messages": [{"role": "user", "content": PROMPT}]}
+
+    async def open_slot(self) -> Connection:
+        return Connection(self.url)
+
+    async def close_slot(self, connection: Connection) -> None:
+        await connection.aclose()
+
+    async def __call__(self, i: int, j: int, connection: Connection) -> tuple[float, int]:
+        start = time.perf_counter()
+        marks = {"first": None, "tokens": 0}
+
+        def on_data(payload: bytes, at: float) -> None:
+            if payload.startswith(b'{"id"') and b'"content":' in payload and marks["first"] is None:
+                marks["first"] = at
+            if b'"usage"' in payload:
+                marks["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
+
+        await connection.post_stream("/v1/chat/completions", self.body, on_data)
+        return marks["first"] - start, marks["tokens"]
+
+
+async def measure(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> list[dict]:
+    rows = []
+    async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
+        clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
+                   for role, address in addresses.items()}
+        for concurrency in args.concurrency:
+                per_slot = max(args.requests_per_slot, 1) if concurrency > 1 else args.sequential_requests
+                direct = Direct(clients, prompt_ids, args.max_tokens, mode)
+                through = ThroughOrchestrator(url, args.max_tokens)
+                await run_slots(min(concurrency, 8), 1, direct)  # warm-up both paths
+                await run_slots(min(concurrency, 8), 1, through)
+                a = await run_slots(concurrency, per_slot, direct)
+                b = await run_slots(concurrency, per_slot, through)
+                rows.append({"mode": mode, "concurrency": concurrency, "direct": a, "orchestrator": b})
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print(f"{'mode':14} {'conc':>4} {'direct tok/s':>13} {'orch tok/s':>11} {'ratio b/a':>9} "
+          f"{'TTFT a p50':>10} {'TTFT b p50':>10} {'added p50':>9} {'added p99':>9}  (ms)")
+    for row in rows:
+        (ta, ttft_a, tok_a), (tb, ttft_b, tok_b) = row["direct"], row["orchestrator"]
+        rate_a, rate_b = tok_a / ta, tok_b / tb
+        a50, b50 = statistics.median(ttft_a) * 1e3, statistics.median(ttft_b) * 1e3
+        a99, b99 = percentile(ttft_a, 99) * 1e3, percentile(ttft_b, 99) * 1e3
+        print(f"{row['mode']:14} {row['concurrency']:>4} {rate_a:13.0f} {rate_b:11.0f} {rate_b / rate_a:9.2f} "
+              f"{a50:10.2f} {b50:10.2f} {b50 - a50:9.2f} {b99 - a99:9.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--requests-per-slot", type=int, default=8)
+    parser.add_argument("--sequential-requests", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
+    args = parser.parse_args(argv)
+    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
+    prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+    tmp = Path(tempfile.mkdtemp(prefix="orch-overhead-"))
+    workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
+    rows = []
+    try:
+        for mode in args.modes:
+            roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
+            addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
+            config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
+                                  limits={"health_interval_s": 1.0})
+            server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+            rows += trio.run(measure, mode, addresses, server.url, prompt_ids, args)
+    finally:
+        servers.close()
+        workers.close()
+    print(f"{args.max_tokens} streamed tokens per request, sim workers at zero cost, 2-core machine")
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
