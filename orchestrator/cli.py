@@ -11,7 +11,7 @@ from orchestrator import __version__, log
 
 # Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
 SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrator.launch", "orchestrator.config_check",
-                      "orchestrator.discovery.register")
+                      "orchestrator.discovery.register", "orchestrator.bench.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

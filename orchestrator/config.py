@@ -34,7 +34,7 @@ def _positive(instance, attribute, value):
 
 
 class _InvalidField(ValueError):
-    """Raised by validators; _build turns it into a ConfigError with the full key."""
+    """Raised by validators; build_attrs turns it into a ConfigError with the full key."""
 
     def __init__(self, name: str, expected: str, got: Any):
         super().__init__(name, expected, got)
@@ -171,6 +171,9 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is tuple:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return f"a mapping of {_describe(key)} to {_describe(value)}"
     if attrs.has(tp):
         return "a mapping"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -196,8 +199,14 @@ def _convert(value: Any, tp: Any, file: str, key: str) -> Any:
             raise ConfigError(file, key, _describe(tp), value)
         (item_type, *_) = typing.get_args(tp)
         return tuple(_convert(v, item_type, file, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(file, key, _describe(tp), value)
+        key_type, value_type = typing.get_args(tp)
+        return {_convert(k, key_type, file, f"{key}.{k}"): _convert(v, value_type, file, f"{key}.{k}")
+                for k, v in value.items()}
     if attrs.has(tp):
-        return _build(tp, value, file, key)
+        return build_attrs(tp, value, file, key)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(file, key, "true or false", value)
@@ -217,7 +226,7 @@ def _convert(value: Any, tp: Any, file: str, key: str) -> Any:
     raise ConfigError(file, key, _describe(tp), value)
 
 
-def _build(cls: type, data: Any, file: str, prefix: str) -> Any:
+def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
     where = prefix or "(top level)"
     if data is None:
         data = {}
@@ -298,7 +307,7 @@ def load(path: str | Path, *, check_paths: bool = True) -> Config:
 
 def from_dict(data: Any, *, file: str = "<dict>", base_dir: Path = Path("."), check_paths: bool = True) -> Config:
     """Build and check a config; `check_paths=False` skips what only the target host has (model.dir)."""
-    config = _build(Config, data, file, "")
+    config = build_attrs(Config, data, file, "")
     config = attrs.evolve(config, source=file, base_dir=base_dir)
     _check(config, file, check_paths)
     return config

@@ -1,24 +1,16 @@
 """Small helpers shared by tests that drive sim workers through the engine client."""
 
 import base64
-import io
 import struct
-import zlib
 
 from orchestrator import disagg
 from orchestrator.engine import Failed, Finished, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.sim.media import solid_png
 
 
 def png_bytes(width=2, height=2, color=(200, 30, 30)) -> bytes:
-    """A real, valid PNG made with zlib (no imaging library needed)."""
-    raw = b"".join(b"\x00" + bytes(color) * width for _ in range(height))
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    return solid_png(width, height, color)
 
 
 def jpeg_bytes() -> bytes:

@@ -1,0 +1,70 @@
+"""`orchestrator bench run` and `orchestrator bench compare`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="load generator and agg-vs-disagg comparison")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+    run = sub.add_parser("run", help="run a workload against an OpenAI-compatible endpoint")
+    run.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    run.add_argument("--model", default="tiny-chat")
+    run.add_argument("--model-dir", default="builtin:tiny-chat", help="tokenizer used to build prompts")
+    run.add_argument("--input-len", default="512", help="N or LOW:HIGH (uniform)")
+    run.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform)")
+    run.add_argument("--concurrency", type=int, nargs="*", default=[], help="concurrency sweep")
+    run.add_argument("--rate", type=float, nargs="*", default=[], help="Poisson request-rate sweep (req/s)")
+    run.add_argument("--requests", type=int, default=32, help="recorded requests per load point")
+    run.add_argument("--warmup", type=int, default=2)
+    run.add_argument("--image-share", type=float, default=0.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--gpus", type=int, default=1, help="GPU count of the topology, for tokens/s per GPU")
+    run.add_argument("--slo-ttft", type=float, default=None, help="goodput bound on TTFT (s)")
+    run.add_argument("--slo-tpot", type=float, default=None, help="goodput bound on TPOT (s)")
+    run.add_argument("--time-scale", type=float, default=1.0, help="report simulated GPU time (sim workers)")
+    run.add_argument("--timeout", type=float, default=600.0)
+    run.add_argument("--label", default="")
+    run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    run.set_defaults(run=run_command)
+    compare = sub.add_parser("compare", help="the same workload on several topologies; writes a report")
+    compare.add_argument("file", type=Path, help="e.g. configs/bench/agg-vs-disagg.yaml")
+    compare.add_argument("--out", type=Path, default=Path("results/bench"))
+    compare.set_defaults(run=compare_command)
+    bench.set_defaults(run=lambda args: bench.print_help() or 2)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import trio
+
+    from orchestrator.bench.loadgen import Range, Workload, load_tokenizer, sweep
+
+    if not args.concurrency and not args.rate:
+        print("error: give --concurrency and/or --rate", file=sys.stderr)
+        return 2
+    workload = Workload(model=args.model, input_len=Range.parse(args.input_len), output_len=Range.parse(args.output_len),
+                        requests=args.requests, warmup=args.warmup, image_share=args.image_share, seed=args.seed,
+                        timeout_s=args.timeout)
+    tokenizer = load_tokenizer(args.model_dir)
+    points = trio.run(partial(sweep, args.url, workload, tokenizer, concurrency=args.concurrency, rates=args.rate,
+                              gpus=args.gpus, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                              time_scale=args.time_scale, label=args.label))
+    for p in points:
+        print(f"{args.label or args.url} {p['load_kind']}={p['load']:g}: TTFT p50 {p['ttft_s']['p50'] * 1e3:.1f} ms, "
+              f"TPOT p50 {p['tpot_s']['p50'] * 1e3:.2f} ms, {p['output_tokens_per_s']:.0f} tok/s, "
+              f"{p['tokens_per_s_per_user']:.1f} tok/s/user, goodput {p['goodput']:.2f} req/s, "
+              f"errors {sum(p['errors'].values())}")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"url": args.url, "points": points}, indent=2) + "\n")
+    return 0
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    from orchestrator.bench.compare import main_compare
+
+    return main_compare(args.file, args.out)

@@ -1,0 +1,118 @@
+"""Serving metrics from request timelines. Pure arithmetic, tested on hand-made timelines.
+
+Definitions (the ones serving benchmarks quote):
+- TTFT: first content chunk - request start.
+- TPOT: (last token time - first token time) / (output tokens - 1), per request (needs >= 2 tokens).
+- ITL: time between consecutive chunks, spread over the tokens a chunk carries (a chunk of k tokens
+  after a gap g contributes k gaps of g/k), so coalesced streams are not flattered.
+- E2E latency: end - start.
+- Throughput: requests/s and output tokens/s over the measured window (first start to last end).
+- Tokens/s per user: mean over requests of output tokens / (end - first token) for streaming users.
+- Tokens/s per GPU: output tokens/s divided by the topology's GPU count.
+- Goodput: requests/s that met every SLO bound given (TTFT and/or TPOT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class RequestRecord:
+    start: float
+    end: float
+    chunks: tuple[tuple[float, int], ...] = ()  # (arrival time, tokens in the chunk)
+    output_tokens: int = 0
+    input_tokens: int = 0
+    error: str | None = None  # error kind, e.g. "http_429", "timeout", "connection"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunks)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0][0] - self.start if self.chunks else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.chunks or self.output_tokens < 2:
+            return None
+        return (self.chunks[-1][0] - self.chunks[0][0]) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        gaps = []
+        for (previous, _), (at, tokens) in zip(self.chunks, self.chunks[1:]):
+            k = max(tokens, 1)
+            gaps.extend([(at - previous) / k] * k)
+        return gaps
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99)}
+
+
+def aggregate(records: Sequence[RequestRecord], *, gpus: int = 1, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
+    """All figures of one run (seconds and per-second units)."""
+    ok = [r for r in records if r.ok]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    if records:
+        window = max(r.end for r in records) - min(r.start for r in records)
+    else:
+        window = 0.0
+    output = sum(r.output_tokens for r in ok)
+    per_user = [r.output_tokens / (r.end - r.chunks[0][0]) for r in ok
+                if r.output_tokens >= 2 and r.end > r.chunks[0][0]]
+
+    def meets(r: RequestRecord) -> bool:
+        if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
+            return False
+        if slo_tpot is not None and r.tpot is not None and r.tpot > slo_tpot:
+            return False
+        return True
+
+    good = [r for r in ok if meets(r)]
+    rate = (lambda n: n / window) if window > 0 else (lambda n: 0.0)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": errors,
+        "duration_s": window,
+        "ttft_s": summary([r.ttft for r in ok]),
+        "tpot_s": summary([t for r in ok if (t := r.tpot) is not None]),
+        "itl_s": summary([gap for r in ok for gap in r.itls]),
+        "e2e_s": summary([r.e2e for r in ok]),
+        "request_throughput": rate(len(ok)),
+        "output_tokens_per_s": rate(output),
+        "tokens_per_s_per_user": sum(per_user) / len(per_user) if per_user else math.nan,
+        "tokens_per_s_per_gpu": rate(output) / max(gpus, 1),
+        "goodput": rate(len(good)),
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "met": len(good)},
+        "input_tokens_mean": sum(r.input_tokens for r in ok) / len(ok) if ok else math.nan,
+        "output_tokens_mean": output / len(ok) if ok else math.nan,
+    }

@@ -1,0 +1,55 @@
+"""Benchmark metric arithmetic on hand-made timelines."""
+
+import math
+
+import pytest
+
+from orchestrator.bench.metrics import RequestRecord, aggregate, percentile, summary
+
+
+def test_ttft_tpot_itl_and_e2e_of_one_request():
+    # starts at 0, first chunk (1 token) at 0.5, then 2 tokens at 0.7, then 1 token at 0.8, ends at 0.9
+    r = RequestRecord(start=0.0, end=0.9, chunks=((0.5, 1), (0.7, 2), (0.8, 1)), output_tokens=4)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx((0.8 - 0.5) / 3)
+    assert r.itls == pytest.approx([0.1, 0.1, 0.1])  # the 2-token chunk after 0.2 s counts as two 0.1 s gaps
+    assert r.e2e == pytest.approx(0.9)
+
+
+def test_single_token_requests_have_no_tpot():
+    r = RequestRecord(start=0.0, end=0.3, chunks=((0.2, 1),), output_tokens=1)
+    assert r.tpot is None and r.itls == []
+
+
+def test_percentiles_interpolate_linearly():
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    s = summary([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == pytest.approx(2.5) and s["p99"] == pytest.approx(3.97)
+
+
+def test_aggregate_throughputs_per_user_per_gpu_and_goodput():
+    records = [
+        RequestRecord(0.0, 1.0, ((0.2, 1), (1.0, 4)), output_tokens=5),   # ttft .2, tpot .2
+        RequestRecord(0.5, 2.0, ((1.5, 1), (2.0, 4)), output_tokens=5),   # ttft 1.0, tpot .125
+        RequestRecord(1.0, 2.0, ((1.1, 1), (1.5, 9)), output_tokens=10),  # ttft .1, tpot .0444
+        RequestRecord(1.0, 1.2, (), error="http_503"),
+    ]
+    m = aggregate(records, gpus=2, slo_ttft=0.5, slo_tpot=0.15)
+    assert m["requests"] == 4 and m["completed"] == 3 and m["errors"] == {"http_503": 1}
+    assert m["duration_s"] == pytest.approx(2.0)
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_tokens_per_s"] == pytest.approx(10.0)
+    assert m["tokens_per_s_per_gpu"] == pytest.approx(5.0)
+    assert m["tokens_per_s_per_user"] == pytest.approx((5 / 0.8 + 5 / 0.5 + 10 / 0.9) / 3)
+    # only the third request meets both bounds (the first misses TPOT, the second misses TTFT)
+    assert m["goodput"] == pytest.approx(0.5) and m["slo"]["met"] == 1
+    assert m["ttft_s"]["p50"] == pytest.approx(0.2)
+
+
+def test_no_slo_means_every_completed_request_is_good():
+    records = [RequestRecord(0.0, 1.0, ((0.5, 1), (1.0, 1)), output_tokens=2)]
+    assert aggregate(records)["goodput"] == pytest.approx(1.0)
