@@ -126,6 +126,13 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
+def render(out_dir: Path) -> None:
+    """(Re)write report.md and the plots from results.json."""
+    document = json.loads((out_dir / "results.json").read_text())
+    plots = write_plots(document, out_dir)
+    (out_dir / "report.md").write_text(render_markdown(document, plots))
+
+
 def compare(path: Path, out_dir: Path) -> Path:
     spec, topologies = load_spec(path)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,8 +142,7 @@ def compare(path: Path, out_dir: Path) -> Path:
     document = {"spec_file": str(path), "started": started, "profile": spec.profile, "time_scale": spec.time_scale,
                 "workload": attrs.asdict(spec.workload), "slo": attrs.asdict(spec.slo), "topologies": results}
     (out_dir / "results.json").write_text(json.dumps(document, indent=2, default=_json_default) + "\n")
-    plots = write_plots(document, out_dir)
-    (out_dir / "report.md").write_text(render_markdown(document, plots))
+    render(out_dir)
     return out_dir
 
 
@@ -196,6 +202,9 @@ def render_markdown(document: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+TIE = 0.02  # within 2% of each other: no winner
+
+
 def winners(document: dict) -> list[str]:
     topologies = document["topologies"]
     if len(topologies) < 2:
@@ -214,8 +223,12 @@ def winners(document: dict) -> list[str]:
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     values.append((value, t["name"]))
             if len(values) >= 2:
-                value, name = best(values)
-                parts.append(f"{label}: **{name}**")
+                ranked = sorted(values, reverse=best is max)
+                (first, name), (second, _) = ranked[0], ranked[1]
+                if abs(first - second) <= TIE * max(abs(first), abs(second)):
+                    parts.append(f"{label}: tie")
+                else:
+                    parts.append(f"{label}: **{name}**")
         lines.append(f"- {kind} {load:g}: " + ", ".join(parts))
     return lines
 
@@ -245,10 +258,10 @@ def write_plots(document: dict, out_dir: Path) -> list[str]:
     names.append("pareto.png")
     for key, label, filename in (("ttft_s", "TTFT", "ttft.png"), ("tpot_s", "TPOT", "tpot.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
-        for topology in document["topologies"]:
+        for i, topology in enumerate(document["topologies"]):
             loads = [p["load"] for p in topology["points"]]
             for stat, style in (("p50", "-o"), ("p99", "--x")):
-                ax.plot(loads, [p[key][stat] * 1e3 for p in topology["points"]], style,
+                ax.plot(loads, [p[key][stat] * 1e3 for p in topology["points"]], style, color=f"C{i}",
                         label=f"{topology['name']} {stat}")
         kind = document["topologies"][0]["points"][0]["load_kind"]
         ax.set_xlabel("concurrent users" if kind == "concurrency" else "requests/s")
