@@ -29,7 +29,8 @@ from orchestrator.bench.sse_client import Connection
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.testing import OrchestratorServers, SimWorkers, write_config
+from orchestrator.processes import OrchestratorServers, SimWorkers
+from orchestrator.testing import write_config
 from orchestrator.tokenizer import ModelTokenizer
 
 PROMPT = "Describe the river, the bridge and the mountains in the picture."

@@ -25,7 +25,7 @@ from orchestrator import disagg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.sim.profiles import PROFILES
-from orchestrator.testing import SimWorkers
+from orchestrator.processes import SimWorkers
 
 
 def cost_tables() -> None:

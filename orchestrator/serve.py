@@ -67,8 +67,9 @@ def make_registry(config: Config, loop_thread):
                           model=config.model.name)
 
 
-async def serve(config: Config, *, host: str, port: int, ready_line: bool = True,
+async def serve(config: Config, *, host: str, port: int, ready_line: bool = True, handle_signals: bool = True,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -99,7 +100,8 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
             url = binds[0]
             log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
-            nursery.start_soon(_on_signal, app, shutdown)
+            if handle_signals:
+                nursery.start_soon(_on_signal, app, shutdown)
             with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
                 while not all(pool.ready_count(role) for role in config.needed_roles):
                     await pool.changed.wait()

@@ -161,10 +161,12 @@ async def test_conditional_mode_sends_short_prompts_to_decode_only(tmp_path, sim
         assert _load_attr(await p.load(), "kv_sessions_pulled") == 1
 
 
-async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_path, sim_workers,
+@pytest.mark.parametrize("abort_cleanup", [False, True], ids=["decode-pulls-kv", "abort-kv-session"])
+async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_path, sim_workers, abort_cleanup,
                                                                              orchestrator_servers, engine_client):
     slow = ("--time-scale", "1", "--kv-transfer-timeout", "300")  # real GPU-time steps; sessions never expire
-    prefill, decode = sim_workers.start("prefill", *slow), sim_workers.start("decode", *slow)
+    prefill = sim_workers.start("prefill", *slow, *(("--abort-cleanup",) if abort_cleanup else ()))
+    decode = sim_workers.start("decode", *slow)
     config = write_config(tmp_path / "cancel.yaml", "disaggregated",
                           {"prefill": [prefill.address], "decode": [decode.address]})
     server = orchestrator_servers.start(config)

@@ -92,7 +92,7 @@ def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
 
 
 def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> dict:
-    from orchestrator.testing import ManagedProcess, python_command
+    from orchestrator.processes import ManagedProcess, python_command
 
     config_path = workdir / f"{_slug(topology.name)}.yaml"
     config_path.write_text(yaml.safe_dump(launch_config(spec, topology), sort_keys=False))
