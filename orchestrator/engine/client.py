@@ -154,6 +154,7 @@ class EngineClient:
         def start() -> None:  # on the loop thread; no round trip back to trio needed
             call = stub.Generate(request)
             holder["call"] = call
+            # asyncio keeps only weak references to tasks: `holder` keeps the pump alive with the stream
             holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
 
         self._loop_thread.call_soon(start)
