@@ -144,16 +144,20 @@ class Launcher:
             await self._start_etcd(nursery, timeout)
         overrides: list[str] = []
         etcd_flags: list[str] = []
+        ttl_flags: list[str] = []
         if self.config.discovery.etcd is not None:
-            url = self.etcd_url or self.config.discovery.etcd.endpoints[0]
-            etcd_flags = ["--etcd", url, "--etcd-namespace", self.config.discovery.etcd.namespace]
+            etcd = self.config.discovery.etcd
+            url = self.etcd_url or etcd.endpoints[0]
+            etcd_flags = ["--etcd", url, "--etcd-namespace", etcd.namespace]
+            ttl_flags = ["--etcd-ttl", str(etcd.lease_ttl_s)]
         for spec in launch.workers:
             for i in range(spec.count):
                 name = f"{spec.role}-{i}" if spec.sim is None else f"sim-{spec.role}-{i}"
                 if spec.sim is not None:
                     argv = orchestrator_argv("sim-worker", "--role", spec.role, "--port", "0",
                                              "--model", self.config.model.name, "--profile", spec.sim.profile,
-                                             "--time-scale", repr(spec.sim.time_scale), *etcd_flags, *spec.sim.args)
+                                             "--time-scale", repr(spec.sim.time_scale), *etcd_flags,
+                                             *(ttl_flags if etcd_flags else ()), *spec.sim.args)
                     child = await self._start(nursery, Child(name, argv), ready_timeout=timeout)
                     address = child.ready_url
                 else:
@@ -166,6 +170,7 @@ class Launcher:
                     if spec.register and etcd_flags:
                         await self._start(nursery, Child(f"register-{name}", orchestrator_argv(
                             "register", "--worker", address, "--role", spec.role, *etcd_flags,
+                            "--ttl", str(self.config.discovery.etcd.lease_ttl_s),
                             "--model", self.config.model.name)), ready_timeout=timeout)
                 overrides += ["--worker", f"{spec.role}={address}"]
         serve_argv = orchestrator_argv("serve", "-c", str(self.config_path), "--host", self.host,

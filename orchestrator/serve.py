@@ -115,7 +115,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             # hypercorn stops accepting, lets in-flight requests finish for graceful_timeout, then
             # cancels them (their nurseries abort the engine work); then the pool goes.
             with trio.move_on_after(limits.shutdown_grace_s + 5):
-                while app.pool and app.metrics.inflight._value.get() > 0:
+                while app.inflight > 0:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     log.info("stopped")

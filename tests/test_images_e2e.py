@@ -195,3 +195,14 @@ async def test_a_failing_capability_discovery_is_one_shared_503_for_concurrent_i
     async with engine_client(worker.address) as client:
         calls = (await client.load()).attributes.fields["model_info_calls"].number_value
     assert calls < 12  # shared attempts, not one per request
+
+
+async def test_the_engine_enforces_its_fetch_size_limit(tmp_path, sim_workers, orchestrator_servers, image_server):
+    worker = sim_workers.start("aggregated", *FAST, "--media-max-bytes", "100")  # the JPEG is larger
+    server = orchestrator_servers.start(write_config(tmp_path / "small.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    body = {"model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_server + "/cat.jpg"}}]}]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "more than 100 bytes" in response.json()["error"]["message"]

@@ -48,6 +48,7 @@ class App:
         self.pool = pool
         self.metrics = metrics
         self.draining = False
+        self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.media_limits = MediaLimits(config.limits.max_images, config.limits.max_image_bytes,
                                         config.limits.max_total_image_bytes)
         self.routes: dict[tuple[str, str], Callable] = {
@@ -113,6 +114,7 @@ class App:
         headers = [(b"x-request-id", request_id.encode())]
         response = _Response(send, headers)
         self.metrics.inflight.inc()
+        self.inflight += 1
         outcome = "error"
         try:
             if self.draining:
@@ -135,6 +137,7 @@ class App:
             log.exception("request %s failed", request_id)
             await response.error(ApiError(500, f"internal error while serving request {request_id}"))
         finally:
+            self.inflight -= 1
             self.metrics.inflight.dec()
             self.metrics.requests.labels(route, self.config.mode, outcome).inc()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
+from orchestrator.sim.media import MediaLimits
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 log = logging.getLogger("orchestrator.sim")
@@ -39,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
     p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
     p.add_argument("--drain-grace", type=float, default=30.0)
+    p.add_argument("--media-max-bytes", type=int, default=20 * 1024 * 1024, help="per image, fetched or decoded")
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
     p.add_argument("--etcd", default=None, help="self-register in etcd at this URL (see `orchestrator register`)")
     p.add_argument("--etcd-namespace", default="orchestrator")
     p.add_argument("--etcd-ttl", type=int, default=10, help="lease TTL of the self-registration (seconds)")
@@ -73,7 +76,8 @@ def config_from_args(args: argparse.Namespace):
         error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,
-        not_ready=args.not_ready, fail_model_info=args.fail_model_info, eos_probability=args.eos_probability, seed=args.seed,
+        not_ready=args.not_ready, fail_model_info=args.fail_model_info,
+        media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout), eos_probability=args.eos_probability, seed=args.seed,
     )
 
 
