@@ -75,7 +75,8 @@ class Direct:
         if self.mode == "disaggregated":
             async with self.clients["prefill"].generate(disagg.context_only_leg(full)) as stream:
                 ready = [e async for e in stream][-1]
-            assert isinstance(ready, PrefillReady), ready
+            if not isinstance(ready, PrefillReady):
+                raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
             leg, client = disagg.generation_leg(full, ready.kv_session), self.clients["decode"]
         else:
             leg, client = full, self.clients["aggregated"]

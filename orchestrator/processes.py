@@ -48,8 +48,7 @@ class ManagedProcess:
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for raw in self.process.stdout:
+        for raw in self.process.stdout:  # stdout=PIPE above, so never None
             line = raw.decode(errors="replace").rstrip("\n")
             self.stdout_lines.append(line)
             if self.ready_line is None and line.startswith("ready "):
