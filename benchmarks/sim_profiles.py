@@ -66,7 +66,7 @@ async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[
                 async with clients["prefill"][0].generate(disagg.context_only_leg(full)) as stream:
                     ready = [e async for e in stream][-1]
                 if not isinstance(ready, PrefillReady):
-                raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
+                    raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
                 client, leg = clients["decode"][0], disagg.generation_leg(full, ready.kv_session)
             times = []
             async with client.generate(leg) as stream:
