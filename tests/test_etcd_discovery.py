@@ -174,3 +174,43 @@ async def test_register_sidecar_announces_withdraws_and_revokes(tmp_path, etcd_s
         assert await trio.to_thread.run_sync(sidecar.process.wait, 10) == 0
     finally:
         sidecar.stop()
+
+
+async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_ones(
+        tmp_path, etcd_server, sim_workers, orchestrator_servers):
+    from orchestrator.testing import ManagedProcess
+
+    server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated", name="rm.yaml"))
+    leaving = sim_workers.start("aggregated", "--time-scale", "1")  # ~6 ms per token: a long stream
+    staying = sim_workers.start("aggregated", *sim_flags(etcd_server))
+    sidecar = ManagedProcess("register-leaving", python_command(
+        "register", "--etcd", etcd_server.url, "--worker", leaving.address, "--role", "aggregated",
+        "--namespace", "test", "--ttl", str(TTL)), log_dir=tmp_path)
+    try:
+        sidecar.wait_ready(30)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            await wait_until(lambda: _count(http, server.url, 2), timeout=5)
+            long_body = {**chat(max_tokens=150), "stream": True, "ignore_eos": True}
+            results = {}
+
+            async def stream_on(i):
+                async with http.stream("POST", "/v1/chat/completions", json=long_body) as response:
+                    results[i] = (response.status_code, "".join([c async for c in response.aiter_text()]))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):  # round robin (the default): two of these land on the leaving worker
+                    nursery.start_soon(stream_on, i)
+                await trio.sleep(0.2)
+                sidecar.signal(signal.SIGTERM)  # the key is withdrawn; the worker itself keeps running
+                await wait_until(lambda: _without(http, server.url, leaving.address), timeout=5)
+                for _ in range(5):  # new requests only go to the worker that stays
+                    assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200
+        assert all(status == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+                   for status, text in results.values()), results
+        from orchestrator.engine import EngineClient, LoopThread
+
+        async with LoopThread.open() as loop_thread, EngineClient.open(leaving.address, loop_thread) as client:
+            load = await client.load()
+        assert load.attributes.fields["tokens_emitted"].number_value >= 150  # it did serve in-flight work
+    finally:
+        sidecar.stop()
