@@ -23,9 +23,9 @@ def user(*parts):
     return {"role": "user", "content": list(parts)}
 
 
-def rejected(request, limits=MediaLimits()) -> ApiError:
+def rejected(request, limits=None) -> ApiError:
     with pytest.raises(ApiError) as info:
-        parse_chat(request, limits)
+        parse_chat(request, limits or MediaLimits())
     assert info.value.status == 400
     return info.value
 

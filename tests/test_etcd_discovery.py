@@ -212,5 +212,7 @@ async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_
         async with LoopThread.open() as loop_thread, EngineClient.open(leaving.address, loop_thread) as client:
             load = await client.load()
         assert load.attributes.fields["tokens_emitted"].number_value >= 150  # it did serve in-flight work
+        async with LoopThread.open() as loop_thread, EngineClient.open(staying.address, loop_thread) as client:
+            assert (await client.load()).attributes.fields["tokens_emitted"].number_value > 0
     finally:
         sidecar.stop()

@@ -1,7 +1,6 @@
 """Images across both stages, end to end: real image bytes, a real HTTP image server, sim workers, serve."""
 
 import base64
-import functools
 import http.server
 import io
 import threading

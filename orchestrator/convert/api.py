@@ -177,7 +177,10 @@ def _guided(body: dict) -> Guided | None:
                   param="response_format.type")
 
 
-def parse_chat(body: dict, limits: MediaLimits = MediaLimits()) -> ApiRequest:
+DEFAULT_MEDIA_LIMITS = MediaLimits()
+
+
+def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiRequest:
     common = _common(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
