@@ -167,8 +167,14 @@ class Coordinator:
         # where the KV rule is kept.
         state = StreamState()
         leg = disagg.generation_leg(plan.full, session)
-        await self._generate(decode_worker, leg, plan, sink, state, started, first_token_matters=True,
-                             prefill=(prefill_worker, prefill_caps, session))
+        try:
+            await self._generate(decode_worker, leg, plan, sink, state, started, first_token_matters=True,
+                                 prefill=(prefill_worker, prefill_caps, session))
+        except EngineError:
+            if state.first_token_at is None:  # no decode pulled the session: do not strand its blocks
+                with trio.CancelScope(shield=True):
+                    await self._release_unpulled(prefill_worker, prefill_caps, session)
+            raise
         if state.first_token_at is not None:
             self.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
             self.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
@@ -229,7 +235,7 @@ class Coordinator:
                 self.metrics.engine_errors.labels(exc.code_name).inc()
                 raise
             finally:
-                if not (state.finished is not None):
+                if state.finished is None:
                     # The RPC is cancelled already; Abort makes sure the engine lets go as well.
                     with trio.CancelScope(shield=True) as scope:
                         scope.deadline = trio.current_time() + min(5.0, cleanup_timeout)
@@ -267,6 +273,16 @@ class Coordinator:
         if scope.cancelled_caught:
             log.warning("KV cleanup of session %s timed out after %.0f s; the prefill worker's transfer timeout "
                         "will release it", session.session_id, timeout)
+
+    async def _release_unpulled(self, prefill_worker: Worker, prefill_caps: WorkerCapabilities,
+                                session: kv_pb2.KvSessionRef) -> None:
+        """Every decode attempt failed before pulling the session."""
+        if prefill_caps.supports_abort_cleanup:
+            await self._abort_session(prefill_worker, session)
+        else:
+            log.warning("kv session %s on %s was not pulled (the decode legs failed) and the worker cannot abort "
+                        "sessions: its transfer timeout will release the blocks", session.session_id,
+                        prefill_worker.address)
 
     async def _abort_session(self, prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> None:
         try:

@@ -286,3 +286,18 @@ async def test_sigterm_finishes_in_flight_streams_then_exits(tmp_path, sim_worke
     events = sse_events(first + rest)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert await trio.to_thread.run_sync(server.process.process.wait, 20) == 0
+
+
+async def test_a_failed_decode_leg_releases_the_session_where_the_prefill_worker_can_abort_it(
+        tmp_path, sim_workers, orchestrator_servers, engine_client):
+    prefill = sim_workers.start("prefill", *FAST, "--abort-cleanup", "--kv-transfer-timeout", "300")
+    failing = sim_workers.start("decode", *FAST, "--error-rate", "1", "--error-phase", "decode",
+                                "--error-code", "ERROR_CODE_INTERNAL")
+    server = orchestrator_servers.start(write_config(
+        tmp_path / "fail.yaml", "disaggregated", {"prefill": [prefill.address], "decode": [failing.address]}))
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=5))
+    assert response.status_code == 502 and "injected fault" in response.json()["error"]["message"]
+    async with engine_client(prefill.address) as client:
+        load = await client.load()
+    assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0
