@@ -13,7 +13,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
+from orchestrator.convert.errors import ApiError
+from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, WorkerUnavailable
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
@@ -28,11 +29,9 @@ async def _until_terminal(stream, worker: Worker) -> PrefillReady | Finished | F
         if not batch:
             return Failed(EngineError("the context-only stream ended without prefill_ready", worker=worker.address,
                                       rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL))
-        for event in batch:
+        for event in batch:  # a context-only leg streams no tokens; anything else is skipped
             if isinstance(event, (PrefillReady, Finished, Failed)):
                 return event
-            if isinstance(event, Tokens):  # a context-only leg streams no tokens; ignore as TRT-LLM does
-                continue
 
 
 async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *, retries: int,
@@ -45,8 +44,9 @@ async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *
         tried.append(worker)
         try:
             outcome = await _one_attempt(worker, pool, leg, cleanup_timeout, release_session)
-        except WorkerUnavailable as exc:
-            pool.report_unreachable(worker, exc)
+        except EngineError as exc:  # a gRPC status instead of an answer
+            if isinstance(exc, WorkerUnavailable):
+                pool.report_unreachable(worker, exc)
             error: EngineError = exc
         else:
             if isinstance(outcome, PrefillReady):
@@ -61,7 +61,7 @@ async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *
             raise error
         try:
             worker = pool.pick("prefill", exclude=tuple(tried))
-        except Exception:
+        except ApiError:  # no other prefill worker: the original error says more
             raise error from None
         metrics.retries.labels("prefill").inc()
         log.warning("prefill of %s failed on %s (%s); retrying on %s", leg.request_id, tried[-1].address,
