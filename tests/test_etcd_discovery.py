@@ -109,7 +109,7 @@ async def test_etcd_outage_keeps_serving_and_the_pool_resynchronises(tmp_path, s
     etcd = EtcdServer(tmp_path)  # our own: this test stops and restarts it
     try:
         server = orchestrator_servers.start(etcd_config(tmp_path, etcd))
-        sim_workers.start("prefill", *sim_flags(etcd))
+        prefill = sim_workers.start("prefill", *sim_flags(etcd))
         decode = sim_workers.start("decode", *sim_flags(etcd))
         leaver = sim_workers.start("decode", *sim_flags(etcd))
         failures, sent = [], 0
@@ -132,11 +132,21 @@ async def test_etcd_outage_keeps_serving_and_the_pool_resynchronises(tmp_path, s
             etcd.start()
             # the pool resynchronises: ready again, and the leaver's key expires once etcd is back (its
             # lease is restored with a fresh TTL plus an election timeout; our reconnect backs off <= 2 s)
+            live = {prefill.address, decode.address}
+            flaps = []
+
+            async def leaver_gone_and_live_workers_kept():
+                addresses = {a for _, a in await pool_addresses(http, server.url)}
+                if not live <= addresses:  # a live worker's lease must survive the restart
+                    flaps.append(sorted(live - addresses))
+                return leaver.address not in addresses
+
             try:
-                await wait_until(lambda: _without(http, server.url, leaver.address), timeout=TTL + 25)
+                await wait_until(leaver_gone_and_live_workers_kept, timeout=TTL + 25)
             except trio.TooSlowError:
                 pool = (await http.get(server.url + "/health")).json()
                 raise AssertionError(f"{leaver.address} still in the pool: {pool}\n{server.process.tail(60)}")
+            assert flaps == [], f"live workers left the pool after etcd restarted: {flaps}"
             assert (await http.get(server.url + "/health")).json()["status"] == "ready"
             assert await _with(http, server.url, decode.address)
             assert (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
@@ -221,3 +231,43 @@ async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_
             assert (await client.load()).attributes.fields["tokens_emitted"].number_value > 0
     finally:
         sidecar.stop()
+
+
+async def test_a_registration_keeps_its_lease_through_an_etcd_restart(tmp_path):
+    """After a restart etcd restores leases with a fresh TTL; the registration must refresh its own lease
+    (not write a new one), or the restored lease expires and deletes a live worker's key."""
+    from orchestrator.discovery.registration import Registration, new_client
+    from orchestrator.engine import LoopThread
+
+    etcd = EtcdServer(tmp_path)
+    try:
+        registration = Registration(etcd.url, "test/workers/m/decode/keep", b'{"x": 1}', ttl=TTL)
+        async with LoopThread.open() as loop_thread:
+            async def key_lease():
+                client = new_client(etcd.url)
+                try:
+                    await client.connect()
+                    result = await client.get_prefix(b"test/workers/m/decode/keep")
+                    return [kv.lease for kv in result.kvs]
+                finally:
+                    await client.close()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop_thread.run, registration.run)
+                await wait_until(lambda: _true(registration.registered), timeout=10)
+                (lease_before,) = await loop_thread.run(key_lease)
+                etcd.stop()
+                await wait_until(lambda: _true(not registration.registered), timeout=10)
+                await trio.sleep(2)
+                etcd.start()
+                await wait_until(lambda: _true(registration.registered), timeout=15)
+                await trio.sleep(TTL + 2)  # past the restored lease's TTL: the key must still be there
+                assert await loop_thread.run(key_lease) == [lease_before]
+                assert registration.registrations == 1
+                nursery.cancel_scope.cancel()
+    finally:
+        etcd.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

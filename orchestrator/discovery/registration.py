@@ -4,8 +4,10 @@ Used by the `orchestrator register` sidecar (on the orchestrator's asyncio loop 
 `orchestrator sim-worker --etcd` (in the simulator's own loop): one implementation of the rules.
 - registered while `is_healthy()` is true: a lease of `ttl` seconds, kept alive every ttl/3;
 - withdrawn (lease revoked, key gone) at once when the worker turns unhealthy or draining;
-- re-registered after etcd comes back (connection errors are retried with backoff and logged with
-  their cause chain, rate-limited);
+- kept through an etcd outage: the lease is not given up on a connection error. After a restart etcd
+  restores it with a fresh TTL, so the first thing a reconnect does is refresh it; a new lease and key
+  are written only when etcd says the old one is gone. Retries back off up to TTL/3 (so the restored
+  lease is refreshed before it expires) and are logged with their cause chain, rate-limited;
 - on cancellation (SIGTERM) the lease is revoked, so the key disappears immediately.
 """
 
@@ -51,7 +53,8 @@ class Registration:
         self._retry_log = RateLimitedLog(log, interval=10.0)
 
     async def run(self) -> None:
-        backoff = 0.2
+        max_backoff = max(POLL_S, min(5.0, self.ttl / 3.0))
+        backoff = POLL_S
         try:
             while True:
                 try:
@@ -61,14 +64,15 @@ class Registration:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # aetcd raises its own errors and grpc's; all mean "retry"
-                    self._lease = None
-                    self.registered = False
-                    self._retry_log("etcd %s: registration of %s failed, retrying in %.1f s: %s", self.etcd_url,
+                    self.registered = False  # unknown until the lease is refreshed again (we keep it)
+                    self._retry_log("etcd %s: keeping %s registered failed, retrying in %.1f s: %s", self.etcd_url,
                                     self.key.decode(), backoff, cause_chain(exc))
                     await _close(self._client)
                     self._client = None
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, max_backoff)
+                else:  # pragma: no cover - _serve returns only by raising
+                    backoff = POLL_S
         finally:
             await self._revoke_on_exit()
 
@@ -88,7 +92,7 @@ class Registration:
     async def _serve(self, client: aetcd.Client) -> None:
         """Register / refresh / withdraw until an etcd error is raised."""
         refresh_every = max(self.ttl / 3.0, POLL_S)
-        next_refresh = 0.0
+        next_refresh = 0.0  # a lease carried over from before a reconnect is refreshed at once
         loop = asyncio.get_running_loop()
         while True:
             healthy = self.is_healthy()
@@ -107,6 +111,10 @@ class Registration:
                 log.info("etcd: withdrew %s (worker not healthy)", self.key.decode())
             elif self._lease is not None and loop.time() >= next_refresh:
                 reply = await client.refresh_lease(self._lease.id)
+                if not self.registered:
+                    log.info("etcd: %s still registered after reconnecting (lease %x)", self.key.decode(),
+                             self._lease.id)
+                    self.registered = True
                 if getattr(reply, "TTL", 1) <= 0:  # etcd no longer knows the lease
                     log.warning("etcd: lease of %s expired; registering again", self.key.decode())
                     self._lease = None
