@@ -81,10 +81,39 @@ class LoopThread:
     async def run(self, make_coro: Callable[[], Awaitable[T]]) -> T:
         """Run `make_coro()` on the loop thread and wait for its result from trio.
 
-        Cancelling the trio caller cancels the asyncio task (and so the gRPC call).
+        Cancelling the trio caller cancels the asyncio task (and so the gRPC call) and then waits until
+        that task has really finished, its own cleanup included: an asyncio task never outlives the
+        trio scope that started it.
         """
-        future: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(_call(make_coro), self.loop)
-        return await self._wait(future, future.add_done_callback, future.cancel)
+        box: concurrent.futures.Future = concurrent.futures.Future()
+        state: dict = {}
+
+        def start() -> None:
+            if state.get("cancelled"):
+                box.cancel()
+                return
+            task = state["task"] = self.loop.create_task(_call(make_coro))
+
+            def finished(task: asyncio.Task) -> None:
+                if task.cancelled():
+                    box.cancel()
+                elif (exc := task.exception()) is not None:
+                    box.set_exception(exc)
+                else:
+                    box.set_result(task.result())
+
+            task.add_done_callback(finished)
+
+        def request_cancel() -> None:  # on the loop thread
+            task = state.get("task")
+            if task is None:
+                state["cancelled"] = True  # start() has not run yet: it will not start the task
+            else:
+                task.cancel()
+
+        self.loop.call_soon_threadsafe(start)
+        return await self._wait(box, box.add_done_callback,
+                                lambda: self.loop.call_soon_threadsafe(request_cancel))
 
     async def _wait(self, future: concurrent.futures.Future, add_done_callback, cancel) -> Any:
         task = trio.lowlevel.current_task()
@@ -97,15 +126,15 @@ class LoopThread:
                 pass
 
         def abort(_: Any) -> trio.lowlevel.Abort:
-            # The wake-up will still come (the future completes as cancelled); let it land.
+            # Ask the asyncio side to stop and keep waiting: the wake-up comes once it has finished.
             cancel()
             return trio.lowlevel.Abort.FAILED
 
         add_done_callback(wake)
         await trio.lowlevel.wait_task_rescheduled(abort)
         if future.cancelled():
-            await trio.lowlevel.checkpoint()  # raises the pending trio.Cancelled
-            raise trio.Cancelled._create()  # pragma: no cover - checkpoint always raises here
+            await trio.lowlevel.checkpoint()  # raises trio.Cancelled when this caller was cancelled
+            raise RuntimeError("the asyncio side of the call was cancelled (the loop thread is shutting down)")
         return future.result()
 
 
