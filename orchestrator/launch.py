@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import trio
 
 from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
+from orchestrator.processes import etcd_command, free_port
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -41,12 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=None, help="the orchestrator's port (default: http.port; 0: free)")
     p.add_argument("--host", default=None)
     p.set_defaults(run=run)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Child:
@@ -189,11 +183,7 @@ class Launcher:
                                "PATH (Debian: apt-get install etcd-server)")
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        peer_url = f"http://127.0.0.1:{peer}"
-        argv = [binary, "--name", "orch-launch", "--data-dir", os.path.join(self._tmp, "etcd"),
-                "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"orch-launch={peer_url}", "--log-level", "warn", "--logger", "zap"]
+        argv = etcd_command(binary, "orch-launch", os.path.join(self._tmp, "etcd"), client, peer)
         child = Child("etcd", argv)
         self.children.append(child)
         await nursery.start(child.run)

@@ -132,6 +132,16 @@ class SimWorkers:
             worker.process.stop()
 
 
+def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_port: int) -> list[str]:
+    """A single-member etcd on loopback ports (tests and `orchestrator launch` start it the same way)."""
+    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [binary, "--name", name, "--data-dir", data_dir,
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
+            "--log-level", "warn", "--logger", "zap"]
+
+
 class EtcdServer:
     def __init__(self, log_dir: Path):
         binary = shutil.which("etcd")
@@ -146,14 +156,9 @@ class EtcdServer:
         self.start()
 
     def start(self) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
         self._log = open(Path(self._log_dir) / f"etcd-{self.client_port}.log", "ab")
         self.process = subprocess.Popen(
-            [self._binary, "--name", "orch-test", "--data-dir", self.data_dir,
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"orch-test={peer}", "--initial-cluster-state", "new",
-             "--log-level", "warn", "--logger", "zap"],
+            etcd_command(self._binary, "orch-test", self.data_dir, self.client_port, self.peer_port),
             stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
