@@ -25,6 +25,7 @@ from pathlib import Path
 import trio
 
 from orchestrator import disagg
+from orchestrator.bench.metrics import percentile
 from orchestrator.bench.sse_client import Connection
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.models import TINY_CHAT
@@ -34,11 +35,6 @@ from orchestrator.testing import write_config
 from orchestrator.tokenizer import ModelTokenizer
 
 PROMPT = "Describe the river, the bridge and the mountains in the picture."
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 async def run_slots(concurrency: int, per_slot: int, one) -> tuple[float, list[float], int]:

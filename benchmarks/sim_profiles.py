@@ -22,6 +22,7 @@ from pathlib import Path
 import trio
 
 from orchestrator import disagg
+from orchestrator.bench.metrics import percentile
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.sim.profiles import PROFILES
@@ -82,11 +83,6 @@ async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[
     return ttfts, tpots
 
 
-def pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
@@ -113,8 +109,8 @@ def main(argv=None) -> int:
     print(f"{'topology':28} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)")
     for mode, label in (("aggregated", "2 x aggregated"), ("disaggregated", "1 prefill + 1 decode")):
         ttfts, tpots = results[mode]
-        print(f"{label:28} {statistics.median(ttfts) * 1e3:9.1f} {pct(ttfts, 99) * 1e3:9.1f} "
-              f"{statistics.median(tpots) * 1e3:9.2f} {pct(tpots, 99) * 1e3:9.2f}")
+        print(f"{label:28} {statistics.median(ttfts) * 1e3:9.1f} {percentile(ttfts, 99) * 1e3:9.1f} "
+              f"{statistics.median(tpots) * 1e3:9.2f} {percentile(tpots, 99) * 1e3:9.2f}")
     agg_tpot = statistics.median(results["aggregated"][1])
     dis_tpot = statistics.median(results["disaggregated"][1])
     print(f"TPOT p50 aggregated / disaggregated: {agg_tpot / dis_tpot:.2f}x")
