@@ -21,6 +21,7 @@ import trio
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.bench.sse_client import Connection, HttpError
 from orchestrator.sim.media import solid_png
+from orchestrator.sim.output import word_pieces
 from orchestrator.tokenizer import ModelTokenizer
 
 IMAGE_URI = "data:image/png;base64," + base64.b64encode(solid_png()).decode()
@@ -62,9 +63,7 @@ class PromptFactory:
     def __init__(self, tokenizer: ModelTokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = random.Random(seed)
-        vocab = tokenizer.tokenizer.get_vocab()
-        self.words = sorted(piece[1:] for piece in vocab if piece.startswith("Ġ") and piece[1:].isascii()
-                            and piece[1:].isalpha())
+        self.words = sorted(word_pieces(tokenizer.tokenizer.get_vocab()))
 
     def text(self, tokens: int) -> str:
         """Words until the text encodes to `tokens` tokens (exactly, by trimming)."""

@@ -38,6 +38,15 @@ def media_digest(media_ids: list[str]) -> str:
     return hashlib.blake2b("\x00".join(media_ids).encode(), digest_size=12).hexdigest()
 
 
+def word_pieces(vocab: dict[str, int]) -> dict[str, int]:
+    """Word -> id for the pieces that are a space plus ASCII letters.
+
+    Byte-level BPE marks a leading space with "Ġ"; those pieces give readable text.
+    """
+    return {piece[1:]: i for piece, i in vocab.items()
+            if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha()}
+
+
 class Vocabulary:
     """The ids the simulator may emit, and the model's EOS id."""
 
@@ -56,10 +65,7 @@ class Vocabulary:
         eos_id = special.get(config.get("eos_token") or "", None)
         if eos_id is None:
             raise ValueError(f"{model_dir}/tokenizer_config.json: eos_token not among the added tokens")
-        # Byte-level BPE marks a leading space with "Ġ"; "Ġword" pieces give readable text.
-        words = sorted(i for piece, i in vocab.items() if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha()
-                       and len(piece) > 2)
-        return cls(words, eos_id)
+        return cls(sorted(i for word, i in word_pieces(vocab).items() if len(word) > 1), eos_id)
 
     def token_at(self, key: int, position: int) -> int:
         return self.word_ids[_splitmix64(key ^ (position * 0xD1B54A32D192ED03 & _MASK)) % len(self.word_ids)]
