@@ -66,9 +66,6 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str:
-        return self.tokenizer.id_to_token(token_id) or ""
-
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 

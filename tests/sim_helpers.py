@@ -1,7 +1,6 @@
 """Small helpers shared by tests that drive sim workers through the engine client."""
 
 import base64
-import struct
 
 from orchestrator import disagg
 from orchestrator.engine import Failed, Finished, PrefillReady, Tokens
@@ -11,11 +10,6 @@ from orchestrator.sim.media import solid_png
 
 def png_bytes(width=2, height=2, color=(200, 30, 30)) -> bytes:
     return solid_png(width, height, color)
-
-
-def jpeg_bytes() -> bytes:
-    """A minimal JPEG-signed payload (SOI + APP0 JFIF header + EOI); engines sniff the magic bytes."""
-    return b"\xff\xd8\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00" + b"\xff\xd9"
 
 
 def data_uri(data: bytes, mime="image/png") -> str:
@@ -53,5 +47,5 @@ async def run_disaggregated(prefill, decode, full: g.GenerateRequest, mutate_dec
     return ctx_events, await collect(decode, leg)
 
 
-__all__ = ["Failed", "Finished", "PrefillReady", "Tokens", "collect", "data_uri", "full_request", "jpeg_bytes",
+__all__ = ["Failed", "Finished", "PrefillReady", "Tokens", "collect", "data_uri", "full_request",
            "png_bytes", "run_disaggregated", "terminal", "token_ids"]

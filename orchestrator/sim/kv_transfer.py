@@ -52,7 +52,6 @@ class HeldSession:
     media_digest: str
     opaque_state: str
     first_gen_tokens: list[int]
-    expires_at: float
 
 
 class SessionStore:

@@ -470,7 +470,7 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             held = kv_transfer.HeldSession(
                 session_id=rid, blocks=request.blocks, tokens=prompt_len,
                 prompt_digest=output.prompt_digest(prompt_ids), media_digest=output.media_digest(media_ids),
-                opaque_state=opaque, first_gen_tokens=[first_token], expires_at=time.monotonic() + c.kv_transfer_timeout_s)
+                opaque_state=opaque, first_gen_tokens=[first_token])
             request.blocks = 0  # the blocks now belong to the session, not the request
             if not c.drop_kv_sessions:
                 self.sessions.hold(held)
