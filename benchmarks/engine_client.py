@@ -59,7 +59,7 @@ def _serve(port_queue, tokens: int) -> None:
 
 
 def _request(i: int) -> g.GenerateRequest:
-    return g.GenerateRequest(request_id=f"r{i}", token_ids=g.TokenIds(ids=[1, 2, 3]))
+    return g.GenerateRequest(request_id=f"r{i}", model="tiny-chat", token_ids=g.TokenIds(ids=[1, 2, 3]))
 
 
 # ---- (b) plain grpc.aio on uvloop ------------------------------------------------------------------

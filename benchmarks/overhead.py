@@ -64,7 +64,7 @@ class Direct:
         self.clients, self.prompt_ids, self.max_tokens, self.mode = clients, prompt_ids, max_tokens, mode
 
     async def __call__(self, i: int, j: int, state) -> tuple[float, int]:
-        full = g.GenerateRequest(request_id=f"d{self.mode}-{i}-{j}-{time.monotonic_ns()}",
+        full = g.GenerateRequest(request_id=f"d{self.mode}-{i}-{j}-{time.monotonic_ns()}", model="tiny-chat",
                                  token_ids=g.TokenIds(ids=self.prompt_ids),
                                  stopping=g.StoppingOptions(max_tokens=self.max_tokens, ignore_eos=True))
         start = time.perf_counter()

@@ -58,7 +58,8 @@ async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[
 
         async def one(i: int) -> None:
             await trio.sleep(i * args.stagger * args.time_scale)
-            full = g.GenerateRequest(request_id=f"{mode}-{i}", token_ids=g.TokenIds(ids=prompt(i, args.input_len)),
+            full = g.GenerateRequest(request_id=f"{mode}-{i}", model="tiny-chat",
+                                     token_ids=g.TokenIds(ids=prompt(i, args.input_len)),
                                      stopping=g.StoppingOptions(max_tokens=args.output_len, ignore_eos=True))
             start = time.perf_counter()
             if mode == "aggregated":

@@ -114,6 +114,9 @@ class HttpConfig:
 class SimSpec:
     profile: str = "llama3-8b-h100"
     time_scale: float = 1.0
+    # Which TensorRT-LLM OpenEngine server the simulator behaves as: 1, tensorrt_llm/grpc/openengine (role per
+    # request, no media); 3, tensorrt_llm/openengine (declared roles, images). See orchestrator/sim/persona.py.
+    schema_revision: int = 1
     args: tuple[str, ...] = ()
 
 
@@ -286,6 +289,8 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
                 raise ConfigError(file, f"{key}.sim.profile", " or ".join(sorted(PROFILES)), worker.sim.profile)
             if worker.sim.time_scale < 0:
                 raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
+            if worker.sim.schema_revision not in (1, 3):
+                raise ConfigError(file, f"{key}.sim.schema_revision", "1 or 3", worker.sim.schema_revision)
     for name in ("prefill_retries", "decode_retries"):
         if getattr(config.limits, name) < 0:
             raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))

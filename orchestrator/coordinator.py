@@ -7,9 +7,10 @@
 
 - any cancellation (client disconnect, deadline, shutdown) cancels the RPCs and sends
   Control.Abort to every worker still holding the request;
-- KV rule: once a prefill returned a kv_session, its blocks must not be stranded. If the prefill
-  worker can abort sessions (supports_abort_cleanup) the session is aborted; otherwise the decode
-  leg is kept (shielded, bounded) until its first token - it pulls the KV - and then aborted.
+- KV rule (orchestrator.disagg.unpulled_session_action): once a prefill returned a kv_session, its
+  blocks must not be stranded. If the prefill worker can abort sessions (supports_abort_cleanup) the
+  session is aborted; otherwise the decode leg is kept (shielded, bounded) until its first token - it
+  pulls the KV - and a session no decode leg will read is pulled by a one-token release leg.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import trio
 
 from orchestrator import disagg
 from orchestrator.config import Config
-from orchestrator.convert import ApiError, ApiRequest, check_media_capability, full_leg, resolve_limits
+from orchestrator.convert import (
+    ApiError,
+    ApiRequest,
+    check_media_capability,
+    check_media_options,
+    check_media_sources,
+    full_leg,
+    resolve_limits,
+)
 from orchestrator.decode import OutputSink, StreamState, finish_reason, stream_output
 from orchestrator.engine import (
     DiscoveryFailed,
@@ -71,7 +80,7 @@ class Coordinator:
         if api.kind == "completion":
             return self.tokenizer.encode(api.prompt or "")
         try:
-            text = self.tokenizer.render_chat([{"role": m.role, "content": m.content} for m in api.messages])
+            text = self.tokenizer.render_chat([m.as_template_dict() for m in api.messages])
         except TemplateError as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from exc
         return self.tokenizer.encode(text)
@@ -93,7 +102,17 @@ class Coordinator:
             path, roles = "disaggregated", ("prefill", "decode")
         workers = tuple(self.pool.pick(role) for role in roles)
         caps = tuple([await self._capabilities(w) for w in workers])
-        check_media_capability(api, [(w.role, c.accepts_images) for w, c in zip(workers, caps)])
+        if path == "local" and not caps[0].runs_whole_requests_on_decode:
+            # A revision-3 decode worker refuses a request without a KV session: prefill it elsewhere.
+            path, workers = "disaggregated", (self.pool.pick("prefill"), *workers)
+            caps = (await self._capabilities(workers[0]), *caps)
+        if api.images:
+            split = path == "disaggregated"
+            check_media_capability(api, [(w.role, *c.image_support(split)) for w, c in zip(workers, caps)])
+            check_media_sources(api, [(w.role, c.multimodal.source_types if c.multimodal else frozenset())
+                                      for w, c in zip(workers, caps)])
+        check_media_options(api, [(w.role, c.schema_revision >= 3 and c.multimodal is not None
+                                   and c.multimodal.per_request_media_options) for w, c in zip(workers, caps)])
         windows = [c.max_context_length for c in caps if c.max_context_length]
         outputs = [c.max_output_tokens for c in caps if c.max_output_tokens]
         limits = resolve_limits(api, prompt_tokens=len(prompt_ids), configured_window=self.config.model.context_window,
@@ -150,14 +169,18 @@ class Coordinator:
         prefill_caps = plan.caps[0]
 
         async def release(prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> None:
-            await self.release_session(prefill_worker, prefill_caps, decode_worker, plan.full, session)
+            await self.release_unpulled(prefill_worker, prefill_caps, plan.full, session, decode_worker)
 
-        prefill_worker, session = await run_prefill(
+        prefill_worker, outcome = await run_prefill(
             self.pool, plan.workers[0], disagg.context_only_leg(plan.full),
             retries=self.config.limits.prefill_retries, cleanup_timeout=self.config.limits.kv_cleanup_timeout_s,
             metrics=self.metrics, release_session=release)
         prefill_done = trio.current_time()
         self.metrics.stage.labels("prefill").observe(prefill_done - started)
+        if outcome.session is None:  # the one context token finished the request (EOS, a stop): it is the answer
+            await self._answer_from_prefill(plan, outcome.answer, sink, started)
+            return
+        session = outcome.session
         try:
             disagg.check_session(session)
         except disagg.HandoffError as exc:
@@ -173,11 +196,19 @@ class Coordinator:
         except EngineError:
             if state.first_token_at is None:  # no decode pulled the session: do not strand its blocks
                 with trio.CancelScope(shield=True):
-                    await self._release_unpulled(prefill_worker, prefill_caps, session)
+                    await release(prefill_worker, session)
             raise
         if state.first_token_at is not None:
             self.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
             self.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
+
+    async def _answer_from_prefill(self, plan: Plan, events, sink: OutputSink, started: float) -> None:
+        state = StreamState()
+        await stream_output(ReplayedStream(events), sink, self._detokenizer(plan), state, worker="prefill")
+        if state.first_token_at is not None:
+            self.metrics.ttft.labels(plan.path).observe(state.first_token_at - started)
+        self.metrics.prefill_answers.inc()
+        await sink.finish(finish_reason(state), state.prompt_tokens or plan.prompt_tokens, state.completion_tokens)
 
     async def _generate(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
                         state: StreamState, started: float, *, first_token_matters: bool, prefill=None) -> None:
@@ -254,8 +285,9 @@ class Coordinator:
         prefill_worker, prefill_caps, session = prefill
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + timeout
-            if prefill_caps.supports_abort_cleanup:
-                await self._abort_session(prefill_worker, session)
+            action = disagg.unpulled_session_action(supports_abort_cleanup=prefill_caps.supports_abort_cleanup,
+                                                    decode_leg_in_flight=True)
+            if action is disagg.KvAction.ABORT_SESSION and await self._abort_session(prefill_worker, session):
                 return
             while not state.terminal and state.first_token_at is None:
                 batch = await stream.next_batch()
@@ -271,46 +303,61 @@ class Coordinator:
                         log.info("decode leg %s failed during KV cleanup: %s", session.session_id, event.error)
                         return
         if scope.cancelled_caught:
-            log.warning("KV cleanup of session %s timed out after %.0f s; the prefill worker's transfer timeout "
-                        "will release it", session.session_id, timeout)
+            log.warning("KV cleanup of session %s on %s timed out after %.0f s", session.session_id,
+                        prefill_worker.address, timeout)
 
-    async def _release_unpulled(self, prefill_worker: Worker, prefill_caps: WorkerCapabilities,
-                                session: kv_pb2.KvSessionRef) -> None:
-        """Every decode attempt failed before pulling the session."""
-        if prefill_caps.supports_abort_cleanup:
-            await self._abort_session(prefill_worker, session)
-        else:
-            log.warning("kv session %s on %s was not pulled (the decode legs failed) and the worker cannot abort "
-                        "sessions: its transfer timeout will release the blocks", session.session_id,
-                        prefill_worker.address)
-
-    async def _abort_session(self, prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> None:
+    async def _abort_session(self, prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> bool:
         try:
             await prefill_worker.client.abort(kv_session=session, timeout=5.0)
-            self.metrics.kv_cleanups.labels("abort_session").inc()
-        except EngineError as exc:
-            log.warning("abort of kv session %s on %s failed: %s", session.session_id, prefill_worker.address, exc)
+        except EngineError as exc:  # e.g. UNIMPLEMENTED although the worker claimed abort cleanup
+            log.warning("abort of kv session %s on %s failed (%s); pulling it instead", session.session_id,
+                        prefill_worker.address, exc)
+            return False
+        self.metrics.kv_cleanups.labels("abort_session").inc()
+        return True
 
-    async def release_session(self, prefill_worker: Worker, prefill_caps: WorkerCapabilities, decode_worker: Worker,
-                              full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> None:
-        """Release a session no decode will read: abort it, or pull it with a one-token decode leg."""
-        if prefill_caps.supports_abort_cleanup:
-            await self._abort_session(prefill_worker, session)
-            return
-        leg = disagg.generation_leg(full, session)
-        leg.stopping.max_tokens = 1
-        leg.response.Clear()
+    async def release_unpulled(self, prefill_worker: Worker, prefill_caps: WorkerCapabilities,
+                               full: g.GenerateRequest, session: kv_pb2.KvSessionRef, decode_worker: Worker) -> None:
+        """Free a session no decode leg will read (cancelled, failed, retries exhausted): abort it, or pull it
+        with a one-token release leg on a decode worker (the request's, or another routable one)."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.config.limits.kv_cleanup_timeout_s
-            with self.pool.lease(decode_worker):
-                try:
-                    async with decode_worker.client.generate(leg) as stream:
-                        while await stream.next_batch():
-                            pass
-                    self.metrics.kv_cleanups.labels("decode_pull").inc()
-                except EngineError as exc:
-                    log.warning("KV release of session %s via %s failed: %s", session.session_id,
-                                decode_worker.address, exc)
+            action = disagg.unpulled_session_action(supports_abort_cleanup=prefill_caps.supports_abort_cleanup,
+                                                    decode_leg_in_flight=False)
+            if action is disagg.KvAction.ABORT_SESSION and await self._abort_session(prefill_worker, session):
+                return
+            candidates = [decode_worker] if decode_worker.routable else []
+            try:
+                candidates.append(self.pool.pick("decode", exclude=tuple(candidates)))
+            except ApiError:
+                pass
+            leg = disagg.release_leg(full, session)
+            for worker in candidates:
+                with self.pool.lease(worker):
+                    try:
+                        async with worker.client.generate(leg) as stream:
+                            while await stream.next_batch():
+                                pass
+                    except EngineError as exc:
+                        log.warning("KV release of session %s via %s failed: %s", session.session_id,
+                                    worker.address, exc)
+                        continue
+                self.metrics.kv_cleanups.labels("decode_pull").inc()
+                return
+        log.warning("kv session %s on %s could not be released (%s): its blocks stay held until the worker's "
+                    "transfer timeout or restart", session.session_id, prefill_worker.address,
+                    "timed out" if scope.cancelled_caught else "no decode worker could pull it")
+
+
+class ReplayedStream:
+    """Events already received, read like a generate stream (the prefill leg's answer)."""
+
+    def __init__(self, events) -> None:
+        self._batches = [list(events)]
+
+    async def next_batch(self) -> list:
+        await trio.lowlevel.checkpoint()
+        return self._batches.pop() if self._batches else []
 
 
 def _sole_error(group: BaseExceptionGroup) -> BaseException:

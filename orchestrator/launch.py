@@ -150,7 +150,8 @@ class Launcher:
                 if spec.sim is not None:
                     argv = orchestrator_argv("sim-worker", "--role", spec.role, "--port", "0",
                                              "--model", self.config.model.name, "--profile", spec.sim.profile,
-                                             "--time-scale", repr(spec.sim.time_scale), *etcd_flags,
+                                             "--time-scale", repr(spec.sim.time_scale),
+                                             "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
                                              *(ttl_flags if etcd_flags else ()), *spec.sim.args)
                     child = await self._start(nursery, Child(name, argv), ready_timeout=timeout)
                     address = child.ready_url

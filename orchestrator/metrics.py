@@ -27,6 +27,9 @@ class Metrics:
                                ["role"], registry=r)
         self.kv_cleanups = Counter("orchestrator_kv_cleanups", "KV sessions released after a cancellation, by way",
                                    ["way"], registry=r)
+        self.prefill_answers = Counter("orchestrator_prefill_answers",
+                                       "Disaggregated requests answered by the context-only leg alone (its one token "
+                                       "finished them: EOS or a stop)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

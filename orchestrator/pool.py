@@ -43,6 +43,7 @@ class Worker:
         self.idle.set()
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
+        self.identity_checked_at = float("-inf")
 
     def load_score(self, now: float, staleness: float) -> float | None:
         if self.load_sample is None or now - self.load_sample[0] > staleness:
@@ -66,6 +67,7 @@ class WorkerPool:
         self.health_interval = health_interval
         self.discovery_timeout = discovery_timeout
         self.removal_grace = removal_grace
+        self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {"aggregated": routing.aggregated, "prefill": routing.prefill, "decode": routing.decode}
         self._policies = {role: make_policy(name, self.staleness_s) for role, name in self._policy_names.items()}
@@ -140,6 +142,10 @@ class WorkerPool:
                 self._set_state(worker, "unhealthy", cause_chain(exc))
             else:
                 if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                    if previous not in ("ready", "connecting"):
+                        # Back from unhealthy/draining/misconfigured: it may be a restarted process with
+                        # another build, role or window, so what it can do is read again.
+                        client.forget_capabilities()
                     await self._check_identity(worker)
                 elif state == HealthState.HEALTH_STATE_DRAINING:
                     self._set_state(worker, "draining", "worker reports DRAINING")
@@ -151,7 +157,26 @@ class WorkerPool:
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
 
+    async def _instance_changed(self, worker: Worker) -> bool:
+        """A restart faster than one health interval shows only as a new ServerInfo.instance_id."""
+        cached = worker.client.cached_capabilities
+        now = trio.current_time()
+        if cached is None or not cached.instance_id or now < worker.identity_checked_at + self.identity_interval:
+            return False
+        worker.identity_checked_at = now
+        try:
+            info = await worker.client.server_info(timeout=max(1.0, self.health_interval * 2))
+        except EngineError:
+            return False  # the health check will notice a dead worker
+        if info.instance_id != cached.instance_id:
+            log.info("worker %s %s restarted: instance %s -> %s; reading its capabilities again", worker.role,
+                     worker.address, cached.instance_id, info.instance_id)
+            return True
+        return False
+
     async def _check_identity(self, worker: Worker) -> None:
+        if await self._instance_changed(worker):
+            worker.client.forget_capabilities()
         try:
             caps = await worker.client.capabilities()
         except EngineError as exc:
@@ -159,7 +184,7 @@ class WorkerPool:
             # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
             self._set_state(worker, "ready", f"capability discovery failing: {exc}")
             return
-        if caps.role != worker.role:
+        if not caps.serves_role(worker.role):
             self._set_state(worker, "misconfigured",
                             f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
         elif self.model and self.model not in caps.models and caps.model_id != self.model:

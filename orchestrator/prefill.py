@@ -1,4 +1,4 @@
-"""The prefill stage: run the context-only leg and return its KV session.
+"""The prefill stage: run the context-only leg; return its KV session, or the whole answer.
 
 A retryable failure before the session exists is retried once (configurable) on another prefill
 worker. If the request is cancelled while its prefill runs, the prefill is aborted and its outcome
@@ -14,7 +14,8 @@ from typing import Awaitable, Callable
 import trio
 
 from orchestrator.convert.errors import ApiError
-from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, WorkerUnavailable
+from orchestrator.disagg import PrefillOutcome, prefill_outcome
+from orchestrator.engine import EngineError, WorkerUnavailable
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
@@ -23,21 +24,23 @@ from orchestrator.pool import Worker, WorkerPool
 log = logging.getLogger(__name__)
 
 
-async def _until_terminal(stream, worker: Worker) -> PrefillReady | Finished | Failed:
+async def _until_outcome(stream, worker: Worker) -> PrefillOutcome:
+    events = []
     while True:
         batch = await stream.next_batch()
         if not batch:
-            return Failed(EngineError("the context-only stream ended without prefill_ready", worker=worker.address,
-                                      rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL))
-        for event in batch:  # a context-only leg streams no tokens; anything else is skipped
-            if isinstance(event, (PrefillReady, Finished, Failed)):
-                return event
+            return PrefillOutcome(error="the context-only stream ended without prefill_ready or finished")
+        events.extend(batch)
+        outcome = prefill_outcome(events)
+        if outcome is not None:
+            return outcome
 
 
 async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *, retries: int,
                       cleanup_timeout: float, metrics,
                       release_session: Callable[[Worker, kv_pb2.KvSessionRef], Awaitable[None]]
-                      ) -> tuple[Worker, kv_pb2.KvSessionRef]:
+                      ) -> tuple[Worker, PrefillOutcome]:
+    """Returns the worker that prefilled and an outcome with a `session` or an `answer`; raises the error."""
     tried: list[Worker] = []
     worker = first
     while True:
@@ -49,13 +52,11 @@ async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *
                 pool.report_unreachable(worker, exc)
             error: EngineError = exc
         else:
-            if isinstance(outcome, PrefillReady):
-                return worker, outcome.kv_session
-            if isinstance(outcome, Finished):
-                error = EngineError(f"the context-only leg finished ({outcome.reason_name}) without a KV session",
-                                    worker=worker.address, rpc="Generate")
-            else:
-                error = outcome.error
+            if outcome.session is not None or outcome.answer:
+                return worker, outcome
+            error = (outcome.failed.error if outcome.failed is not None else
+                     EngineError(outcome.error, worker=worker.address, rpc="Generate",
+                                 code=ErrorCode.ERROR_CODE_INTERNAL))
         metrics.engine_errors.labels(error.code_name).inc()
         if not error.retryable or len(tried) > retries:
             raise error
@@ -69,20 +70,20 @@ async def run_prefill(pool: WorkerPool, first: Worker, leg: g.GenerateRequest, *
 
 
 async def _one_attempt(worker: Worker, pool: WorkerPool, leg: g.GenerateRequest, cleanup_timeout: float,
-                       release_session) -> PrefillReady | Finished | Failed:
+                       release_session) -> PrefillOutcome:
     with pool.lease(worker):
         async with worker.client.generate(leg) as stream:
             try:
-                return await _until_terminal(stream, worker)
+                return await _until_outcome(stream, worker)
             except trio.Cancelled:
                 with trio.CancelScope(shield=True) as cleanup:
                     cleanup.deadline = trio.current_time() + cleanup_timeout
                     try:
                         await worker.client.abort(request_id=leg.request_id, timeout=cleanup_timeout)
-                        outcome = await _until_terminal(stream, worker)
+                        outcome = await _until_outcome(stream, worker)
                     except EngineError as exc:
                         log.warning("abort of prefill %s on %s failed: %s", leg.request_id, worker.address, exc)
                     else:
-                        if isinstance(outcome, PrefillReady):  # it finished before the abort landed
-                            await release_session(worker, outcome.kv_session)
+                        if outcome.session is not None:  # it finished before the abort landed
+                            await release_session(worker, outcome.session)
                 raise

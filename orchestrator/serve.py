@@ -95,19 +95,27 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         shutdown = trio.Event()
+        # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
+        startup = trio.CancelScope()
         async with trio.open_nursery() as nursery:
-            await nursery.start(pool.run, make_registry(config, loop_thread))
-            binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
-            url = binds[0]
-            log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
             if handle_signals:
-                nursery.start_soon(_on_signal, app, shutdown)
-            with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
-                while not all(pool.ready_count(role) for role in config.needed_roles):
-                    await pool.changed.wait()
-            if waiting.cancelled_caught:
-                log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, /health says "
-                          "not ready", config.mode, limits.worker_startup_timeout_s)
+                nursery.start_soon(_on_signal, app, shutdown, startup)
+            url = None
+            with startup:
+                await nursery.start(pool.run, make_registry(config, loop_thread))
+                binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
+                url = binds[0]
+                log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
+                with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
+                    while not all(pool.ready_count(role) for role in config.needed_roles):
+                        await pool.changed.wait()
+                if waiting.cancelled_caught:
+                    log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, /health says "
+                              "not ready", config.mode, limits.worker_startup_timeout_s)
+            if startup.cancelled_caught:
+                log.info("stopped during start-up")
+                nursery.cancel_scope.cancel()
+                return
             if ready_line:
                 print(f"ready {url}", flush=True)
             task_status.started(url)
@@ -121,12 +129,13 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     log.info("stopped")
 
 
-async def _on_signal(app, shutdown: trio.Event) -> None:
+async def _on_signal(app, shutdown: trio.Event, startup: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("%s: draining (grace %.0f s)", signal.Signals(signum).name, app.config.limits.shutdown_grace_s)
             app.draining = True
             shutdown.set()
+            startup.cancel()  # a no-op once start-up is over
             return
 
 

@@ -18,7 +18,7 @@ A five-line test:
         worker = sim_workers.start("aggregated", "--time-scale", "0")
         async with engine_client(worker.address) as client:
             caps = await client.wait_until_ready(deadline=10)
-        assert caps.role == "aggregated"
+        assert caps.serves_role("aggregated")
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
 """The model's tokenizer and chat template, and incremental detokenization with stop strings.
 
-`ModelTokenizer` reads a model directory: tokenizer.json (the `tokenizers` library) and
-tokenizer_config.json (chat_template for jinja2, eos/bos tokens).
+`ModelTokenizer` reads a model directory: tokenizer.json (the `tokenizers` library),
+tokenizer_config.json (chat_template for jinja2, eos/bos tokens, image_token) and, when present,
+processor_config.json (a vision processor's image_token).
+
+Images in chat messages: a template that iterates a message's content (as the templates of
+vision-language models do) gets structured parts, `{"type": "text", "text": ...}` and
+`{"type": "image"}`, and writes the model's own placeholder. A template that only concatenates
+strings gets the text with the model's image_token where each image stood. A model that names no
+placeholder either way cannot take images: that is an error, not a guess.
 
 `IncrementalDetokenizer` turns token ids into text as they stream:
 - text is released only once its UTF-8 is complete (a multi-byte character split over tokens
@@ -17,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -39,9 +47,11 @@ class ModelTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.image_token = config.get("image_token") or None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
+        self.takes_content_parts = bool(template) and _iterates_message_content(env.parse(template))
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelTokenizer":
@@ -49,16 +59,41 @@ class ModelTokenizer:
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        processor_path = model_dir / "processor_config.json"
+        if not config.get("image_token") and processor_path.exists():
+            config["image_token"] = json.loads(processor_path.read_text()).get("image_token")
         return cls(tokenizer, config, model_dir)
 
+    @property
+    def image_token_id(self) -> int | None:
+        return self.tokenizer.token_to_id(self.image_token) if self.image_token else None
+
     def render_chat(self, messages: Sequence[dict]) -> str:
+        """`messages`: {"role", "content"} with content a string or a list of text/image parts."""
         if self._template is None:
             raise TemplateError(f"{self.source}/tokenizer_config.json has no chat_template")
+        if not self.takes_content_parts:
+            messages = [{**m, "content": self._flatten(m["content"])} for m in messages]
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=True,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def _flatten(self, content) -> str:
+        if isinstance(content, str):
+            return content
+        pieces = []
+        for part in content:
+            if part["type"] == "image":
+                if self.image_token is None:
+                    raise TemplateError(
+                        f"the model at {self.source} cannot take images: its chat template does not take content "
+                        "parts and neither tokenizer_config.json nor processor_config.json names an image_token")
+                pieces.append(self.image_token)
+            else:
+                pieces.append(part["text"])
+        return "\n".join(pieces)  # as OpenAI-compatible servers join parts
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -68,6 +103,18 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _iterates_message_content(template: nodes.Template) -> bool:
+    """Whether the template loops over a message's content (`message['content']` / `message.content`),
+    which is how templates that take structured content parts are written."""
+    for loop in template.find_all(nodes.For):
+        target = loop.iter
+        if isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const) and target.arg.value == "content":
+            return True
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return True
+    return False
 
 
 def _token_text(value) -> str | None:

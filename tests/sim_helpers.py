@@ -3,7 +3,7 @@
 import base64
 
 from orchestrator import disagg
-from orchestrator.engine import Failed, Finished, PrefillReady, Tokens
+from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.sim.media import solid_png
 
@@ -17,7 +17,7 @@ def data_uri(data: bytes, mime="image/png") -> str:
 
 
 def full_request(rid, ids=(11, 12, 13, 14, 15), max_tokens=8, seed=1, media=(), **stopping):
-    return g.GenerateRequest(request_id=rid, token_ids=g.TokenIds(ids=list(ids)),
+    return g.GenerateRequest(request_id=rid, model="tiny-chat", token_ids=g.TokenIds(ids=list(ids)),
                              sampling=g.SamplingParams(seed=seed), media=list(media),
                              stopping=g.StoppingOptions(max_tokens=max_tokens, **stopping))
 
@@ -25,6 +25,26 @@ def full_request(rid, ids=(11, 12, 13, 14, 15), max_tokens=8, seed=1, media=(), 
 async def collect(client, request):
     async with client.generate(request) as stream:
         return [e async for e in stream]
+
+
+async def refusal(client, request) -> EngineError:
+    """The error a worker answers `request` with, whether a gRPC status (TensorRT-LLM refuses that way)
+    or a terminal GenerateResponse.error (failures after acceptance, and the strict persona)."""
+    try:
+        events = await collect(client, request)
+    except EngineError as exc:
+        return exc
+    last = terminal(events)
+    if not isinstance(last, Failed):
+        raise AssertionError(f"expected a refusal, got {events}")
+    return last.error
+
+
+IMAGE_TOKEN_ID = 810  # tiny-chat's <|image|>: the engine wants one placeholder per image
+
+
+def with_placeholders(ids, images: int):
+    return (*ids, *([IMAGE_TOKEN_ID] * images))
 
 
 def token_ids(events):
@@ -47,5 +67,5 @@ async def run_disaggregated(prefill, decode, full: g.GenerateRequest, mutate_dec
     return ctx_events, await collect(decode, leg)
 
 
-__all__ = ["Failed", "Finished", "PrefillReady", "Tokens", "collect", "data_uri", "full_request",
-           "png_bytes", "run_disaggregated", "terminal", "token_ids"]
+__all__ = ["IMAGE_TOKEN_ID", "Failed", "Finished", "PrefillReady", "Tokens", "collect", "data_uri", "full_request",
+           "png_bytes", "refusal", "run_disaggregated", "terminal", "token_ids", "with_placeholders"]

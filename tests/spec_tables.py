@@ -1,8 +1,9 @@
 """Parse the field tables of the OpenEngine v1 spec (docs/openengine-v1.md) into plain data.
 
 The spec lists every message as `message `Name`: type name=N; optional type name=N (oneof x); ...`
-and every enum as `enum `Name`: A=0, B=1`. The wire test compares these tables with the descriptors
-compiled from our proto/ files, so a drift between the two fails CI.
+and every enum as `enum `Name`: A=0, B=1`. docs/openengine-revision-3.md uses the same lines, plus
+`fields `Name`: ...` for fields that revision 3 appends to a revision-1 message. The wire test compares
+the merged tables with the descriptors compiled from our proto/ files, so a drift fails CI.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENDORED_SPEC = REPO / "docs" / "openengine-v1.md"
 SHARED_SPEC = REPO.parent / "shared" / "spec" / "openengine-v1.md"
+REVISION_3 = REPO / "docs" / "openengine-revision-3.md"
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class SpecFile:
     messages: dict[str, list[SpecField]] = field(default_factory=dict)
     enums: dict[str, dict[str, int]] = field(default_factory=dict)
     services: dict[str, list[tuple[str, str, str, bool]]] = field(default_factory=dict)
+    appended: dict[str, list[SpecField]] = field(default_factory=dict)  # revision-3 `fields` lines
 
 
 _FIELD = re.compile(
@@ -55,25 +58,10 @@ def parse_spec(text: str) -> dict[str, SpecFile]:
         elif line.startswith("enum `"):
             name, body = re.match(r"^enum `(\w+)`: (.*)$", line).groups()
             current.enums[name] = {k: int(v) for k, v in (p.split("=") for p in body.split(", "))}
-        elif line.startswith("message `"):
-            name, body = re.match(r"^message `(\w+)`: (.*)$", line).groups()
-            fields = []
-            if body != "(empty)":
-                for part in body.split("; "):
-                    m = _FIELD.match(part)
-                    if m is None:
-                        raise ValueError(f"unparsed field {part!r} in message {name}")
-                    fields.append(
-                        SpecField(
-                            name=m["name"],
-                            number=int(m["number"]),
-                            type=m["type"],
-                            repeated=bool(m["repeated"]),
-                            optional=bool(m["optional"]),
-                            oneof=m["oneof"],
-                        )
-                    )
-            current.messages[name] = fields
+        elif line.startswith(("message `", "fields `")):
+            kind, name, body = re.match(r"^(message|fields) `(\w+)`: (.*)$", line).groups()
+            fields = [] if body == "(empty)" else [_parse_field(part, name) for part in body.split("; ")]
+            (current.messages if kind == "message" else current.appended)[name] = fields
         elif line.startswith("service `"):
             service = re.match(r"^service `(\w+)`:", line).group(1)
             current.services[service] = []
@@ -83,5 +71,21 @@ def parse_spec(text: str) -> dict[str, SpecFile]:
     return files
 
 
+def _parse_field(part: str, message: str) -> SpecField:
+    m = _FIELD.match(part)
+    if m is None:
+        raise ValueError(f"unparsed field {part!r} in message {message}")
+    return SpecField(name=m["name"], number=int(m["number"]), type=m["type"], repeated=bool(m["repeated"]),
+                     optional=bool(m["optional"]), oneof=m["oneof"])
+
+
 def load_spec() -> dict[str, SpecFile]:
-    return parse_spec(VENDORED_SPEC.read_text())
+    """Revision 1 (the shared spec) with the revision-3 additions merged in, fields in number order."""
+    files = parse_spec(VENDORED_SPEC.read_text())
+    for path, additions in parse_spec(REVISION_3.read_text()).items():
+        target = files[path]
+        target.enums.update(additions.enums)
+        target.messages.update(additions.messages)
+        for name, fields in additions.appended.items():
+            target.messages[name] = sorted(target.messages[name] + fields, key=lambda f: f.number)
+    return files

@@ -3,6 +3,7 @@
 import pytest
 
 from orchestrator.convert import ApiError, parse_chat, parse_completion
+from orchestrator.convert.api import Part
 
 
 def chat(**extra):
@@ -77,11 +78,12 @@ def test_response_format_maps_to_guided_decoding():
     assert parse_chat(chat(response_format={"type": "text"})).guided is None
 
 
-def test_text_parts_are_joined_and_assistant_null_content_is_allowed():
+def test_text_parts_stay_parts_and_assistant_null_content_is_allowed():
+    """The chat template decides how parts become text (tests/test_tokenizer.py)."""
     req = parse_chat(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                  {"type": "text", "text": "b"}]},
                                     {"role": "assistant", "content": None}]))
-    assert [m.content for m in req.messages] == ["a\nb", ""]
+    assert [m.content for m in req.messages] == [(Part("text", "a"), Part("text", "b")), ""]
 
 
 def test_completion_prompts_text_or_token_ids():

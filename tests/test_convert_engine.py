@@ -3,7 +3,14 @@
 import pytest
 
 from orchestrator import disagg
-from orchestrator.convert import ApiError, check_media_capability, full_leg, parse_chat, resolve_limits
+from orchestrator.convert import (
+    ApiError,
+    check_media_capability,
+    check_media_sources,
+    full_leg,
+    parse_chat,
+    resolve_limits,
+)
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 
@@ -51,17 +58,27 @@ def test_image_requests_under_a_tighter_configured_window_are_refused():
     assert "configured context window of 40" in info.value.message and "own window is 100" in info.value.message
 
 
-def test_image_requests_leave_max_tokens_unset_when_the_window_is_the_engines():
-    assert limits(image_request()).max_tokens is None
-    assert limits(image_request(), configured=100).max_tokens is None
+def test_image_requests_without_max_tokens_get_the_text_room_as_an_upper_bound_never_an_engine_default():
+    """The engine clamps it to its real room (images included); unset, a revision-3 server would stop at 32."""
+    assert limits(image_request(), prompt=10, max_output=None).max_tokens == 90
+    assert limits(image_request(), prompt=10, configured=100, max_output=None).max_tokens == 90
+    assert limits(image_request(), max_output=50).max_tokens == 50
     assert limits(image_request(max_tokens=500)).max_tokens == 50  # still clamped to max_output_tokens
+    assert limits(image_request(), engine=None, max_output=None).max_tokens is None  # no window known: unset
 
 
-def test_media_gating_names_the_role_that_refuses():
-    check_media_capability(image_request(), [("prefill", True), ("decode", True)])
-    check_media_capability(text_request(), [("prefill", False)])
-    with pytest.raises(ApiError, match="does not accept images.*decode worker"):
-        check_media_capability(image_request(), [("prefill", True), ("decode", False)])
+def test_media_gating_names_the_role_and_the_signals_that_refuse():
+    check_media_capability(image_request(), [("prefill", True, ""), ("decode", True, "")])
+    check_media_capability(text_request(), [("prefill", False, "")])
+    with pytest.raises(ApiError, match="does not accept images.*decode worker reports supports_multimodal=false"):
+        check_media_capability(image_request(), [("prefill", True, ""), ("decode", False, "supports_multimodal=false")])
+
+
+def test_media_sources_must_be_among_the_encodings_a_worker_lists():
+    check_media_sources(image_request(), [("decode", frozenset())])  # revision 1: not said, not refused
+    check_media_sources(image_request(), [("decode", frozenset({"url", "data_uri"}))])
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[0\]: the decode worker does not take an image URL"):
+        check_media_sources(image_request(), [("decode", frozenset({"data_uri"}))])
 
 
 def test_full_leg_carries_prompt_media_sampling_stopping_logprobs_and_guides():
@@ -74,7 +91,7 @@ def test_full_leg_carries_prompt_media_sampling_stopping_logprobs_and_guides():
     assert leg.sampling.seed == 7 and leg.sampling.temperature == pytest.approx(0.2)
     assert not leg.sampling.HasField("top_p")
     assert [c.WhichOneof("condition") for c in leg.stopping.conditions] == ["stop_text", "stop_token_id"]
-    assert not leg.stopping.HasField("max_tokens") and leg.stopping.min_tokens == 1 and leg.stopping.ignore_eos
+    assert leg.stopping.max_tokens == 50 and leg.stopping.min_tokens == 1 and leg.stopping.ignore_eos
     assert leg.response.return_output_logprobs and leg.response.output_candidates.top_n == 2
     assert leg.guided.WhichOneof("guide") == "json_object"
     (item,) = leg.media
@@ -82,21 +99,23 @@ def test_full_leg_carries_prompt_media_sampling_stopping_logprobs_and_guides():
 
 
 def _session():
-    session = kv_pb2.KvSessionRef(session_id="ctx-1", transfer_backend="nixl", dp_rank=2,
+    session = kv_pb2.KvSessionRef(session_id="17", transfer_backend="nixl", dp_rank=2,
                                   endpoints=[kv_pb2.KvEndpoint(host="10.0.0.1", port=5, protocol="tcp")])
     session.attributes_struct.update({"opaque_state": "b64==", "first_gen_tokens": [42], "draft_tokens": [],
-                                      "disagg_request_id": "ctx-1", "ctx_usage": {"prompt_tokens": 9},
-                                      "first_gen_log_probs": [], "schedule_style": "x"})
+                                      "disagg_request_id": "17", "ctx_usage": {"prompt_tokens": 9},
+                                      "first_gen_log_probs": [], "schedule_style": 1})
     return session
 
 
-def test_context_only_leg_is_the_prompt_and_media_with_one_token_and_the_request_type():
-    req = image_request(seed=5, stop=["Z"], logprobs=True)
+def test_context_only_leg_is_the_full_request_with_one_token_and_the_request_type():
+    req = image_request(seed=5, stop=["Z"], logprobs=True, min_tokens=2, ignore_eos=True,
+                        response_format={"type": "json_object"})
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
     ctx = disagg.context_only_leg(full)
     assert ctx.extra["request_type"] == "context_only" and ctx.stopping.max_tokens == 1
-    assert not ctx.stopping.conditions and not ctx.HasField("response")
-    assert ctx.token_ids == full.token_ids and list(ctx.media) == list(full.media) and ctx.sampling == full.sampling
+    ctx.stopping.max_tokens = full.stopping.max_tokens
+    del ctx.extra["request_type"]
+    assert ctx == full  # nothing else differs: the first token is sampled under the client's every option
     assert "request_type" not in full.extra  # the full request is untouched
 
 
@@ -113,13 +132,11 @@ def test_generation_leg_carries_the_session_untouched_and_the_same_prompt_and_me
     assert disagg.first_gen_tokens(session) == [42]
 
 
-def test_sessions_without_id_endpoints_or_opaque_state_are_refused():
-    disagg.check_session(_session())
-    for broken in ("session_id", "endpoints", "opaque_state"):
-        session = _session()
-        if broken == "opaque_state":
-            del session.attributes_struct["opaque_state"]
-        else:
-            session.ClearField(broken)
-        with pytest.raises(disagg.HandoffError):
-            disagg.check_session(session)
+def test_release_leg_pulls_the_session_for_one_token_and_asks_nothing_else():
+    req = image_request(max_tokens=5, logprobs=True, min_tokens=3, response_format={"type": "json_object"})
+    full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
+    leg = disagg.release_leg(full, _session())
+    assert leg.request_id == "r-kv-release" and leg.kv.session == _session()
+    assert leg.stopping == g.StoppingOptions(max_tokens=1)
+    assert not leg.HasField("response") and not leg.HasField("guided")
+    assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)

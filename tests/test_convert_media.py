@@ -5,7 +5,7 @@ import base64
 import pytest
 
 from orchestrator.convert import ApiError, MediaLimits, parse_chat
-from orchestrator.convert.api import IMAGE_PLACEHOLDER
+from orchestrator.convert.api import Part
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 PNG_URI = "data:image/png;base64," + base64.b64encode(PNG).decode()
@@ -39,7 +39,7 @@ def test_images_keep_their_order_across_messages_and_parts():
     assert [(i.url, i.data_uri is not None, i.uuid) for i in req.images] == [
         ("https://a.example/1.png", False, None), (None, True, "u2"), ("http://b.example/3.jpg", False, None)]
     assert req.images[1].mime_type == "image/png"
-    assert req.messages[0].content == f"first\n{IMAGE_PLACEHOLDER}\n{IMAGE_PLACEHOLDER}"
+    assert req.messages[0].content == (Part("text", "first"), Part("image"), Part("image"))
     assert [i.where for i in req.images] == ["messages[0].content[1]", "messages[0].content[2]",
                                              "messages[2].content[0]"]
 

@@ -2,10 +2,12 @@
 
 import logging
 
+import grpc
 import pytest
 import trio
 
 from orchestrator.engine import (
+    EngineError,
     ErrorCode,
     Failed,
     Finished,
@@ -20,7 +22,7 @@ from orchestrator.testing import free_port, wait_for_load
 
 
 def request(rid, max_tokens=8, **extra):
-    req = g.GenerateRequest(request_id=rid, token_ids=g.TokenIds(ids=[5, 6, 7, 8, 9]),
+    req = g.GenerateRequest(request_id=rid, model="tiny-chat", token_ids=g.TokenIds(ids=[5, 6, 7, 8, 9]),
                             stopping=g.StoppingOptions(max_tokens=max_tokens))
     for key, value in extra.items():
         req.extra[key] = value
@@ -73,9 +75,9 @@ async def test_abort_by_request_id_finishes_the_stream_as_cancelled(sim_workers,
 
 
 async def test_engine_errors_are_typed_events_with_code_and_retryable_flag(sim_workers, engine_client):
-    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--persona", "strict")
     async with engine_client(worker.address) as client:
-        # A context-only leg on an aggregated worker is a protocol mistake the worker must refuse.
+        # A context-only leg on an aggregated worker is a protocol mistake the strict worker refuses in-stream.
         req = request("ctx", max_tokens=1, request_type="context_only")
         async with client.generate(req) as stream:
             events = [e async for e in stream]
@@ -83,6 +85,20 @@ async def test_engine_errors_are_typed_events_with_code_and_retryable_flag(sim_w
     error = events[0].error
     assert error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH and not error.retryable
     assert worker.target in str(error) and "Generate" in str(error) and "ROLE_MISMATCH" in str(error)
+
+
+async def test_refusals_as_grpc_statuses_are_typed_errors_with_code_status_and_worker(sim_workers, engine_client):
+    """TensorRT-LLM refuses a request before accepting it with context.abort(INVALID_ARGUMENT, ...)."""
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address) as client:
+        req = request("gen-only", max_tokens=1, request_type="generation_only")
+        with pytest.raises(EngineError) as info:
+            async with client.generate(req) as stream:
+                [e async for e in stream]
+    error = info.value
+    assert error.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT and not error.retryable
+    assert error.grpc_status == grpc.StatusCode.INVALID_ARGUMENT and "kv.session" in error.message
+    assert worker.target in str(error) and "Generate" in str(error)
 
 
 async def test_injected_retryable_error_keeps_its_flag(sim_workers, engine_client):
@@ -114,7 +130,7 @@ async def test_connect_until_ready_waits_for_a_late_server_and_logs_the_cause_fr
                       "--time-scale", "0")
     async with engine_client(f"grpc://127.0.0.1:{port}") as client:
         caps = await client.wait_until_ready(deadline=30, attempt_timeout=1, retry_interval=0.1)
-    assert caps.role == "aggregated"
+    assert caps.role == "unspecified" and caps.serves_role("aggregated")  # revision-1 TensorRT-LLM
     retries = [r.getMessage() for r in caplog.records if "waiting for worker" in r.getMessage()]
     assert retries and "(attempt 1)" in retries[0]
     assert "Connection refused" in retries[0] or "failed to connect" in retries[0].lower()
@@ -132,8 +148,9 @@ async def test_a_worker_that_stays_not_ready_is_a_clear_startup_failure(sim_work
 
 
 @pytest.mark.parametrize("flags, words", [
-    (("--schema-revision", "0"), ["schema_revision 0", "revision 1"]),
-    (("--schema-revision", "2", "--minimum-client-revision", "2"), ["requires client revision >= 2", "revision 1"]),
+    (("--report-schema-revision", "0"), ["schema_revision 0", "revision 3"]),
+    (("--report-schema-revision", "5", "--minimum-client-revision", "4"), ["requires client revision >= 4",
+                                                                          "revision 3"]),
 ])
 async def test_revision_guard_refuses_incompatible_workers(sim_workers, engine_client, flags, words):
     worker = sim_workers.start("aggregated", *flags)
@@ -144,8 +161,15 @@ async def test_revision_guard_refuses_incompatible_workers(sim_workers, engine_c
         assert word in str(info.value)
 
 
+async def test_a_newer_worker_that_still_accepts_our_revision_is_compatible(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--report-schema-revision", "7", "--minimum-client-revision", "3")
+    async with engine_client(worker.address) as client:
+        caps = await client.wait_until_ready(deadline=5)
+    assert caps.schema_revision == 7
+
+
 async def test_capabilities_are_discovered_once_for_concurrent_callers(sim_workers, engine_client):
-    worker = sim_workers.start("prefill", "--abort-cleanup", "--modalities", "text")
+    worker = sim_workers.start("prefill", "--schema-revision", "3", "--image-paths", "aggregate")
     async with engine_client(worker.address) as client:
         results = []
         async with trio.open_nursery() as nursery:
@@ -154,8 +178,10 @@ async def test_capabilities_are_discovered_once_for_concurrent_callers(sim_worke
         assert client.discovery_attempts == 1
         caps = results[0]
         assert all(r is caps for r in results)
-        assert caps.role == "prefill" and caps.supports_abort_cleanup and not caps.accepts_images
+        assert caps.role == "prefill" and caps.supports_abort_cleanup and caps.schema_revision == 3
+        assert caps.image_support(disaggregated=False)[0] and not caps.image_support(disaggregated=True)[0]
         assert caps.max_context_length == 8192 and caps.model_id == "tiny-chat"
+        assert caps.handoff_profile == "tensorrt_llm.disaggregated_params.v1" and caps.tokenizer_source
 
 
 async def _append(results, awaitable):

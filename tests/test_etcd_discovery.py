@@ -160,7 +160,9 @@ async def _count(http, url, n):
 
 
 def test_register_refuses_a_role_mismatch(etcd_server, sim_workers):
-    worker = sim_workers.start("prefill", *FAST)
+    """A revision-3 worker declares its role; a revision-1 TensorRT-LLM worker (ENGINE_ROLE_UNSPECIFIED)
+    registers under any role, as the sidecar test below does."""
+    worker = sim_workers.start("prefill", *FAST, "--schema-revision", "3")
     result = subprocess.run(python_command("register", "--etcd", etcd_server.url, "--worker", worker.address,
                                            "--role", "decode", "--namespace", "test-mismatch"),
                             capture_output=True, text=True, timeout=60)

@@ -1,4 +1,10 @@
-"""Images across both stages, end to end: real image bytes, a real HTTP image server, sim workers, serve."""
+"""Images across both stages, end to end: real image bytes, a real HTTP image server, sim workers, serve.
+
+The workers are revision-3 TensorRT-LLM (tensorrt_llm/openengine/server.py @ 01138754b3f4): the one
+that serves images, reporting them per path in ModelInfo.multimodal_capabilities. It refuses a prompt
+whose image placeholders do not match the images, so every 200 here also proves the orchestrator
+wrote the model's own placeholder (tiny-chat's `<|image|>`, from its chat template).
+"""
 
 import base64
 import http.server
@@ -14,7 +20,8 @@ from orchestrator.testing import write_config
 from serve_helpers import Deployment
 
 PIL = pytest.importorskip("PIL.Image")
-FAST = ("--time-scale", "0.02")
+FAST = ("--time-scale", "0.02", "--schema-revision", "3")
+REVISION_1 = ("--time-scale", "0.02")  # tensorrt_llm/grpc/openengine: supports_multimodal=false, media UNIMPLEMENTED
 
 
 def image_bytes(fmt: str, color) -> bytes:
@@ -126,15 +133,18 @@ async def test_images_without_uuids_are_identified_by_their_bytes_on_both_legs(d
     assert all(i.startswith("sha256:") for i in identities) and identities[0] != identities[1]
 
 
-@pytest.mark.parametrize("prefill_flags, decode_flags, refusing", [
-    (("--no-multimodal",), (), "prefill"),
-    ((), ("--modalities", "text"), "decode"),
-    (("--no-multimodal", "--modalities", "text"), ("--no-multimodal", "--modalities", "text"), "prefill"),
+@pytest.mark.parametrize("prefill_flags, decode_flags, refusing, signals", [
+    (("--no-multimodal",), (), "prefill", "supports_multimodal=false"),
+    ((), ("--image-paths", "aggregate"), "decode",
+     "supports_multimodal=true, image not in multimodal_capabilities.prefill_decode_modalities"),
+    (("--multimodal", "--image-paths", "none"), (), "prefill", "image not in"),  # the signals disagree: no
+    (("--no-multimodal", "--image-paths", "both"), (), "prefill", "supports_multimodal=false, image in"),
+    (REVISION_1, REVISION_1, "prefill", "supports_multimodal=false"),  # revision 1 sends only the flag
 ])
-async def test_images_are_refused_unless_both_signals_of_every_worker_say_yes(
-        tmp_path, sim_workers, orchestrator_servers, image_server, prefill_flags, decode_flags, refusing):
-    prefill = sim_workers.start("prefill", *FAST, *prefill_flags)
-    decode = sim_workers.start("decode", *FAST, *decode_flags)
+async def test_images_are_refused_unless_every_signal_of_every_worker_says_yes(
+        tmp_path, sim_workers, orchestrator_servers, image_server, prefill_flags, decode_flags, refusing, signals):
+    prefill = sim_workers.start("prefill", *(prefill_flags if prefill_flags == REVISION_1 else (*FAST, *prefill_flags)))
+    decode = sim_workers.start("decode", *(decode_flags if decode_flags == REVISION_1 else (*FAST, *decode_flags)))
     server = orchestrator_servers.start(write_config(
         tmp_path / "gate.yaml", "disaggregated", {"prefill": [prefill.address], "decode": [decode.address]}))
     async with httpx.AsyncClient(timeout=30) as http:
@@ -144,7 +154,7 @@ async def test_images_are_refused_unless_both_signals_of_every_worker_say_yes(
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert "does not accept images" in error["message"] and f"{refusing} worker" in error["message"]
-    assert error["code"] == "images_not_supported"
+    assert signals in error["message"] and error["code"] == "images_not_supported"
     assert text_only.status_code == 200
 
 
@@ -164,14 +174,16 @@ async def test_a_configured_window_tighter_than_the_engine_refuses_image_request
     assert text.status_code == 200
 
 
-async def test_image_requests_leave_max_tokens_to_the_engine(agg, image_server, engine_client):
+async def test_image_requests_without_max_tokens_are_not_cut_short_by_an_engine_default(agg, image_server):
+    """Revision-3 TensorRT-LLM stops at 32 tokens when max_tokens is omitted (converters.to_sampling_params
+    @ 58132ce1f654); the orchestrator sends window - text tokens, which the engine clamps to its real room
+    (tensorrt_llm/executor/base_worker.py _deduce_max_tokens @ 7b437aaa73bf)."""
     body = image_request(image_server, ignore_eos=True)
     del body["max_tokens"]
     async with httpx.AsyncClient(timeout=60) as http:
         response = await http.post(agg.url + "/v1/chat/completions", json=body)
     usage = response.json()["usage"]
-    # the engine's default: min(max_output_tokens 4096, window 8192 - prompt with images)
-    assert usage["completion_tokens"] == min(4096, 8192 - usage["prompt_tokens"])
+    assert usage["completion_tokens"] == 8192 - usage["prompt_tokens"] > 32
 
 
 async def test_a_failing_capability_discovery_is_one_shared_503_for_concurrent_image_requests(

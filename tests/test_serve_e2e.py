@@ -98,10 +98,14 @@ def test_bad_input_is_a_4xx_in_the_openai_format_and_the_server_keeps_serving(di
         assert http.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
 
 
-def test_max_tokens_is_clamped_to_the_engines_max_output_tokens(disagg):
+def test_max_tokens_beyond_the_window_is_a_400_since_trtllm_names_no_output_limit(disagg):
+    """TensorRT-LLM leaves ModelInfo.max_output_tokens unset (control.py); the clamp to an advertised
+    limit is covered in tests/test_convert_engine.py."""
     with disagg.http() as http:
-        body = http.post("/v1/chat/completions", json=chat_body(max_tokens=9000, seed=1, ignore_eos=True)).json()
-    assert body["usage"]["completion_tokens"] == 4096  # ModelInfo.max_output_tokens of the profile
+        response = http.post("/v1/chat/completions", json=chat_body(max_tokens=9000, seed=1, ignore_eos=True))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "max_tokens of 9000" in error["message"]
 
 
 def test_oversize_prompt_error_names_both_numbers(disagg):

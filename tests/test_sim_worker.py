@@ -1,17 +1,22 @@
-"""The simulated TRT-LLM worker, as real processes, through the real engine client."""
+"""The simulated TRT-LLM worker, as real processes, through the real engine client.
+
+Its default persona is TensorRT-LLM's revision-1 OpenEngine server; the behaviours that come from
+upstream are cited in tests/test_trtllm_conformance.py. Here: the cost model, the KV store, faults.
+"""
 
 import signal
 
 import pytest
 import trio
 
+from orchestrator import disagg
 from orchestrator.engine import ErrorCode, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testing import wait_for_load
 from sim_helpers import (
-    Failed, Finished, PrefillReady, collect, data_uri, full_request, png_bytes, run_disaggregated, terminal,
-    token_ids,
+    Failed, Finished, PrefillReady, Tokens, collect, data_uri, full_request, png_bytes, refusal, run_disaggregated,
+    terminal, token_ids, with_placeholders,
 )
 
 FAST = ("--time-scale", "0")
@@ -34,7 +39,7 @@ async def test_disaggregated_output_equals_aggregated_token_for_token(trio_of_wo
             full = full_request(f"r{seed}-{len(ids)}", ids=ids, seed=seed, max_tokens=24)
             agg_events = await collect(a, full)
             ctx_events, gen_events = await run_disaggregated(p, d, full)
-            assert [type(e) for e in ctx_events] == [PrefillReady]
+            assert [type(e) for e in ctx_events] == [Tokens, PrefillReady]  # the first token, held back by us
             assert token_ids(gen_events) == token_ids(agg_events) and len(token_ids(agg_events)) == 24
             assert terminal(gen_events).usage.completion_tokens == 24
         # a different seed gives different output
@@ -45,14 +50,14 @@ async def test_disaggregated_output_equals_aggregated_token_for_token(trio_of_wo
 async def test_kv_session_is_held_until_pulled_then_released(trio_of_workers, engine_client):
     _, pre, dec = trio_of_workers
     async with engine_client(pre.address) as p, engine_client(dec.address) as d:
-        from orchestrator import disagg
 
         full = full_request("held", max_tokens=4)
         ready = terminal(await collect(p, disagg.context_only_leg(full)))
         session = ready.kv_session
-        assert session.session_id and session.endpoints[0].port > 0
-        for name in disagg.SESSION_ATTRIBUTES:
-            assert name in session.attributes_struct.fields
+        assert session.session_id.isdigit() and session.endpoints[0].port > 0
+        assert set(session.attributes_struct.fields) == {"ctx_info_endpoint", "ctx_dp_rank", "opaque_state",
+                                                         "first_gen_tokens", "disagg_request_id", "ctx_usage",
+                                                         "schedule_style"}
         load = await p.load()
         assert load.active_kv_sessions == 1 and load.used_kv_blocks > 0 and load.running_requests == 0
         events = await collect(d, disagg.generation_leg(full, session))
@@ -68,7 +73,6 @@ async def test_an_unpulled_session_expires_after_the_transfer_timeout(sim_worker
     pre = sim_workers.start("prefill", *FAST, "--kv-transfer-timeout", "0.5")
     dec = sim_workers.start("decode", *FAST)
     async with engine_client(pre.address) as p, engine_client(dec.address) as d:
-        from orchestrator import disagg
 
         full = full_request("late")
         ready = terminal(await collect(p, disagg.context_only_leg(full)))
@@ -87,43 +91,54 @@ async def test_a_decode_whose_prompt_or_media_differ_from_the_prefill_is_refused
         def other_media(leg):
             leg.media.add(modality=g.MODALITY_IMAGE, data_uri=data_uri(png_bytes()), uuid="sneaky")
 
-        def lost_attribute(leg):
+        def lost_first_token(leg):
             del leg.kv.session.attributes_struct["first_gen_tokens"]
 
-        for name, mutate, code in [("prompt", other_prompt, ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED),
-                                   ("media", other_media, ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED),
-                                   ("attr", lost_attribute, ErrorCode.ERROR_CODE_INVALID_ARGUMENT)]:
+        for name, mutate in [("prompt", other_prompt), ("first", lost_first_token)]:
             _, events = await run_disaggregated(p, d, full_request(f"mm-{name}"), mutate_decode=mutate)
             assert isinstance(terminal(events), Failed), name
-            assert terminal(events).error.code == code, name
+            assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED, name
+        # media on a revision-1 worker: refused before anything else (TensorRT-LLM has no media there)
+        full = full_request("mm-media")
+        ready = terminal((await run_disaggregated(p, d, full))[0])
+        leg = disagg.generation_leg(full, ready.kv_session)
+        other_media(leg)
+        assert (await refusal(d, leg)).code == ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE
 
 
-async def test_roles_are_strict_and_decode_runs_whole_requests_locally(trio_of_workers, engine_client):
-    agg, pre, dec = trio_of_workers
+async def test_strict_persona_roles_are_strict_and_decode_runs_whole_requests_locally(sim_workers, engine_client):
+    strict = ("--persona", "strict", *FAST)
+    agg, pre, dec = (sim_workers.start(role, *strict) for role in ("aggregated", "prefill", "decode"))
     async with engine_client(pre.address) as p, engine_client(dec.address) as d, engine_client(agg.address) as a:
         wrong = terminal(await collect(p, full_request("full-on-prefill")))
         assert wrong.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
-        from orchestrator import disagg
 
         ctx_on_decode = terminal(await collect(d, disagg.context_only_leg(full_request("ctx-on-decode"))))
         assert ctx_on_decode.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
         # conditional disaggregation: no kv.session on a decode worker = prefill + decode locally
         local = await collect(d, full_request("local", max_tokens=6))
         assert token_ids(local) == token_ids(await collect(a, full_request("agg", max_tokens=6)))
+        ctx_events, gen_events = await run_disaggregated(p, d, full_request("strict-disagg", max_tokens=6))
+        assert [type(e) for e in ctx_events] == [PrefillReady] and token_ids(gen_events) == token_ids(local)
 
 
 async def test_images_expand_into_prompt_tokens_and_count_against_the_window(sim_workers, engine_client):
-    worker = sim_workers.start("aggregated", *FAST, "--max-context-length", "1100")
+    worker = sim_workers.start("aggregated", *FAST, "--schema-revision", "3", "--max-context-length", "1100")
     image = g.MediaItem(modality=g.MODALITY_IMAGE, data_uri=data_uri(png_bytes()))
+    ids = (11, 12, 13, 14)
     async with engine_client(worker.address) as client:
-        one = terminal(await collect(client, full_request("img1", media=[image], max_tokens=4)))
+        one = terminal(await collect(client, full_request("img1", ids=with_placeholders(ids, 1), media=[image],
+                                                          max_tokens=4)))
         assert one.usage.prompt_tokens == 5 + 576
-        too_long = terminal(await collect(client, full_request("img2", media=[image, image], max_tokens=4)))
-        assert too_long.error.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT
-        assert "1157 tokens" in too_long.error.message and "1100" in too_long.error.message
+        too_long = await refusal(client, full_request("img2", ids=with_placeholders(ids, 2), media=[image, image],
+                                                      max_tokens=4))
+        assert too_long.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT
+        assert "1158 tokens" in too_long.message and "1100" in too_long.message
         not_an_image = g.MediaItem(modality=g.MODALITY_IMAGE, data_uri=data_uri(b"GIF? no, plain text"))
-        bad = terminal(await collect(client, full_request("img3", media=[not_an_image])))
-        assert bad.error.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT and "PNG, JPEG" in bad.error.message
+        bad = await refusal(client, full_request("img3", ids=with_placeholders(ids, 1), media=[not_an_image]))
+        assert bad.code == ErrorCode.ERROR_CODE_INVALID_ARGUMENT and "PNG, JPEG" in bad.message
+        unplaced = await refusal(client, full_request("img4", ids=ids, media=[image]))
+        assert "0 image placeholder(s) (<|image|>) but the request carries 1 image(s)" in unplaced.message
 
 
 async def test_stopping_options_min_tokens_stop_ids_eos_and_ignore_eos(sim_workers, engine_client):
@@ -218,8 +233,8 @@ async def test_sigterm_drains_in_flight_work_then_exits_cleanly(sim_workers, eng
             with trio.fail_after(5):
                 while await client.health() != HealthState.HEALTH_STATE_DRAINING:
                     await trio.sleep(0.02)
-            refused = terminal(await collect(client, full_request("late", max_tokens=3)))
-            assert refused.error.code == ErrorCode.ERROR_CODE_DRAINING and refused.error.retryable
+            refused = await refusal(client, full_request("late", max_tokens=3))
+            assert refused.retryable and "draining" in refused.message
             rest = [e async for e in stream]
         assert isinstance(terminal(rest), Finished) and terminal(rest).reason_name == "length"
     assert await trio.to_thread.run_sync(worker.process.process.wait, 10) == 0
@@ -229,8 +244,8 @@ async def test_warmup_reports_starting_then_ready(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--warmup", "0.6")
     async with engine_client(worker.address) as client:
         assert await client.health() == HealthState.HEALTH_STATE_STARTING
-        refused = terminal(await collect(client, full_request("early")))
-        assert refused.error.retryable
+        refused = await refusal(client, full_request("early"))
+        assert refused.retryable
         await client.wait_until_ready(deadline=10, retry_interval=0.1)
         assert await client.health() == HealthState.HEALTH_STATE_READY
 

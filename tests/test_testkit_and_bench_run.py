@@ -40,7 +40,7 @@ async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim
 
 
 def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_workers, orchestrator_servers):
-    worker = sim_workers.start("aggregated", "--time-scale", "0.02")
+    worker = sim_workers.start("aggregated", "--time-scale", "0.02", "--schema-revision", "3")  # images
     server = orchestrator_servers.start(write_config(tmp_path / "b.yaml", "aggregated",
                                                      {"aggregated": [worker.address]}))
     out = tmp_path / "run.json"

@@ -1,9 +1,11 @@
 """Chat template rendering and incremental detokenization with stop strings."""
 
+import json
+
 import pytest
 
 from orchestrator.models import TINY_CHAT
-from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer, TemplateError
 
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
 TEXT = "Hello 😀 東京 café — the weather is sunny. Привет!"
@@ -19,6 +21,42 @@ def stream(ids, stop=(), step=1):
 def test_chat_template_renders_chatml_with_generation_prompt():
     text = TOKENIZER.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+IMAGE_TURN = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"},
+                                           {"type": "text", "text": "and"}, {"type": "image"}]}]
+
+
+def test_a_template_that_takes_content_parts_writes_the_models_own_image_placeholder():
+    assert TOKENIZER.takes_content_parts and TOKENIZER.image_token == "<|image|>"
+    text = TOKENIZER.render_chat(IMAGE_TURN)
+    assert text == "<|im_start|>user\nlook<|image|>and<|image|><|im_end|>\n<|im_start|>assistant\n"
+    ids = TOKENIZER.encode(text)
+    assert ids.count(TOKENIZER.image_token_id) == 2  # one special token per image, never split
+
+
+def string_only_model(tmp_path, **config):
+    (tmp_path / "tokenizer.json").write_text((TINY_CHAT / "tokenizer.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template,
+                                                                **config}))
+    return tmp_path
+
+
+def test_a_string_only_template_gets_text_parts_joined_and_the_image_token_of_the_processor(tmp_path):
+    model = string_only_model(tmp_path)
+    (model / "processor_config.json").write_text(json.dumps({"image_token": "<|image|>"}))
+    tokenizer = ModelTokenizer.from_dir(model)
+    assert not tokenizer.takes_content_parts
+    assert tokenizer.render_chat(IMAGE_TURN) == "[user] look\n<|image|>\nand\n<|image|>\n"
+
+
+def test_a_model_that_names_no_image_placeholder_refuses_images_instead_of_guessing(tmp_path):
+    tokenizer = ModelTokenizer.from_dir(string_only_model(tmp_path))
+    assert tokenizer.render_chat([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]) == "[user] a\nb\n"
+    with pytest.raises(TemplateError, match="cannot take images"):
+        tokenizer.render_chat(IMAGE_TURN)
 
 
 @pytest.mark.parametrize("step", [1, 2, 5])

@@ -56,6 +56,7 @@ class SloSpec:
 class CompareSpec:
     profile: str = "llama3-8b-h100"
     time_scale: float = 0.5
+    schema_revision: int = 3  # the simulated TensorRT-LLM that serves images (orchestrator/sim/persona.py)
     model: str = "tiny-chat"
     topologies: tuple[TopologySpec, ...] = ()
     workload: WorkloadSpec = WorkloadSpec()
@@ -86,7 +87,8 @@ def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
         "http": {"host": "127.0.0.1", "port": 0},
         "limits": {"request_timeout_s": 3600},
         "launch": {"workers": [{"role": role, "count": count,
-                                "sim": {"profile": spec.profile, "time_scale": spec.time_scale}}
+                                "sim": {"profile": spec.profile, "time_scale": spec.time_scale,
+                                        "schema_revision": spec.schema_revision}}
                                for role, count in topology.workers.items()]},
     }
 

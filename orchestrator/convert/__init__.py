@@ -7,9 +7,16 @@
 """
 
 from orchestrator.convert.api import ApiRequest, parse_chat, parse_completion
-from orchestrator.convert.engine import Limits, check_media_capability, full_leg, resolve_limits
+from orchestrator.convert.engine import (
+    Limits,
+    check_media_capability,
+    check_media_options,
+    check_media_sources,
+    full_leg,
+    resolve_limits,
+)
 from orchestrator.convert.errors import ApiError
 from orchestrator.convert.media import ImageRef, MediaLimits
 
-__all__ = ["ApiError", "ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability", "full_leg",
-           "parse_chat", "parse_completion", "resolve_limits"]
+__all__ = ["ApiError", "ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability",
+           "check_media_options", "check_media_sources", "full_leg", "parse_chat", "parse_completion", "resolve_limits"]

@@ -15,7 +15,6 @@ import attrs
 from orchestrator.convert.errors import invalid
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
 
-IMAGE_PLACEHOLDER = "<image>"  # where an image stood in the text; the engine expands it
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -38,9 +37,25 @@ class Guided:
 
 
 @attrs.frozen
+class Part:
+    """One content part of a chat message, as chat templates see it: {"type": "text", "text": ...} or
+    {"type": "image"} (the image itself travels as media; the template writes the model's placeholder)."""
+
+    type: str  # "text" | "image"
+    text: str = ""
+
+    def as_template_dict(self) -> dict:
+        return {"type": "text", "text": self.text} if self.type == "text" else {"type": "image"}
+
+
+@attrs.frozen
 class Message:
     role: str
-    content: str  # text with IMAGE_PLACEHOLDER where images stood
+    content: str | tuple[Part, ...]  # a string, or the message's parts in order
+
+    def as_template_dict(self) -> dict:
+        content = self.content if isinstance(self.content, str) else [p.as_template_dict() for p in self.content]
+        return {"role": self.role, "content": content}
 
 
 @attrs.frozen
@@ -63,6 +78,8 @@ class ApiRequest:
     top_logprobs: int = 0
     guided: Guided | None = None
     echo: bool = False
+    conversation_id: str | None = None  # forwarded as extra.conversation_id on every leg
+    media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
 
 
 # ---- small typed getters ------------------------------------------------------------------------
@@ -151,9 +168,34 @@ def _common(body: dict, kind: str) -> dict:
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
         repetition_penalty=_number(body, "repetition_penalty", 0, lo_open=True),
     )
+    conversation_id = body.get("conversation_id")
+    if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id.strip()
+                                        or len(conversation_id) > 256):
+        raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
+                      param="conversation_id")
     return dict(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                 min_tokens=_number(body, "min_tokens", 0, integer=True), stop=stops, stop_token_ids=stop_token_ids,
-                ignore_eos=_bool(body, "ignore_eos"), sampling=sampling)
+                ignore_eos=_bool(body, "ignore_eos"), sampling=sampling, conversation_id=conversation_id,
+                media_options=_media_options(body))
+
+
+MEDIA_OPTION_MODALITIES = ("image", "video", "audio")
+
+
+def _media_options(body: dict) -> str | None:
+    """`media_io_kwargs` ({"image": {...}}, as TensorRT-LLM's HTTP server takes it) -> canonical JSON, or None."""
+    options = body.get("media_io_kwargs")
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not options:
+        raise invalid("media_io_kwargs: expected a non-empty object keyed by modality", param="media_io_kwargs")
+    for key, value in options.items():
+        if key not in MEDIA_OPTION_MODALITIES:
+            raise invalid(f"media_io_kwargs.{key}: expected one of {', '.join(MEDIA_OPTION_MODALITIES)}",
+                          param=f"media_io_kwargs.{key}")
+        if not isinstance(value, dict):
+            raise invalid(f"media_io_kwargs.{key}: expected an object", param=f"media_io_kwargs.{key}")
+    return json.dumps(options, sort_keys=True)
 
 
 def _guided(body: dict) -> Guided | None:
@@ -203,7 +245,7 @@ def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiReq
             continue
         if not isinstance(content, list):
             raise invalid(f"{where}.content: expected a string or a list of content parts", param=f"{where}.content")
-        texts = []
+        parts: list[Part] = []
         for j, part in enumerate(content):
             part_where = f"{where}.content[{j}]"
             if not isinstance(part, dict):
@@ -212,7 +254,7 @@ def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiReq
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise invalid(f"{part_where}.text: expected a string", param=f"{part_where}.text")
-                texts.append(part["text"])
+                parts.append(Part("text", part["text"]))
             elif kind == "image_url":
                 if role != "user":
                     raise invalid(f"{part_where}: images are only allowed in user messages", param=part_where)
@@ -222,11 +264,11 @@ def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiReq
                     raise invalid(f"{part_where}: the request's images exceed {limits.max_total_image_bytes} "
                                   "bytes in total", param=part_where)
                 images.append(image)
-                texts.append(IMAGE_PLACEHOLDER)
+                parts.append(Part("image"))
             else:
                 raise invalid(f"{part_where}.type: expected text or image_url, got {kind!r}",
                               param=f"{part_where}.type")
-        parsed.append(Message(role, "\n".join(texts)))  # as OpenAI-compatible servers join parts
+        parsed.append(Message(role, tuple(parts)))
     logprobs = _bool(body, "logprobs")
     top_logprobs = _number(body, "top_logprobs", 0, 20, integer=True) or 0
     if top_logprobs and not logprobs:

@@ -2,12 +2,15 @@
 
 - `resolve_limits`: the context-window rule and max_tokens (text and media requests differ,
   because the engine expands images into tokens the orchestrator cannot count);
-- `check_media_capability`: images go only to workers whose both signals say they take images;
+- `check_media_capability`: images go only to workers whose every capability signal says they take
+  images on the request's path; `check_media_sources`: and in an encoding they list;
 - `full_leg`: the one leg of aggregated mode (and of conditional mode's local path);
 - the disaggregated legs are in orchestrator.disagg (the KV-handoff codec).
 """
 
 from __future__ import annotations
+
+import json
 
 import attrs
 
@@ -30,7 +33,9 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
     Text: a prompt at or over the window is a 400 naming both numbers; max_tokens is the client's
     (clamped to max_output_tokens, and it must fit the window), or else window - prompt tokens.
     Media: the prompt length is only known engine-side, so a configured window tighter than the
-    engine's cannot be enforced: refuse. max_tokens stays unset unless the client gave one.
+    engine's cannot be enforced: refuse. Without a client max_tokens the budget is window - text
+    tokens, an upper bound that TensorRT-LLM clamps to its real room (max_seq_len - prompt, images
+    included); leaving it unset would let a revision-3 server apply its default of 32 tokens.
     """
     window = configured_window or engine_window
     if req.images:
@@ -40,6 +45,8 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
                 f"{configured_window} tokens: the engine expands images into tokens the orchestrator cannot "
                 f"count, and the engine's own window is {engine_window}", param="messages", code="context_window")
         max_tokens = req.max_tokens
+        if max_tokens is None and window and window > prompt_tokens:
+            max_tokens = window - prompt_tokens
         if max_tokens is not None and max_output_tokens:
             max_tokens = min(max_tokens, max_output_tokens)
         return Limits(max_tokens, window or 0)
@@ -60,14 +67,39 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
     return Limits(max_tokens, window)
 
 
-def check_media_capability(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:
-    """`workers`: (role, accepts_images) for every worker the request will touch."""
+def check_media_capability(req: ApiRequest, workers: list[tuple[str, bool, str]]) -> None:
+    """`workers`: (role, accepts_images, the capability signals that said so) for every worker touched."""
     if not req.images:
         return
-    for role, accepts in workers:
+    for role, accepts, signals in workers:
         if not accepts:
-            raise invalid(f"model {req.model!r} does not accept images (its {role} worker does not advertise "
-                          "supports_multimodal with the image modality)", param="messages", code="images_not_supported")
+            raise invalid(f"model {req.model!r} does not accept images on this path: its {role} worker reports "
+                          f"{signals}", param="messages", code="images_not_supported")
+
+
+def check_media_options(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:
+    """`workers`: (role, takes GenerateRequest.media_options: revision 3 with supports_per_request_media_options)."""
+    if req.media_options is None:
+        return
+    if not req.images:
+        raise invalid("media_io_kwargs: only allowed with media in the request", param="media_io_kwargs")
+    for role, takes in workers:
+        if not takes:
+            raise invalid(f"media_io_kwargs: the {role} worker does not take per-request media options (schema "
+                          "revision 3 with supports_per_request_media_options)", param="media_io_kwargs",
+                          code="media_options_not_supported")
+
+
+def check_media_sources(req: ApiRequest, workers: list[tuple[str, frozenset[str]]]) -> None:
+    """`workers`: (role, the media encodings it lists; empty when it does not say)."""
+    for image in req.images:
+        source = "url" if image.url is not None else "data_uri"
+        for role, types in workers:
+            if types and source not in types:
+                name = "an image URL" if source == "url" else "a data: URI"
+                raise invalid(f"{image.where}: the {role} worker does not take {name} (it takes "
+                              f"{', '.join(sorted(types))})", param=f"{image.where}.image_url.url",
+                              code="images_not_supported")
 
 
 def media_items(images: tuple[ImageRef, ...]) -> list[g.MediaItem]:
@@ -103,6 +135,13 @@ def full_leg(req: ApiRequest, *, request_id: str, model: str, prompt_ids: list[i
         stopping.ignore_eos = True
     request = g.GenerateRequest(request_id=request_id, model=model, token_ids=g.TokenIds(ids=prompt_ids),
                                 sampling=sampling, stopping=stopping, media=media_items(req.images))
+    # We detokenize ourselves (incrementally, with stop strings): the engine need not. Both extensions are
+    # TensorRT-LLM's (tensorrt_llm/grpc/openengine/request_mapping.py); other engines ignore `extra`.
+    request.extra["detokenize"] = False
+    if req.conversation_id is not None:
+        request.extra["conversation_id"] = req.conversation_id
+    if req.media_options is not None:
+        request.media_options.update(json.loads(req.media_options))
     if req.logprobs:
         request.response.return_output_logprobs = True
         if req.top_logprobs:

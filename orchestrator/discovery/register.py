@@ -55,7 +55,7 @@ async def register(args: argparse.Namespace) -> int:
         except EngineError as exc:
             log.error("worker %s never became ready: %s", args.worker, exc)
             return 1
-        if caps.role != args.role:
+        if not caps.serves_role(args.role):  # UNSPECIFIED (real TRT-LLM) serves any role
             log.error("refusing to register %s as %s: its ServerInfo.engine_role is %s", args.worker, args.role,
                       caps.role)
             return 2

@@ -15,10 +15,9 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 import attrs
 import trio
-from google.protobuf import json_format
 
 from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
-from orchestrator.openengine.v1 import model_pb2, server_pb2
+from orchestrator.openengine.v1 import generation_pb2, model_pb2, server_pb2
 
 T = TypeVar("T")
 
@@ -27,14 +26,43 @@ ROLE_NAMES = {
     server_pb2.ENGINE_ROLE_PREFILL: "prefill",
     server_pb2.ENGINE_ROLE_DECODE: "decode",
 }
-# The second image signal lives in ModelInfo.extra: {"modalities": ["text", "image"]}.
-MODALITIES_KEY = "modalities"
+# Revision-1 TensorRT-LLM (tensorrt_llm/grpc/openengine/control.py) reports ENGINE_ROLE_UNSPECIFIED:
+# "the same build serves either phase; the role is per request". Such a worker takes any role.
+UNSPECIFIED_ROLE = "unspecified"
+_SOURCE_NAMES = {
+    generation_pb2.MEDIA_SOURCE_TYPE_URL: "url",
+    generation_pb2.MEDIA_SOURCE_TYPE_DATA_URI: "data_uri",
+    generation_pb2.MEDIA_SOURCE_TYPE_RAW_BYTES: "raw_bytes",
+}
+
+
+@attrs.frozen
+class MultimodalSupport:
+    """Revision 3's ModelInfo.multimodal_capabilities, reduced to what the orchestrator uses."""
+
+    aggregate_images: bool  # MODALITY_IMAGE in aggregate_modalities: one worker runs the whole request
+    prefill_decode_images: bool  # MODALITY_IMAGE in prefill_decode_modalities: context-first disagg
+    source_types: frozenset[str]  # "url" | "data_uri" | "raw_bytes"; empty: not said
+    per_request_media_options: bool
+    routing_image_token_id: int | None
+
+    @classmethod
+    def from_proto(cls, caps: model_pb2.MultimodalCapabilities) -> "MultimodalSupport":
+        return cls(
+            aggregate_images=generation_pb2.MODALITY_IMAGE in caps.aggregate_modalities,
+            prefill_decode_images=generation_pb2.MODALITY_IMAGE in caps.prefill_decode_modalities,
+            source_types=frozenset(_SOURCE_NAMES[s] for s in caps.source_types if s in _SOURCE_NAMES),
+            per_request_media_options=(caps.supports_per_request_media_options
+                                       if caps.HasField("supports_per_request_media_options") else False),
+            routing_image_token_id=(caps.routing_image_token_id if caps.HasField("routing_image_token_id")
+                                    else None),
+        )
 
 
 @attrs.frozen
 class WorkerCapabilities:
     instance_id: str
-    role: str  # "aggregated" | "prefill" | "decode" | "unspecified"
+    role: str  # "aggregated" | "prefill" | "decode" | "unspecified" (any role)
     engine: str
     schema_revision: int
     models: tuple[str, ...]
@@ -42,26 +70,50 @@ class WorkerCapabilities:
     max_context_length: int | None
     max_output_tokens: int | None
     supports_multimodal: bool
-    modalities: tuple[str, ...]
+    multimodal: MultimodalSupport | None  # revision 3 only
     supports_abort_cleanup: bool
     total_kv_blocks: int | None
+    handoff_profile: str = ""  # revision 3: KvConnectorInfo.handoff_profile
+    tokenizer_source: str = ""  # revision 3: ModelInfo.tokenizer.source
+
+    def serves_role(self, role: str) -> bool:
+        return self.role in (role, UNSPECIFIED_ROLE)
 
     @property
-    def accepts_images(self) -> bool:
-        """Both signals must agree: the flag, and the image modality in ModelInfo.extra."""
-        return self.supports_multimodal and "image" in self.modalities
+    def runs_whole_requests_on_decode(self) -> bool:
+        """Whether a decode worker takes a request without a KV session (conditional disaggregation's local
+        path). Revision-3 TensorRT-LLM's declared decode role refuses one ("Decode requests require a prefill
+        KV session")."""
+        return self.role == UNSPECIFIED_ROLE or self.schema_revision < 3
+
+    def image_support(self, disaggregated: bool) -> tuple[bool, str]:
+        """Whether this worker takes images on this path, and the signals that said so.
+
+        Every signal the worker sends must agree: ModelInfo.supports_multimodal (revision 1, the coarse
+        one) and, on revision 3, MODALITY_IMAGE in multimodal_capabilities for the path's kind
+        (aggregate_modalities for a whole request, prefill_decode_modalities for a context-first split).
+        """
+        said = [f"supports_multimodal={str(self.supports_multimodal).lower()}"]
+        accepts = self.supports_multimodal
+        if self.multimodal is not None:
+            listed = self.multimodal.prefill_decode_images if disaggregated else self.multimodal.aggregate_images
+            field = "prefill_decode_modalities" if disaggregated else "aggregate_modalities"
+            said.append(f"image {'in' if listed else 'not in'} multimodal_capabilities.{field}")
+            accepts = accepts and listed
+        return accepts, ", ".join(said)
+
+    def accepts_source(self, source: str) -> bool:
+        """`source`: "url" | "data_uri". Revision 3 may list the encodings it dereferences."""
+        types = self.multimodal.source_types if self.multimodal is not None else frozenset()
+        return not types or source in types
 
     @classmethod
     def from_protos(cls, server: server_pb2.ServerInfo, model: model_pb2.ModelInfo) -> "WorkerCapabilities":
-        extra = json_format.MessageToDict(model.extra) if model.HasField("extra") else {}
-        modalities = extra.get(MODALITIES_KEY, [])
-        if not isinstance(modalities, list):
-            modalities = []
         kv = server.kv_connector
         capacity = server.capacity
         return cls(
             instance_id=server.instance_id,
-            role=ROLE_NAMES.get(server.engine_role, "unspecified"),
+            role=ROLE_NAMES.get(server.engine_role, UNSPECIFIED_ROLE),
             engine=f"{server.engine_name} {server.engine_version}".strip(),
             schema_revision=server.schema_revision,
             models=tuple(server.supported_models),
@@ -69,9 +121,12 @@ class WorkerCapabilities:
             max_context_length=model.max_context_length if model.HasField("max_context_length") else None,
             max_output_tokens=model.max_output_tokens if model.HasField("max_output_tokens") else None,
             supports_multimodal=model.supports_multimodal if model.HasField("supports_multimodal") else False,
-            modalities=tuple(str(m) for m in modalities),
+            multimodal=(MultimodalSupport.from_proto(model.multimodal_capabilities)
+                        if model.HasField("multimodal_capabilities") else None),
             supports_abort_cleanup=kv.supports_abort_cleanup if kv.HasField("supports_abort_cleanup") else False,
             total_kv_blocks=capacity.total_kv_blocks if capacity.HasField("total_kv_blocks") else None,
+            handoff_profile=kv.handoff_profile,
+            tokenizer_source=model.tokenizer.source if model.HasField("tokenizer") else "",
         )
 
 

@@ -44,7 +44,9 @@ from orchestrator.openengine.v1 import (
 
 log = logging.getLogger(__name__)
 
-CLIENT_SCHEMA_REVISION = 1
+# The schema revision this client speaks: revision 1 (the shared spec) plus the revision-3 additions in
+# docs/openengine-revision-3.md. Older servers are fine: revision-3 fields are read when present.
+CLIENT_SCHEMA_REVISION = 3
 HealthState = lifecycle_pb2.HealthState
 
 _CHANNEL_OPTIONS = [
@@ -208,6 +210,14 @@ class EngineClient:
     async def capabilities(self) -> WorkerCapabilities:
         """ServerInfo + ModelInfo, discovered once and cached; see SingleFlightCache."""
         return await self._capabilities.get()
+
+    def forget_capabilities(self) -> None:
+        """The worker may have restarted (new instance, new build): discover again on next use."""
+        self._capabilities.invalidate()
+
+    @property
+    def cached_capabilities(self) -> WorkerCapabilities | None:
+        return self._capabilities.cached
 
     @property
     def discovery_attempts(self) -> int:

@@ -3,7 +3,10 @@
     python -m orchestrator.models.build_tiny_chat
 
 Byte-level, so any UTF-8 text (emoji, CJK) round-trips; small (about 2,000 tokens), so the files are
-committed as data. The chat template is ChatML, rendered by the orchestrator with jinja2.
+committed as data. The chat template is ChatML, rendered by the orchestrator with jinja2; like the
+templates of vision-language models it takes structured content parts and writes the model's own
+image placeholder, `<|image|>` (one special token, named as `image_token` in tokenizer_config.json),
+where an image stood. The engine expands each placeholder into the image's tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 OUT = Path(__file__).resolve().parent / "tiny-chat"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+IMAGE_TOKEN = "<|image|>"  # added after training, so the ids of every other token stay as they were
 
 CORPUS = """
 The orchestrator splits every request into a prefill stage and a decode stage. The prefill worker
@@ -46,6 +50,7 @@ def build(out: Path = OUT) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tokenizer.add_special_tokens([IMAGE_TOKEN])
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     config = {
@@ -53,9 +58,16 @@ def build(out: Path = OUT) -> None:
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|pad|>",
+        "image_token": IMAGE_TOKEN,
         "chat_template": (
             "{% for message in messages %}"
-            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}"
+            "{% else %}{% for part in message['content'] %}"
+            "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}"
+            "{{ '<|im_end|>' + '\\n' }}"
             "{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
         ),

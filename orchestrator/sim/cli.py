@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
 from orchestrator.sim.media import MediaLimits
+from orchestrator.sim.persona import HANDOFF_SHAPES, IMAGE_PATHS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 log = logging.getLogger("orchestrator.sim")
@@ -29,12 +30,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="multiply every cost-model duration (0.01: 100x faster; 0: no GPU time at all)")
     p.add_argument("--instance-id", default="")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds in HEALTH_STATE_STARTING")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="seconds a prefill holds an unpulled KV session (kv_transfer_timeout_ms)")
-    p.add_argument("--abort-cleanup", action="store_true", help="honour Control.Abort by kv_session")
+    p.add_argument("--persona", choices=PERSONAS, default="trtllm",
+                   help="trtllm: behave as TensorRT-LLM's own OpenEngine server; strict: the spec-only simulator")
+    p.add_argument("--schema-revision", type=int, choices=(1, 3), default=1,
+                   help="1: tensorrt_llm/grpc/openengine (role per request, no media, no abort by session); "
+                        "3: tensorrt_llm/openengine (declared role, images, abort by session)")
+    p.add_argument("--handoff", choices=HANDOFF_SHAPES, default="both",
+                   help="revision 1: what locates the context worker in the KV session (endpoint, opaque_state "
+                        "or both)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=None,
+                   help="seconds a prefill holds an unpulled KV session; 0: until exit (default: the persona's; "
+                        "revision-1 TensorRT-LLM holds it until exit)")
+    p.add_argument("--abort-cleanup", action="store_true",
+                   help="honour Control.Abort by kv_session even where the persona does not")
+    p.add_argument("--multimodal", dest="multimodal", action="store_true", default=None,
+                   help="ModelInfo.supports_multimodal = true and take images (default: the persona's)")
     p.add_argument("--no-multimodal", dest="multimodal", action="store_false",
-                   help="ModelInfo.supports_multimodal = false")
-    p.add_argument("--modalities", default="text,image", help="ModelInfo.extra.modalities (comma separated)")
+                   help="ModelInfo.supports_multimodal = false and refuse images")
+    p.add_argument("--image-paths", choices=IMAGE_PATHS, default="both",
+                   help="revision 3: where multimodal_capabilities lists MODALITY_IMAGE")
     p.add_argument("--max-context-length", type=int, default=None)
     p.add_argument("--total-kv-blocks", type=int, default=None)
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
@@ -57,7 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--drop-kv-sessions", action="store_true", help="forget KV sessions right after prefill")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
-    faults.add_argument("--schema-revision", type=int, default=1)
+    faults.add_argument("--report-schema-revision", type=int, default=None,
+                        help="report this ServerInfo.schema_revision instead of the persona's")
     faults.add_argument("--minimum-client-revision", type=int, default=1)
     p.set_defaults(run=run)
 
@@ -65,19 +80,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace):
     from orchestrator.sim.server import SimConfig
 
+    persona = Persona(args.persona, args.schema_revision, args.handoff)
     return SimConfig(
         role=args.role, host=args.host, port=args.port, model=args.model, model_dir=args.model_dir,
         profile=PROFILES[args.profile], time_scale=args.time_scale, instance_id=args.instance_id,
-        warmup_s=args.warmup, kv_transfer_timeout_s=args.kv_transfer_timeout,
-        supports_abort_cleanup=args.abort_cleanup, supports_multimodal=args.multimodal,
-        modalities=tuple(m.strip() for m in args.modalities.split(",") if m.strip()),
+        warmup_s=args.warmup, persona=persona, kv_transfer_timeout_s=args.kv_transfer_timeout,
+        supports_abort_cleanup=args.abort_cleanup, supports_multimodal=args.multimodal, image_paths=args.image_paths,
         max_context_length=args.max_context_length, total_kv_blocks=args.total_kv_blocks,
-        schema_revision=args.schema_revision, minimum_client_revision=args.minimum_client_revision,
+        reported_schema_revision=args.report_schema_revision, minimum_client_revision=args.minimum_client_revision,
         error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,
         not_ready=args.not_ready, fail_model_info=args.fail_model_info,
-        media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout), eos_probability=args.eos_probability, seed=args.seed,
+        media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
+        eos_probability=args.eos_probability, seed=args.seed,
     )
 
 

@@ -55,9 +55,9 @@ class HeldSession:
 
 
 class SessionStore:
-    """Prefill side: sessions waiting for their decode, with a transfer timeout."""
+    """Prefill side: sessions waiting for their decode, with a transfer timeout (None: held until exit)."""
 
-    def __init__(self, release_blocks: Callable[[int], None], timeout_s: float):
+    def __init__(self, release_blocks: Callable[[int], None], timeout_s: float | None):
         self._release_blocks = release_blocks
         self.timeout_s = timeout_s
         self.sessions: dict[str, HeldSession] = {}
@@ -66,7 +66,8 @@ class SessionStore:
 
     def hold(self, session: HeldSession) -> None:
         self.sessions[session.session_id] = session
-        asyncio.get_running_loop().call_later(self.timeout_s, self._expire, session.session_id, session)
+        if self.timeout_s is not None:
+            asyncio.get_running_loop().call_later(self.timeout_s, self._expire, session.session_id, session)
 
     def _expire(self, session_id: str, session: HeldSession) -> None:
         if self.sessions.get(session_id) is session:
@@ -90,9 +91,10 @@ class SessionStore:
                 await write_frame(writer, {"ok": False, "code": "KV_SESSION_NOT_FOUND",
                                            "message": f"kv session {request.get('session_id')!r} not found"})
                 return
-            mismatch = [name for name, ours in (("prompt", session.prompt_digest), ("media", session.media_digest),
-                                                ("opaque_state", session.opaque_state))
-                        if request.get(name) != ours]
+            checks = [("prompt", session.prompt_digest), ("media", session.media_digest)]
+            if request.get("opaque_state") is not None:  # a build whose handoff carries no opaque state
+                checks.append(("opaque_state", session.opaque_state))
+            mismatch = [name for name, ours in checks if request.get(name) != ours]
             if request.get("first_gen_tokens") != session.first_gen_tokens:
                 mismatch.append("first_gen_tokens")
             if mismatch:

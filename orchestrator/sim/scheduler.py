@@ -57,8 +57,9 @@ class Faults:
 
 class Scheduler:
     def __init__(self, profile: Profile, role: str, vocab: Vocabulary, *, time_scale: float = 1.0,
-                 faults: Faults | None = None, total_kv_blocks: int | None = None):
+                 faults: Faults | None = None, total_kv_blocks: int | None = None, context_stops: bool = False):
         self.profile = profile
+        self.context_stops = context_stops
         self.role = role
         self.vocab = vocab
         self.time_scale = time_scale
@@ -165,13 +166,30 @@ class Scheduler:
                     continue
                 self.prefilling.remove(request)
                 if request.kind == CONTEXT_ONLY:
-                    # The context phase samples the first token; it travels in the KV session.
-                    request.state = "done"
-                    request.on_context_done(request, self.vocab.token_at(request.key, 0))
+                    self._context_token(request)
                 else:
                     request.state = "decode"
                     self.decoding.append(request)
                     self._emit(request)
+
+    def _context_token(self, request: SimRequest) -> None:
+        """The context phase samples the first token; it travels in the KV session. With
+        `context_stops`, a first token that stops the request (EOS, a stop token) finishes it here,
+        as TensorRT-LLM's context phase does: there is no KV to hand off then."""
+        token = self.vocab.token_at(request.key, 0)
+        if self.context_stops and request.min_tokens == 0:
+            if not request.ignore_eos and self.vocab.ends_at(request.key, 0, self.faults.eos_probability):
+                self._release(request)
+                request.on_finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
+                return
+            if token in request.stop_token_ids:
+                if request.include_stop:
+                    self._output(request, token)
+                self._release(request)
+                request.on_finish(request, "stop", ("stop_token_id", token))
+                return
+        request.state = "done"
+        request.on_context_done(request, token)
 
     def _emit(self, request: SimRequest) -> None:
         """Produce the token at the request's next position, then apply stop rules."""

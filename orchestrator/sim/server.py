@@ -1,15 +1,17 @@
 """The simulated TRT-LLM worker: an OpenEngine v1 gRPC server over the scheduler and KV store.
 
-It is strict on purpose: a protocol mistake of the orchestrator (a context-only leg on a decode
-worker, a decode leg whose prompt or media differ from its prefill, a missing KV attribute) is an
-error here, as it would be on a real engine.
+It behaves like TensorRT-LLM's own OpenEngine server (orchestrator.sim.persona says how, revision 1
+or 3); the "strict" persona keeps the spec-only behaviour. Either way a real protocol mistake of the
+orchestrator (a decode leg whose prompt or media differ from its prefill, a handoff the decode
+cannot resolve, image placeholders that do not match the images) is an error here, as it would be
+on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
+import itertools
 import json
 import logging
 import random
@@ -34,7 +36,8 @@ from orchestrator.openengine.v1 import (
     openengine_pb2_grpc,
     server_pb2,
 )
-from orchestrator.sim import kv_transfer, media, output
+from orchestrator.sim import handoff, kv_transfer, media, output
+from orchestrator.sim.persona import Persona
 from orchestrator.sim.profiles import Profile
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Faults, Scheduler, SimRequest
 
@@ -45,8 +48,17 @@ ROLES = {"aggregated": server_pb2.ENGINE_ROLE_AGGREGATED, "prefill": server_pb2.
          "decode": server_pb2.ENGINE_ROLE_DECODE}
 ENGINE_NAME = "tensorrt_llm-sim"
 ENGINE_VERSION = "1.0.0-sim"
-REQUIRED_KV_ATTRIBUTES = ("opaque_state", "first_gen_tokens", "draft_tokens", "disagg_request_id", "ctx_usage",
-                          "first_gen_log_probs", "schedule_style")
+# ServerInfo.schema_release: immutable schema identities, as Dynamo's sidecar requires (32 or 40 hex digits).
+SCHEMA_RELEASES = {1: "768a93c7b44e40f28c692ad0b471a8f2",  # the BSR commit tensorrt_llm/grpc/openengine pins
+                   3: "f1a7189311770f8aa1f0dd787561df809847595d"}  # tensorrt_llm/openengine's OPENENGINE_COMMIT
+# How refused requests end under a persona whose errors are gRPC statuses (TensorRT-LLM's servicers).
+_STATUS_OF = {E.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+              E.ERROR_CODE_UNSUPPORTED_FEATURE: grpc.StatusCode.UNIMPLEMENTED,
+              E.ERROR_CODE_DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
+              E.ERROR_CODE_ROLE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
+              E.ERROR_CODE_MODEL_NOT_FOUND: grpc.StatusCode.INVALID_ARGUMENT,
+              E.ERROR_CODE_DRAINING: grpc.StatusCode.UNAVAILABLE,
+              E.ERROR_CODE_OVERLOADED: grpc.StatusCode.UNAVAILABLE}
 
 
 @attrs.frozen
@@ -60,13 +72,14 @@ class SimConfig:
     time_scale: float = 1.0
     instance_id: str = ""
     warmup_s: float = 0.0
-    kv_transfer_timeout_s: float = 30.0
-    supports_abort_cleanup: bool = False
-    supports_multimodal: bool = True
-    modalities: tuple[str, ...] = ("text", "image")
+    persona: Persona = Persona()
+    kv_transfer_timeout_s: float | None = None  # None: the persona's (revision-1 TensorRT-LLM: until exit)
+    supports_abort_cleanup: bool = False  # force abort-by-session on where the persona has none
+    supports_multimodal: bool | None = None  # None: the persona's
+    image_paths: str = "both"  # revision 3: where MODALITY_IMAGE is listed (both | aggregate | none)
     max_context_length: int | None = None
     total_kv_blocks: int | None = None
-    schema_revision: int = 1
+    reported_schema_revision: int | None = None  # fault: claim another ServerInfo.schema_revision
     minimum_client_revision: int = 1
     # faults
     error_rate: float = 0.0
@@ -86,11 +99,42 @@ class SimConfig:
     def context_window(self) -> int:
         return self.max_context_length or self.profile.max_context_length
 
+    @property
+    def schema_revision(self) -> int:
+        return self.persona.schema_revision
+
+    @property
+    def multimodal(self) -> bool:
+        return self.persona.default_multimodal() if self.supports_multimodal is None else self.supports_multimodal
+
+    @property
+    def abort_cleanup(self) -> bool:
+        return self.supports_abort_cleanup or (self.persona.trtllm and self.persona.abort_by_session)
+
+    @property
+    def session_ttl_s(self) -> float | None:
+        if self.kv_transfer_timeout_s is None:
+            return self.persona.default_session_ttl_s
+        return self.kv_transfer_timeout_s or None  # 0: never expire
+
+    def lists_images(self, disaggregated: bool) -> bool:
+        """Revision 3: whether multimodal_capabilities lists MODALITY_IMAGE for a leg of this kind."""
+        return self.image_paths == "both" or (self.image_paths == "aggregate" and not disaggregated)
+
+    def images_on(self, disaggregated: bool) -> bool:
+        """Whether this worker takes images for a leg of this kind."""
+        if self.persona.schema_revision < 3:
+            return self.multimodal
+        return self.multimodal and self.lists_images(disaggregated)
+
 
 class EngineFailure(Exception):
-    def __init__(self, code: int, message: str, retryable: bool = False):
+    """A refused request. `in_stream`: reported as GenerateResponse.error even where the persona's
+    refusals are gRPC statuses (engine-side failures after acceptance: faults, KV transfer)."""
+
+    def __init__(self, code: int, message: str, retryable: bool = False, in_stream: bool = False):
         super().__init__(message)
-        self.code, self.message, self.retryable = code, message, retryable
+        self.code, self.message, self.retryable, self.in_stream = code, message, retryable, in_stream
 
 
 class _Outbox:
@@ -127,9 +171,14 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         self.vocab = output.Vocabulary.from_model_dir(config.model_dir)
         faults = Faults(crash_after_tokens=config.crash_after_tokens, stall_after_tokens=config.stall_after_tokens,
                         eos_probability=config.eos_probability)
+        self.persona = config.persona
         self.scheduler = Scheduler(config.profile, config.role, self.vocab, time_scale=config.time_scale,
-                                   faults=faults, total_kv_blocks=config.total_kv_blocks)
-        self.sessions = kv_transfer.SessionStore(self.scheduler.release_blocks, config.kv_transfer_timeout_s)
+                                   faults=faults, total_kv_blocks=config.total_kv_blocks,
+                                   context_stops=self.persona.streams_context_token)
+        self.sessions = kv_transfer.SessionStore(self.scheduler.release_blocks, config.session_ttl_s)
+        self.image_token_id = _image_token_id(config.model_dir, self.tokenizer)
+        # TensorRT-LLM's context request ids are integers; KvSessionRef.session_id carries one.
+        self.context_ids = itertools.count(random.Random().randrange(1 << 20, 1 << 40))
         self.kv_port = 0
         self.started_at = time.monotonic()
         self.draining = False
@@ -160,23 +209,30 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
 
     async def GetServerInfo(self, request, context):
         c = self.config
+        kv = kv_pb2.KvConnectorInfo(
+            enabled=True, transfer_backend=kv_transfer.PROTOCOL,
+            local_endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
+            supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=True,
+            supports_decode_pull=not self.persona.trtllm or self.persona.schema_revision >= 3,
+            supports_abort_cleanup=c.abort_cleanup, supports_drain=True, schema_version=c.schema_revision)
+        if self.persona.session_profile:
+            kv.handoff_profile = handoff.TRTLLM_PROFILE
+            kv.supports_client_bootstrap = False
         return server_pb2.ServerInfo(
-            engine_name=ENGINE_NAME, engine_version=ENGINE_VERSION, engine_role=ROLES[c.role],
+            engine_name=ENGINE_NAME, engine_version=ENGINE_VERSION,
+            # Revision-1 TensorRT-LLM: "the same build serves either phase; the role is per request".
+            engine_role=ROLES[c.role] if self.persona.declares_role else server_pb2.ENGINE_ROLE_UNSPECIFIED,
             instance_id=self.instance_id, supported_models=[c.model],
             parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
                                                    data_parallel_size=1, data_parallel_rank=0),
-            kv_connector=kv_pb2.KvConnectorInfo(
-                enabled=True, transfer_backend=kv_transfer.PROTOCOL,
-                local_endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
-                supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=c.role == "decode",
-                supports_decode_pull=True, supports_abort_cleanup=c.supports_abort_cleanup, supports_drain=True,
-                schema_version=1),
-            schema_revision=c.schema_revision, minimum_client_revision=c.minimum_client_revision,
-            schema_release="openengine-v1",
+            kv_connector=kv, minimum_client_revision=c.minimum_client_revision,
+            schema_revision=c.schema_revision if c.reported_schema_revision is None else c.reported_schema_revision,
+            schema_release=SCHEMA_RELEASES[c.schema_revision],
             capacity=server_pb2.DeploymentCapacity(
                 kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
                 max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
-            extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale}),
+            extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale, "persona": self.persona.name,
+                           "handoff_shape": self.persona.handoff_shape}),
         )
 
     async def GetModelInfo(self, request, context):
@@ -186,19 +242,32 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             await context.abort(grpc.StatusCode.INTERNAL, "fault injection: model info unavailable")
         if request.model and request.model != c.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
-        return model_pb2.ModelInfo(
+        info = model_pb2.ModelInfo(
             model_id=c.model, served_model_name=c.model, max_context_length=c.context_window,
-            max_output_tokens=c.profile.max_output_tokens, tokenizer_modes=["token_ids", "text"],
-            supports_text_input=True, supports_token_ids_input=True,
+            tokenizer_modes=["auto"], supports_text_input=True, supports_token_ids_input=True,
             generation=model_pb2.GenerationCapabilities(
                 output_logprobs=model_pb2.LogprobCapabilities(
                     supported=True, candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N],
                     max_top_n=20),
                 guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
                 max_num_sequences=1, supports_stop_in_output=True),
-            supports_lora=False, supports_multimodal=c.supports_multimodal,
-            extra=_struct({"modalities": list(c.modalities)}),
+            supports_lora=False, supports_multimodal=c.multimodal,
         )
+        if self.persona.advertises_max_output_tokens:
+            info.max_output_tokens = c.profile.max_output_tokens
+        if c.schema_revision >= 3:
+            image = [generation_pb2.MODALITY_IMAGE]
+            info.tokenizer.source = str(c.model_dir)
+            info.tokenizer.mode = "auto"
+            mm = info.multimodal_capabilities
+            mm.aggregate_modalities.extend(image if c.lists_images(disaggregated=False) else [])
+            mm.prefill_decode_modalities.extend(image if c.lists_images(disaggregated=True) else [])
+            mm.source_types.extend([generation_pb2.MEDIA_SOURCE_TYPE_URL, generation_pb2.MEDIA_SOURCE_TYPE_DATA_URI,
+                                    generation_pb2.MEDIA_SOURCE_TYPE_RAW_BYTES])
+            mm.supports_per_request_media_options = True
+            if self.image_token_id is not None and c.lists_images(disaggregated=False):
+                mm.routing_image_token_id = self.image_token_id
+        return info
 
     async def GetLoad(self, request, context):
         s = self.scheduler
@@ -225,12 +294,16 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             if sim_request is not None and self.scheduler.cancel(sim_request):
                 sim_request.on_finish(sim_request, "cancelled", None)
                 return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
-            if request.request_id in self.finished_ids or sim_request is not None:
+            if request.request_id in self.finished_ids or sim_request is not None or self.persona.trtllm:
+                # TensorRT-LLM: "an already-finished or never-seen request is not an error"
                 return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
                                                message=f"request {request.request_id!r} not found")
         if target == "kv_session":
-            if not self.config.supports_abort_cleanup:
+            if not self.config.abort_cleanup:
+                if self.persona.trtllm:
+                    await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                        "aborting by kv_session is not supported; abort by request_id")
                 return lifecycle_pb2.AbortResponse(
                     status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
                     message="abort by kv_session is not supported (supports_abort_cleanup is false); "
@@ -266,6 +339,8 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             try:
                 sim_request = await self._admit(request, outbox)
             except EngineFailure as failure:
+                if self.persona.errors_as_status and not failure.in_stream and failure.code in _STATUS_OF:
+                    await context.abort(_STATUS_OF[failure.code], failure.message)
                 yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
                     code=failure.code, message=failure.message, retryable=failure.retryable))
                 return
@@ -288,34 +363,70 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         while len(self.finished_ids) > 10_000:
             self.finished_ids.popitem(last=False)
 
-    async def _admit(self, request: generation_pb2.GenerateRequest, outbox: _Outbox) -> SimRequest:
-        c = self.config
-        if self.draining:
-            raise EngineFailure(E.ERROR_CODE_DRAINING, "worker is draining", retryable=True)
-        if self.health_state() != HS.HEALTH_STATE_READY:
-            raise EngineFailure(E.ERROR_CODE_OVERLOADED, "worker is not ready", retryable=True)
-        if not request.request_id:
-            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request_id is required")
-        if request.request_id in self.active:
-            raise EngineFailure(E.ERROR_CODE_DUPLICATE_REQUEST, f"request {request.request_id!r} is already running")
-        if request.model and request.model != c.model:
-            raise EngineFailure(E.ERROR_CODE_MODEL_NOT_FOUND, f"model {request.model!r} is not served here")
-        extra = json_format.MessageToDict(request.extra) if request.HasField("extra") else {}
-        if extra.get("request_type") == "context_only":
-            kind = CONTEXT_ONLY
-        elif request.kv.HasField("session"):
+    def _leg_kind(self, request: generation_pb2.GenerateRequest, extra: dict) -> str:
+        """Which phase a request asks for, by the persona's rules (see orchestrator.sim.persona)."""
+        c, persona = self.config, self.persona
+        request_type = extra.get("request_type")
+        if persona.trtllm:
+            if request_type == "generation_only":
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "a generation_only request must carry its "
+                                    "context handoff in kv.session; extra.request_type alone cannot address one")
+            if request_type not in (None, "context_only", "context_and_generation"):
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "extra.request_type must be one of "
+                                    "['context_and_generation', 'context_only']")
+            for key, kind in (("detokenize", bool), ("conversation_id", str)):
+                if key in extra and not isinstance(extra[key], kind):
+                    raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                        f"extra.{key} must be a {'boolean' if kind is bool else 'string'}")
+        has_session = request.kv.HasField("session")
+        if has_session:
             kind = GENERATION_ONLY
+        elif request_type == "context_only":
+            kind = CONTEXT_ONLY
         else:
             kind = FULL
+        if persona.revision_1_trtllm:
+            return kind  # one build serves either phase
+        if persona.trtllm:  # revision 3: the process's declared role decides (tensorrt_llm/openengine/server.py)
+            if c.role == "prefill":
+                if has_session:
+                    raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "Prefill requests cannot consume a KV session")
+                return CONTEXT_ONLY
+            if c.role == "decode" and not has_session:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "Decode requests require a prefill KV session")
+            if c.role == "aggregated" and has_session:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "Aggregated requests cannot consume a KV session")
+            return kind
         allowed = {"aggregated": {FULL}, "prefill": {CONTEXT_ONLY}, "decode": {FULL, GENERATION_ONLY}}[c.role]
         if kind not in allowed:
             raise EngineFailure(E.ERROR_CODE_ROLE_MISMATCH, f"a {kind} request cannot run on a {c.role} worker")
         if kind == CONTEXT_ONLY and request.stopping.max_tokens != 1:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "a context-only leg must set stopping.max_tokens = 1")
+        return kind
+
+    async def _admit(self, request: generation_pb2.GenerateRequest, outbox: _Outbox) -> SimRequest:
+        c, persona = self.config, self.persona
+        if self.draining:
+            raise EngineFailure(E.ERROR_CODE_DRAINING, "worker is draining", retryable=True)
+        if self.health_state() != HS.HEALTH_STATE_READY:
+            raise EngineFailure(E.ERROR_CODE_OVERLOADED, "worker is not ready", retryable=True)
+        if not request.request_id:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request_id must be non-empty")
+        if request.request_id in self.active:
+            raise EngineFailure(E.ERROR_CODE_DUPLICATE_REQUEST, f"request_id '{request.request_id}' is already active")
+        if persona.revision_1_trtllm:
+            if not request.model:  # any non-empty name is served by the loaded model
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "model must be non-empty")
+        elif request.model and request.model != c.model:
+            raise EngineFailure(E.ERROR_CODE_MODEL_NOT_FOUND, f"Unknown model {request.model!r}")
+        extra = json_format.MessageToDict(request.extra) if request.HasField("extra") else {}
+        kind = self._leg_kind(request, extra)
         if request.sampling.HasField("num_sequences") and request.sampling.num_sequences > 1:
             raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "num_sequences > 1 is not supported")
         if request.HasField("guided"):
-            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "guided decoding is not supported by this model")
+            guide = request.guided.WhichOneof("guide")
+            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not supported "
+                                "by the 'configured' grammar backend")
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")
@@ -324,11 +435,18 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         elif source == "prompt":
             prompt_ids = self.tokenizer.encode(request.prompt, add_special_tokens=False).ids
         else:
-            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request has neither prompt nor token_ids")
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "exactly one of prompt or token_ids must be set")
         if not prompt_ids:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "prompt is empty")
-        media_ids = await self._resolve_media(request)
-        self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids), "media": [
+        session = None
+        if kind == GENERATION_ONLY:
+            try:
+                session = handoff.decode(persona, request.kv.session, has_media=bool(request.media))
+            except handoff.HandoffInvalid as exc:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from exc
+        media_ids = await self._resolve_media(request, prompt_ids, disaggregated=kind != FULL)
+        self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
+                            "extra": {k: v for k, v in extra.items() if k != "request_type"}, "media": [
             {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
              if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}
             for m, identity in zip(request.media, media_ids)]})
@@ -338,26 +456,16 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
                                 f"prompt of {prompt_len} tokens ({len(prompt_ids)} text, {len(media_ids)} images x "
                                 f"{c.profile.image_tokens}) does not fit the context window of {window} tokens")
-        stopping = request.stopping
-        room = window - prompt_len
-        if stopping.HasField("max_tokens"):
-            max_tokens = stopping.max_tokens
-            if max_tokens < 1:
-                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "max_tokens must be at least 1")
-            if max_tokens > room:
-                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
-                                    f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the context "
-                                    f"window of {window} tokens")
-        else:
-            max_tokens = min(c.profile.max_output_tokens, room)
+        max_tokens = self._max_tokens(request.stopping, window - prompt_len, prompt_len, window)
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
         key = output.request_key(prompt_ids, media_ids, seed)
 
         first_gen: tuple[int, ...] = ()
-        if kind == GENERATION_ONLY:
-            first_gen = await self._pull_kv(request.kv.session, prompt_ids, media_ids, prompt_len)
+        if session is not None:
+            first_gen = await self._pull_kv(session, prompt_ids, media_ids)
 
         rid = request.request_id
+        stopping = request.stopping
         want_logprobs = request.response.return_output_logprobs
         top_n = request.response.output_candidates.top_n if want_logprobs else 0
         sim_request = SimRequest(
@@ -368,12 +476,34 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             include_stop=stopping.include_stop_in_output, first_gen_tokens=first_gen,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
-        sim_request.on_token = self._token_callback(outbox, rid, want_logprobs, top_n, stop_texts)
-        sim_request.on_finish = self._finish_callback(outbox, rid, prompt_len, len(prompt_ids))
-        sim_request.on_context_done = self._context_callback(outbox, rid, prompt_ids, media_ids, prompt_len)
+        token_response = self._token_response(rid, want_logprobs, top_n)
+        sim_request.on_token = self._token_callback(outbox, token_response, stop_texts)
+        sim_request.on_finish = self._finish_callback(outbox, rid, prompt_len)
+        sim_request.on_context_done = self._context_callback(outbox, rid, prompt_ids, media_ids, prompt_len,
+                                                             token_response, stop_texts, want_logprobs)
         self.active[rid] = sim_request
         self.scheduler.submit(sim_request)
         return sim_request
+
+    def _max_tokens(self, stopping, room: int, prompt_len: int, window: int) -> int:
+        persona = self.persona
+        if not stopping.HasField("max_tokens"):
+            default = persona.omitted_max_tokens
+            if default == "room":
+                return room
+            if default == "profile":
+                return min(self.config.profile.max_output_tokens, room)
+            return min(int(default), room)
+        max_tokens = stopping.max_tokens
+        if max_tokens < 1:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "max_tokens must be at least 1")
+        if max_tokens > room:
+            if persona.clamps_max_tokens:  # TensorRT-LLM's executor: "using default_max_tokens instead"
+                return room
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the context "
+                                f"window of {window} tokens")
+        return max_tokens
 
     def _maybe_inject_error(self, kind: str) -> None:
         c = self.config
@@ -384,14 +514,27 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             return
         if self.random.random() < c.error_rate:
             raise EngineFailure(E.Value(c.error_code), f"injected fault in the {phase} phase",
-                                retryable=c.error_retryable)
+                                retryable=c.error_retryable, in_stream=True)
 
-    async def _resolve_media(self, request: generation_pb2.GenerateRequest) -> list[str]:
+    async def _resolve_media(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int], *,
+                             disaggregated: bool) -> list[str]:
         if not request.media:
             return []
         c = self.config
-        if not (c.supports_multimodal and "image" in c.modalities):
-            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"model {c.model} does not accept images")
+        if not c.images_on(disaggregated):
+            if self.persona.revision_1_trtllm:
+                raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "multimodal media is not supported")
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT if self.persona.trtllm else
+                                E.ERROR_CODE_UNSUPPORTED_FEATURE,
+                                "Media modalities are not supported for this role: ['image']")
+        if self.image_token_id is not None:
+            # The input processor expands each placeholder into one image's tokens: they must match.
+            placeholders = prompt_ids.count(self.image_token_id)
+            if placeholders != len(request.media):
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
+                                    f"the prompt has {placeholders} image placeholder(s) "
+                                    f"({self.tokenizer.id_to_token(self.image_token_id)}) but the request carries "
+                                    f"{len(request.media)} image(s)")
         if self.http is None:
             self.http = httpx.AsyncClient(follow_redirects=False)
         try:
@@ -399,43 +542,40 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         except media.MediaError as exc:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from exc
 
-    async def _pull_kv(self, session: kv_pb2.KvSessionRef, prompt_ids, media_ids, prompt_len) -> tuple[int, ...]:
-        attributes = json_format.MessageToDict(session.attributes_struct) if session.HasField("attributes_struct") else {}
-        missing = [name for name in REQUIRED_KV_ATTRIBUTES if name not in attributes]
-        if missing:
-            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
-                                f"kv_session.attributes_struct lacks {', '.join(missing)}")
-        if not session.endpoints:
-            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "kv_session has no endpoints")
-        endpoint = session.endpoints[0]
-        first_gen = [int(t) for t in attributes["first_gen_tokens"]]
+    async def _pull_kv(self, session: handoff.Handoff, prompt_ids, media_ids) -> tuple[int, ...]:
         profile = self.config.profile
         try:
             await kv_transfer.pull(
-                endpoint.host, endpoint.port,
-                {"session_id": session.session_id, "prompt": output.prompt_digest(prompt_ids),
-                 "media": output.media_digest(media_ids), "opaque_state": attributes["opaque_state"],
-                 "first_gen_tokens": first_gen},
+                session.kv_host, session.kv_port,
+                {"session_id": session.session_key, "prompt": output.prompt_digest(prompt_ids),
+                 "media": output.media_digest(media_ids), "opaque_state": session.opaque_state,
+                 "first_gen_tokens": list(session.first_gen_tokens)},
                 lambda tokens: profile.kv_transfer_ms(tokens) * self.config.time_scale / 1000.0)
         except kv_transfer.KvTransferError as exc:
             raise EngineFailure(E.Value("ERROR_CODE_" + exc.code), str(exc),
-                                retryable=exc.code == "KV_TRANSFER_FAILED") from exc
-        return tuple(first_gen)
+                                retryable=exc.code == "KV_TRANSFER_FAILED", in_stream=True) from exc
+        return session.first_gen_tokens
 
     # ---- scheduler callbacks -> responses ----------------------------------------------------------
-    def _token_callback(self, outbox: _Outbox, rid: str, want_logprobs: bool, top_n: int, stop_texts: list[str]):
+    def _token_response(self, rid: str, want_logprobs: bool, top_n: int):
         GenerateResponse, TokenOutput, TokenInfo = (generation_pb2.GenerateResponse, generation_pb2.TokenOutput,
                                                     generation_pb2.TokenInfo)
         vocab_words = self.vocab.word_ids
 
-        def on_token(request: SimRequest, token: int) -> None:
+        def token_response(token: int, position: int) -> generation_pb2.GenerateResponse:
             info = TokenInfo(token_id=token)
             if want_logprobs:
-                info.logprob = -((token * 7919 + request.generated) % 1000) / 400.0
+                info.logprob = _logprob(token, position)
                 for rank in range(top_n):
                     alt = vocab_words[(token + rank * 31) % len(vocab_words)]
                     info.candidates.add(token_id=alt, logprob=info.logprob - rank * 0.5, rank=rank + 1)
-            outbox.put(GenerateResponse(request_id=rid, token=TokenOutput(output_index=0, tokens=[info])))
+            return GenerateResponse(request_id=rid, token=TokenOutput(output_index=0, tokens=[info]))
+
+        return token_response
+
+    def _token_callback(self, outbox: _Outbox, token_response, stop_texts: list[str]):
+        def on_token(request: SimRequest, token: int) -> None:
+            outbox.put(token_response(token, request.generated - 1))
             if stop_texts:
                 text = self.tokenizer.decode(request.output_ids[-16:])
                 for stop in stop_texts:
@@ -445,7 +585,7 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
 
         return on_token
 
-    def _finish_callback(self, outbox: _Outbox, rid: str, prompt_len: int, text_prompt_len: int):
+    def _finish_callback(self, outbox: _Outbox, rid: str, prompt_len: int):
         reasons = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
                    "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 
@@ -462,13 +602,25 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
 
         return on_finish
 
-    def _context_callback(self, outbox: _Outbox, rid: str, prompt_ids, media_ids, prompt_len: int):
+    def _context_callback(self, outbox: _Outbox, rid: str, prompt_ids, media_ids, prompt_len: int, token_response,
+                          stop_texts: list[str], want_logprobs: bool):
         def on_context_done(request: SimRequest, first_token: int) -> None:
             c = self.config
-            opaque = base64.b64encode(json.dumps(
-                {"ctx_request_id": rid, "instance": self.instance_id, "nonce": uuidlib.uuid4().hex}).encode()).decode()
+            if self.persona.streams_context_token:
+                # Revision-1 TensorRT-LLM streams the context phase's token before the handoff.
+                outbox.put(token_response(first_token, 0))
+                text = self.tokenizer.decode([first_token])
+                stop = next((s for s in stop_texts if s in text), None)
+                if stop is not None:  # the one token stopped the request: no KV to hand off
+                    self.scheduler.release_blocks(request.blocks)
+                    request.blocks = 0
+                    request.generated = 1
+                    request.on_finish(request, "stop", ("stop_text", stop))
+                    return
+            context_id = str(next(self.context_ids)) if self.persona.trtllm else rid
+            opaque = handoff.new_opaque_state(context_id, c.host, self.kv_port, uuidlib.uuid4().hex)
             held = kv_transfer.HeldSession(
-                session_id=rid, blocks=request.blocks, tokens=prompt_len,
+                session_id=context_id, blocks=request.blocks, tokens=prompt_len,
                 prompt_digest=output.prompt_digest(prompt_ids), media_digest=output.media_digest(media_ids),
                 opaque_state=opaque, first_gen_tokens=[first_token])
             request.blocks = 0  # the blocks now belong to the session, not the request
@@ -476,14 +628,10 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
                 self.sessions.hold(held)
             else:
                 self.scheduler.release_blocks(held.blocks)
-            session = kv_pb2.KvSessionRef(
-                session_id=rid, transfer_backend=kv_transfer.PROTOCOL,
-                endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
-                dp_rank=0,
-                attributes_struct=_struct({
-                    "opaque_state": opaque, "first_gen_tokens": [first_token], "draft_tokens": [],
-                    "disagg_request_id": rid, "ctx_usage": {"prompt_tokens": prompt_len},
-                    "first_gen_log_probs": [], "schedule_style": "context_first"}))
+            session = handoff.encode(self.persona, handoff.Handoff(
+                session_key=context_id, kv_host=c.host, kv_port=self.kv_port, opaque_state=opaque,
+                first_gen_tokens=(first_token,), requires_decode_media=bool(media_ids), prompt_tokens=prompt_len,
+                first_gen_log_probs=(_logprob(first_token, 0),) if want_logprobs else ()))
             outbox.put(generation_pb2.GenerateResponse(
                 request_id=rid, prefill_ready=generation_pb2.PrefillReady(kv_session=session),
                 usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=0,
@@ -498,6 +646,22 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         deadline = time.monotonic() + grace_s
         while not self.scheduler.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
+
+def _logprob(token: int, position: int) -> float:
+    """A deterministic stand-in logprob, the same for a token on either leg."""
+    return -((token * 7919 + position) % 1000) / 400.0
+
+
+def _image_token_id(model_dir: Path, tokenizer: Tokenizer) -> int | None:
+    """The model's image placeholder (tokenizer_config.json or processor_config.json `image_token`)."""
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        path = model_dir / name
+        if path.exists():
+            token = json.loads(path.read_text()).get("image_token")
+            if token:
+                return tokenizer.token_to_id(token)
+    return None
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

@@ -23,27 +23,32 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
+from orchestrator.openengine.v1 import generation_pb2 as openengine_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19openengine/v1/model.proto\x12\ropenengine.v1\x1a\x1cgoogle/protobuf/struct.proto\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xda\x04\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x1c\n\x14served_model_aliases\x18\x03 \x03(\t\x12\x1f\n\x12max_context_length\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0ftokenizer_modes\x18\n \x03(\t\x12 \n\x13supports_text_input\x18\x14 \x01(\x08H\x02\x88\x01\x01\x12%\n\x18supports_token_ids_input\x18\x15 \x01(\x08H\x03\x88\x01\x01\x12\x39\n\ngeneration\x18\x16 \x01(\x0b\x32%.openengine.v1.GenerationCapabilities\x12\x1a\n\rsupports_lora\x18\x17 \x01(\x08H\x04\x88\x01\x01\x12 \n\x13supports_multimodal\x18\x18 \x01(\x08H\x05\x88\x01\x01\x12\x18\n\x10reasoning_parser\x18\x19 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x1a \x01(\t\x12&\n\x05\x65xtra\x18\x1c \x01(\x0b\x32\x17.google.protobuf.StructB\x15\n\x13_max_context_lengthB\x14\n\x12_max_output_tokensB\x16\n\x14_supports_text_inputB\x1b\n\x19_supports_token_ids_inputB\x10\n\x0e_supports_loraB\x16\n\x14_supports_multimodal\"\x8a\x04\n\x16GenerationCapabilities\x12;\n\x0fprompt_logprobs\x18\x01 \x01(\x0b\x32\".openengine.v1.LogprobCapabilities\x12;\n\x0foutput_logprobs\x18\x02 \x01(\x0b\x32\".openengine.v1.LogprobCapabilities\x12\x42\n\x0fguided_decoding\x18\x03 \x01(\x0b\x32).openengine.v1.GuidedDecodingCapabilities\x12\x1e\n\x11max_num_sequences\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11supports_priority\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12$\n\x17supports_stop_in_output\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13supports_cache_salt\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12)\n\x1csupports_prefix_cache_bypass\x18\x08 \x01(\x08H\x04\x88\x01\x01\x42\x14\n\x12_max_num_sequencesB\x14\n\x12_supports_priorityB\x1a\n\x18_supports_stop_in_outputB\x16\n\x14_supports_cache_saltB\x1f\n\x1d_supports_prefix_cache_bypass\"\xb0\x01\n\x13LogprobCapabilities\x12\x16\n\tsupported\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12M\n\x19\x63\x61ndidate_selection_modes\x18\x02 \x03(\x0e\x32*.openengine.v1.CandidateTokenSelectionMode\x12\x16\n\tmax_top_n\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_supportedB\x0c\n\n_max_top_n\"t\n\x1aGuidedDecodingCapabilities\x12\x16\n\tsupported\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x05modes\x18\x02 \x03(\x0e\x32!.openengine.v1.GuidedDecodingModeB\x0c\n\n_supported*\xcd\x01\n\x1b\x43\x61ndidateTokenSelectionMode\x12.\n*CANDIDATE_TOKEN_SELECTION_MODE_UNSPECIFIED\x10\x00\x12(\n$CANDIDATE_TOKEN_SELECTION_MODE_TOP_N\x10\x01\x12,\n(CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS\x10\x02\x12&\n\"CANDIDATE_TOKEN_SELECTION_MODE_ALL\x10\x03*\x97\x02\n\x12GuidedDecodingMode\x12$\n GUIDED_DECODING_MODE_UNSPECIFIED\x10\x00\x12$\n GUIDED_DECODING_MODE_JSON_SCHEMA\x10\x01\x12\x1e\n\x1aGUIDED_DECODING_MODE_REGEX\x10\x02\x12%\n!GUIDED_DECODING_MODE_EBNF_GRAMMAR\x10\x03\x12\'\n#GUIDED_DECODING_MODE_STRUCTURAL_TAG\x10\x04\x12\x1f\n\x1bGUIDED_DECODING_MODE_CHOICE\x10\x05\x12$\n GUIDED_DECODING_MODE_JSON_OBJECT\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19openengine/v1/model.proto\x12\ropenengine.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1eopenengine/v1/generation.proto\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xd3\x05\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x1c\n\x14served_model_aliases\x18\x03 \x03(\t\x12\x1f\n\x12max_context_length\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0ftokenizer_modes\x18\n \x03(\t\x12/\n\ttokenizer\x18\x0b \x01(\x0b\x32\x1c.openengine.v1.TokenizerInfo\x12 \n\x13supports_text_input\x18\x14 \x01(\x08H\x02\x88\x01\x01\x12%\n\x18supports_token_ids_input\x18\x15 \x01(\x08H\x03\x88\x01\x01\x12\x39\n\ngeneration\x18\x16 \x01(\x0b\x32%.openengine.v1.GenerationCapabilities\x12\x1a\n\rsupports_lora\x18\x17 \x01(\x08H\x04\x88\x01\x01\x12 \n\x13supports_multimodal\x18\x18 \x01(\x08H\x05\x88\x01\x01\x12\x18\n\x10reasoning_parser\x18\x19 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x1a \x01(\t\x12&\n\x05\x65xtra\x18\x1c \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x46\n\x17multimodal_capabilities\x18\x1d \x01(\x0b\x32%.openengine.v1.MultimodalCapabilitiesB\x15\n\x13_max_context_lengthB\x14\n\x12_max_output_tokensB\x16\n\x14_supports_text_inputB\x1b\n\x19_supports_token_ids_inputB\x10\n\x0e_supports_loraB\x16\n\x14_supports_multimodal\"\xd9\x02\n\x16MultimodalCapabilities\x12\x35\n\x14\x61ggregate_modalities\x18\x01 \x03(\x0e\x32\x17.openengine.v1.Modality\x12:\n\x19prefill_decode_modalities\x18\x02 \x03(\x0e\x32\x17.openengine.v1.Modality\x12\x34\n\x0csource_types\x18\x03 \x03(\x0e\x32\x1e.openengine.v1.MediaSourceType\x12/\n\"supports_per_request_media_options\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16routing_image_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x42%\n#_supports_per_request_media_optionsB\x19\n\x17_routing_image_token_id\"-\n\rTokenizerInfo\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\"\x8a\x04\n\x16GenerationCapabilities\x12;\n\x0fprompt_logprobs\x18\x01 \x01(\x0b\x32\".openengine.v1.LogprobCapabilities\x12;\n\x0foutput_logprobs\x18\x02 \x01(\x0b\x32\".openengine.v1.LogprobCapabilities\x12\x42\n\x0fguided_decoding\x18\x03 \x01(\x0b\x32).openengine.v1.GuidedDecodingCapabilities\x12\x1e\n\x11max_num_sequences\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11supports_priority\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12$\n\x17supports_stop_in_output\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13supports_cache_salt\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12)\n\x1csupports_prefix_cache_bypass\x18\x08 \x01(\x08H\x04\x88\x01\x01\x42\x14\n\x12_max_num_sequencesB\x14\n\x12_supports_priorityB\x1a\n\x18_supports_stop_in_outputB\x16\n\x14_supports_cache_saltB\x1f\n\x1d_supports_prefix_cache_bypass\"\xb0\x01\n\x13LogprobCapabilities\x12\x16\n\tsupported\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12M\n\x19\x63\x61ndidate_selection_modes\x18\x02 \x03(\x0e\x32*.openengine.v1.CandidateTokenSelectionMode\x12\x16\n\tmax_top_n\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_supportedB\x0c\n\n_max_top_n\"t\n\x1aGuidedDecodingCapabilities\x12\x16\n\tsupported\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x05modes\x18\x02 \x03(\x0e\x32!.openengine.v1.GuidedDecodingModeB\x0c\n\n_supported*\xcd\x01\n\x1b\x43\x61ndidateTokenSelectionMode\x12.\n*CANDIDATE_TOKEN_SELECTION_MODE_UNSPECIFIED\x10\x00\x12(\n$CANDIDATE_TOKEN_SELECTION_MODE_TOP_N\x10\x01\x12,\n(CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS\x10\x02\x12&\n\"CANDIDATE_TOKEN_SELECTION_MODE_ALL\x10\x03*\x97\x02\n\x12GuidedDecodingMode\x12$\n GUIDED_DECODING_MODE_UNSPECIFIED\x10\x00\x12$\n GUIDED_DECODING_MODE_JSON_SCHEMA\x10\x01\x12\x1e\n\x1aGUIDED_DECODING_MODE_REGEX\x10\x02\x12%\n!GUIDED_DECODING_MODE_EBNF_GRAMMAR\x10\x03\x12\'\n#GUIDED_DECODING_MODE_STRUCTURAL_TAG\x10\x04\x12\x1f\n\x1bGUIDED_DECODING_MODE_CHOICE\x10\x05\x12$\n GUIDED_DECODING_MODE_JSON_OBJECT\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'openengine.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CANDIDATETOKENSELECTIONMODE']._serialized_start=1540
-  _globals['_CANDIDATETOKENSELECTIONMODE']._serialized_end=1745
-  _globals['_GUIDEDDECODINGMODE']._serialized_start=1748
-  _globals['_GUIDEDDECODINGMODE']._serialized_end=2027
-  _globals['_GETMODELINFOREQUEST']._serialized_start=74
-  _globals['_GETMODELINFOREQUEST']._serialized_end=110
-  _globals['_MODELINFO']._serialized_start=113
-  _globals['_MODELINFO']._serialized_end=715
-  _globals['_GENERATIONCAPABILITIES']._serialized_start=718
-  _globals['_GENERATIONCAPABILITIES']._serialized_end=1240
-  _globals['_LOGPROBCAPABILITIES']._serialized_start=1243
-  _globals['_LOGPROBCAPABILITIES']._serialized_end=1419
-  _globals['_GUIDEDDECODINGCAPABILITIES']._serialized_start=1421
-  _globals['_GUIDEDDECODINGCAPABILITIES']._serialized_end=1537
+  _globals['_CANDIDATETOKENSELECTIONMODE']._serialized_start=2088
+  _globals['_CANDIDATETOKENSELECTIONMODE']._serialized_end=2293
+  _globals['_GUIDEDDECODINGMODE']._serialized_start=2296
+  _globals['_GUIDEDDECODINGMODE']._serialized_end=2575
+  _globals['_GETMODELINFOREQUEST']._serialized_start=106
+  _globals['_GETMODELINFOREQUEST']._serialized_end=142
+  _globals['_MODELINFO']._serialized_start=145
+  _globals['_MODELINFO']._serialized_end=868
+  _globals['_MULTIMODALCAPABILITIES']._serialized_start=871
+  _globals['_MULTIMODALCAPABILITIES']._serialized_end=1216
+  _globals['_TOKENIZERINFO']._serialized_start=1218
+  _globals['_TOKENIZERINFO']._serialized_end=1263
+  _globals['_GENERATIONCAPABILITIES']._serialized_start=1266
+  _globals['_GENERATIONCAPABILITIES']._serialized_end=1788
+  _globals['_LOGPROBCAPABILITIES']._serialized_start=1791
+  _globals['_LOGPROBCAPABILITIES']._serialized_end=1967
+  _globals['_GUIDEDDECODINGCAPABILITIES']._serialized_start=1969
+  _globals['_GUIDEDDECODINGCAPABILITIES']._serialized_end=2085
 # @@protoc_insertion_point(module_scope)

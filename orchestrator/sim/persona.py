@@ -1,0 +1,96 @@
+"""Which real engine the simulated worker behaves like. Pure: a table of behaviours, no I/O.
+
+The default persona is TensorRT-LLM's own OpenEngine server, so the orchestrator is tested against the
+engine as it is, not against our reading of the spec:
+
+- revision 1 (default): `tensorrt_llm/grpc/openengine/` (control.py, servicer.py, streaming.py,
+  disagg.py, request_mapping.py). One build serves either phase: ServerInfo says
+  ENGINE_ROLE_UNSPECIFIED and every request is routed by its own fields. The context-only leg streams
+  its first token, then ends with PrefillReady (or with the real Finished when that token stopped the
+  request). Abort by kv_session is UNIMPLEMENTED and supports_abort_cleanup is false: a session no
+  decode pulls holds its blocks until the process exits. Media are UNIMPLEMENTED (supports_multimodal
+  false). Validation errors are gRPC statuses. An omitted max_tokens means "up to the window".
+- revision 3: `tensorrt_llm/openengine/` (server.py, converters.py), the sibling server with a
+  declared role per process, image support reported per path in multimodal_capabilities, a JSON
+  handoff under one named profile, abort by kv_session, and max_tokens 32 when omitted.
+- "strict": the simulator's original behaviour, written from the spec alone (declared roles, errors
+  as EngineError events, every KV attribute required, a 30 s transfer timeout). Kept as an explicit
+  option because it catches protocol slips the real engine would tolerate.
+
+The upstream facts and their commits are listed in tests/test_trtllm_conformance.py.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+PERSONAS = ("trtllm", "strict")
+HANDOFF_SHAPES = ("both", "endpoint", "opaque")  # revision-1 TensorRT-LLM builds: ZMQ info, inline state, both
+IMAGE_PATHS = ("both", "aggregate", "none")  # revision 3: where MODALITY_IMAGE is listed
+
+
+@attrs.frozen
+class Persona:
+    name: str = attrs.field(default="trtllm", validator=attrs.validators.in_(PERSONAS))
+    schema_revision: int = attrs.field(default=1, validator=attrs.validators.in_((1, 3)))
+    handoff_shape: str = attrs.field(default="both", validator=attrs.validators.in_(HANDOFF_SHAPES))
+
+    @property
+    def trtllm(self) -> bool:
+        return self.name == "trtllm"
+
+    @property
+    def revision_1_trtllm(self) -> bool:
+        return self.trtllm and self.schema_revision == 1
+
+    @property
+    def declares_role(self) -> bool:
+        """ServerInfo.engine_role is the process's role (else ENGINE_ROLE_UNSPECIFIED)."""
+        return not self.revision_1_trtllm
+
+    @property
+    def streams_context_token(self) -> bool:
+        """The context-only leg streams its one token before PrefillReady (revision-1 streaming.py)."""
+        return self.revision_1_trtllm
+
+    @property
+    def errors_as_status(self) -> bool:
+        """Refused requests end the RPC with a gRPC status (TensorRT-LLM), not a GenerateResponse.error."""
+        return self.trtllm
+
+    @property
+    def session_profile(self) -> bool:
+        """Revision 3 packs the handoff as JSON under one named profile (converters.encode_handoff)."""
+        return self.trtllm and self.schema_revision == 3
+
+    @property
+    def abort_by_session(self) -> bool:
+        """Control.Abort(kv_session) works (revision 3). Revision 1 answers UNIMPLEMENTED."""
+        return not self.revision_1_trtllm
+
+    @property
+    def default_session_ttl_s(self) -> float | None:
+        """How long an unpulled session holds its blocks; None: until the process exits."""
+        if self.revision_1_trtllm:
+            return None  # README: "held on the context worker until that process exits"
+        return 300.0 if self.trtllm else 30.0  # revision 3: kv_session_ttl_seconds; strict: our old default
+
+    @property
+    def omitted_max_tokens(self) -> int | str:
+        """"room": window - prompt (revision 1: None -> _deduce_max_tokens); an int: a fixed default."""
+        if self.trtllm:
+            return "room" if self.schema_revision == 1 else 32
+        return "profile"  # strict: min(profile.max_output_tokens, room)
+
+    @property
+    def clamps_max_tokens(self) -> bool:
+        """A max_tokens above the room left is clamped to it (executor _deduce_max_tokens), not refused."""
+        return self.trtllm
+
+    @property
+    def advertises_max_output_tokens(self) -> bool:
+        """TensorRT-LLM leaves ModelInfo.max_output_tokens unset (control.py: it is per request)."""
+        return not self.trtllm
+
+    def default_multimodal(self) -> bool:
+        return not self.revision_1_trtllm
