@@ -336,8 +336,10 @@ class Coordinator:
                 with self.pool.lease(worker):
                     try:
                         async with worker.client.generate(leg) as stream:
-                            while await stream.next_batch():
-                                pass
+                            while batch := await stream.next_batch():
+                                failed = next((e for e in batch if isinstance(e, Failed)), None)
+                                if failed is not None:
+                                    raise failed.error
                     except EngineError as exc:
                         log.warning("KV release of session %s via %s failed: %s", session.session_id,
                                     worker.address, exc)

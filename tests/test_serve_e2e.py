@@ -165,11 +165,14 @@ async def test_conditional_mode_sends_short_prompts_to_decode_only(tmp_path, sim
         assert _load_attr(await p.load(), "kv_sessions_pulled") == 1
 
 
-@pytest.mark.parametrize("abort_cleanup", [False, True], ids=["decode-pulls-kv", "abort-kv-session"])
-async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_path, sim_workers, abort_cleanup,
+@pytest.mark.parametrize("revision", ["1", "3"], ids=["trtllm-r1-no-abort-by-session", "trtllm-r3-abort-by-session"])
+async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_path, sim_workers, revision,
                                                                              orchestrator_servers, engine_client):
-    slow = ("--time-scale", "1", "--kv-transfer-timeout", "300")  # real GPU-time steps; sessions never expire
-    prefill = sim_workers.start("prefill", *slow, *(("--abort-cleanup",) if abort_cleanup else ()))
+    """Revision-1 TensorRT-LLM cannot abort by kv_session and holds an unpulled session until its process
+    exits (tensorrt_llm/grpc/openengine/README.md @ 05d4fbd59093, control.py @ 06cb2191b0be): only a pull
+    frees it. Revision 3 aborts by session (tensorrt_llm/openengine/server.py @ 01138754b3f4)."""
+    slow = ("--time-scale", "1", "--schema-revision", revision)  # real GPU-time steps
+    prefill = sim_workers.start("prefill", *slow)
     decode = sim_workers.start("decode", *slow)
     config = write_config(tmp_path / "cancel.yaml", "disaggregated",
                           {"prefill": [prefill.address], "decode": [decode.address]})

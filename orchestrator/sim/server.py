@@ -445,8 +445,11 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             except handoff.HandoffInvalid as exc:
                 raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, str(exc)) from exc
         media_ids = await self._resolve_media(request, prompt_ids, disaggregated=kind != FULL)
+        stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
-                            "extra": {k: v for k, v in extra.items() if k != "request_type"}, "media": [
+                            "extra": {k: v for k, v in extra.items() if k != "request_type"},
+                            "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
+                            "logprobs": request.response.return_output_logprobs, "media": [
             {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
              if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}
             for m, identity in zip(request.media, media_ids)]})
@@ -465,7 +468,6 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
             first_gen = await self._pull_kv(session, prompt_ids, media_ids)
 
         rid = request.request_id
-        stopping = request.stopping
         want_logprobs = request.response.return_output_logprobs
         top_n = request.response.output_candidates.top_n if want_logprobs else 0
         sim_request = SimRequest(
