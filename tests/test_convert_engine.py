@@ -1,11 +1,13 @@
 """The context-window rule, media gating and engine-leg building (pure)."""
 
 import pytest
+from google.protobuf import json_format
 
 from orchestrator import disagg
 from orchestrator.convert import (
     ApiError,
     check_media_capability,
+    check_media_options,
     check_media_sources,
     full_leg,
     parse_chat,
@@ -140,3 +142,16 @@ def test_release_leg_pulls_the_session_for_one_token_and_asks_nothing_else():
     assert leg.stopping == g.StoppingOptions(max_tokens=1)
     assert not leg.HasField("response") and not leg.HasField("guided")
     assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)
+
+
+def test_media_options_go_only_to_workers_that_take_them_and_only_with_media():
+    req = image_request(media_io_kwargs={"image": {"max_pixels": 1024}})
+    check_media_options(req, [("prefill", True), ("decode", True)])
+    with pytest.raises(ApiError, match="decode worker does not take per-request media options"):
+        check_media_options(req, [("prefill", True), ("decode", False)])
+    with pytest.raises(ApiError, match="only allowed with media"):
+        check_media_options(text_request(media_io_kwargs={"image": {}}), [("decode", True)])
+    with pytest.raises(ApiError, match="media_io_kwargs.vision"):
+        image_request(media_io_kwargs={"vision": {}})
+    leg = full_leg(req, request_id="r", model="m", prompt_ids=[1], limits=limits(req))
+    assert json_format.MessageToDict(leg.media_options) == {"image": {"max_pixels": 1024}}

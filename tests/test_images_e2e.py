@@ -217,3 +217,20 @@ async def test_the_engine_enforces_its_fetch_size_limit(tmp_path, sim_workers, o
     async with httpx.AsyncClient(timeout=30) as http:
         response = await http.post(server.url + "/v1/chat/completions", json=body)
     assert response.status_code == 400 and "more than 100 bytes" in response.json()["error"]["message"]
+
+
+async def test_media_options_reach_revision_3_workers_that_take_them_and_are_refused_elsewhere(
+        disagg, image_server, engine_client, tmp_path, sim_workers, orchestrator_servers):
+    """Revision 3 adds GenerateRequest.media_options and supports_per_request_media_options (docs/
+    openengine-revision-3.md); a revision-1 server would drop the field unseen, so it is never sent there."""
+    options = {"image": {"min_pixels": 3136}}
+    async with httpx.AsyncClient(timeout=30) as http:
+        taken = await http.post(disagg.url + "/v1/chat/completions",
+                                json=image_request(image_server, media_io_kwargs=options))
+        assert taken.status_code == 200, taken.text
+        ctx_leg = (await recent_requests(engine_client, disagg.worker("prefill")))[-1]
+        gen_leg = (await recent_requests(engine_client, disagg.worker("decode")))[-1]
+        assert ctx_leg["media_options"] == gen_leg["media_options"] == options
+        text_only = await http.post(disagg.url + "/v1/chat/completions", json={
+            "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": options})
+        assert text_only.status_code == 400 and text_only.json()["error"]["param"] == "media_io_kwargs"

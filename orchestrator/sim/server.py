@@ -423,6 +423,12 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         kind = self._leg_kind(request, extra)
         if request.sampling.HasField("num_sequences") and request.sampling.num_sequences > 1:
             raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "num_sequences > 1 is not supported")
+        if request.HasField("media_options") and self.persona.session_profile:
+            options = json_format.MessageToDict(request.media_options)
+            unknown = sorted(set(options) - {"image", "video", "audio"})
+            if unknown or not all(isinstance(v, dict) for v in options.values()):  # converters.validate_media_options
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, f"Unknown media option modalities: {unknown}"
+                                    if unknown else "Media options must be objects")
         if request.HasField("guided"):
             guide = request.guided.WhichOneof("guide")
             raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not supported "
@@ -449,7 +455,8 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
-                            "logprobs": request.response.return_output_logprobs, "media": [
+                            "logprobs": request.response.return_output_logprobs,
+                            "media_options": json_format.MessageToDict(request.media_options), "media": [
             {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
              if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}
             for m, identity in zip(request.media, media_ids)]})
