@@ -9,8 +9,12 @@ Pure data and arithmetic; the scheduler in scheduler.py decides what goes into e
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
+
+# aiconfigurator's reference latencies and the coefficients fitted to them (benchmarks/calibrate_profiles.py)
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 
 @attrs.frozen
@@ -71,18 +75,41 @@ PROFILES: dict[str, Profile] = {
             kv_bandwidth_bytes_per_s=25e9,  # 200 Gb/s InfiniBand between the two GPUs' hosts
             image_tokens=576, max_context_length=2048, max_output_tokens=1024,
         ),
+        # Llama-3.1-8B on one GPU under TensorRT-LLM, fitted to NVIDIA's aiconfigurator 0.12.0 (its perf database
+        # of kernel timings collected on the GPU, backend trtllm 1.3.0rc20) by benchmarks/calibrate_profiles.py;
+        # the reference grid is orchestrator/sim/calibration.json, and tests/test_sim_calibration.py keeps every
+        # point within 15%. KV: 32 layers x 8 KV heads x 128 dims x 2 (K and V) per token.
         Profile(
             name="llama3-8b-h100",
-            # Roofline from public figures: H100 SXM datasheet (989 TFLOPS dense BF16, 3.35 TB/s HBM3),
-            # Llama-3-8B config on the Hugging Face hub (32 layers, 8 KV heads, head dim 128, 8.0 B params).
-            # Prefill at 60% MFU: b = 2*8e9 FLOP / 593 TFLOP/s; c from attention (4*L^2*4096*32 FLOP);
-            # decode at 80% of HBM bandwidth: d = 16 GB weights / 2.68 TB/s, e = 128 KiB KV per token read.
-            source="roofline from the H100 SXM datasheet and the public Llama-3-8B config",
-            prefill_a=4.0, prefill_b=0.027, prefill_c=8.7e-7,
-            decode_d=6.0, decode_e=4.9e-5, decode_f=0.02,
+            source="aiconfigurator 0.12.0, h100_sxm, trtllm 1.3.0rc20, Llama-3.1-8B BF16 (calibration.json)",
+            prefill_a=4.298, prefill_b=0.01907, prefill_c=7.125e-07,
+            decode_d=6.669, decode_e=4.293e-05, decode_f=0.006598,
             max_batch_size=256, max_num_tokens=8192,
+            # (80 GB x 0.9 - 16 GB of BF16 weights) / (32 tokens x 128 KiB) ~ 12,000 blocks
             kv_block_size=32, total_kv_blocks=12000, kv_bytes_per_token=131_072,
             kv_bandwidth_bytes_per_s=50e9,  # 400 Gb/s InfiniBand
+            image_tokens=576, max_context_length=8192, max_output_tokens=4096,
+        ),
+        Profile(
+            name="llama3-8b-h100-fp8",
+            source="aiconfigurator 0.12.0, h100_sxm, trtllm 1.3.0rc20, Llama-3.1-8B FP8 GEMM/FMHA/KV (calibration.json)",
+            prefill_a=4.334, prefill_b=0.01349, prefill_c=4.203e-07,
+            decode_d=5.223, decode_e=2.13e-05, decode_f=0.007102,
+            max_batch_size=256, max_num_tokens=8192,
+            # (80 GB x 0.9 - 8 GB of FP8 weights) / (32 tokens x 64 KiB of FP8 KV) ~ 30,000 blocks
+            kv_block_size=32, total_kv_blocks=30000, kv_bytes_per_token=65_536,
+            kv_bandwidth_bytes_per_s=50e9,
+            image_tokens=576, max_context_length=8192, max_output_tokens=4096,
+        ),
+        Profile(
+            name="llama3-8b-h200",
+            source="aiconfigurator 0.12.0, h200_sxm, trtllm 1.3.0rc20, Llama-3.1-8B BF16 (calibration.json)",
+            prefill_a=3.231, prefill_b=0.01873, prefill_c=5.959e-07,
+            decode_d=5.195, decode_e=2.886e-05, decode_f=0.008804,
+            max_batch_size=256, max_num_tokens=8192,
+            # (141 GB x 0.9 - 16 GB of BF16 weights) / (32 tokens x 128 KiB) ~ 26,000 blocks
+            kv_block_size=32, total_kv_blocks=26000, kv_bytes_per_token=131_072,
+            kv_bandwidth_bytes_per_s=50e9,
             image_tokens=576, max_context_length=8192, max_output_tokens=4096,
         ),
     ]
