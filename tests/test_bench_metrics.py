@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orchestrator.bench.metrics import RequestRecord, aggregate, percentile, summary
+from orchestrator.bench.metrics import RequestRecord, aggregate, percentile, summary, to_gpu_time
 
 
 def test_ttft_tpot_itl_and_e2e_of_one_request():
@@ -53,3 +53,35 @@ def test_aggregate_throughputs_per_user_per_gpu_and_goodput():
 def test_no_slo_means_every_completed_request_is_good():
     records = [RequestRecord(0.0, 1.0, ((0.5, 1), (1.0, 1)), output_tokens=2)]
     assert aggregate(records)["goodput"] == pytest.approx(1.0)
+
+
+def closed_loop(users: int, latencies_gpu_s: list[float], time_scale: float, overhead_s: float) -> list[RequestRecord]:
+    """What a simulated run records: each user sends its next request when the last one ends; GPU time is
+    scaled by time_scale, the client/orchestrator overhead between requests is real time."""
+    records, clock = [], [0.0] * users
+    for i, latency in enumerate(latencies_gpu_s):
+        user = i % users
+        start = clock[user] + overhead_s
+        wall = latency * time_scale
+        records.append(RequestRecord(start, start + wall, ((start + wall * 0.2, 1), (start + wall, 9)),
+                                     output_tokens=10))
+        clock[user] = start + wall
+    return records
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.5, 0.1, 0.02])
+def test_a_closed_loop_of_n_users_never_beats_n_over_its_median_latency_at_any_time_scale(time_scale):
+    latencies = [1.0 + 0.1 * ((i * 7) % 5) for i in range(40)]  # 1.0 .. 1.4 s of GPU time
+    m = aggregate(to_gpu_time(closed_loop(2, latencies, time_scale, overhead_s=0.002), time_scale))
+    assert m["request_throughput"] <= 2 / m["e2e_s"]["p50"]
+    assert m["e2e_s"]["p50"] == pytest.approx(percentile(latencies, 50), rel=0.01)
+    assert m["output_tokens_per_s"] <= 2 * m["tokens_per_s_per_user"] * 1.01
+
+
+def test_gpu_time_conversion_stretches_the_whole_run_around_its_first_start():
+    records = [RequestRecord(10.0, 10.5, ((10.1, 1),), output_tokens=1), RequestRecord(10.5, 11.0, ((10.6, 1),))]
+    scaled = to_gpu_time(records, 0.5)
+    assert [(r.start, r.end) for r in scaled] == [(10.0, 11.0), (11.0, 12.0)]
+    assert scaled[1].chunks == ((11.2, 1),)
+    assert aggregate(scaled)["duration_s"] == pytest.approx(2.0)
+    assert to_gpu_time(records, 1.0) == records

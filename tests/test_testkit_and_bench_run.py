@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import httpx
+import pytest
 
 from orchestrator.testing import python_command, write_config
 
@@ -54,3 +55,22 @@ def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_work
     assert point["output_tokens_mean"] == 6 and 50 <= point["input_tokens_mean"]
     assert point["goodput"] > 0 and point["request_throughput"] > 0
     assert "10/10" in result.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("time_scale", ["1", "0.1"])
+def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_scale(
+        tmp_path, sim_workers, orchestrator_servers, time_scale):
+    """GPU-time figures must be self-consistent: N users cannot complete more than N / latency requests/s."""
+    worker = sim_workers.start("aggregated", "--time-scale", time_scale, "--profile", "llama3-8b-h100")
+    server = orchestrator_servers.start(write_config(tmp_path / "c.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    out = tmp_path / "closed.json"
+    result = subprocess.run(python_command("bench", "run", "--url", server.url, "--concurrency", "2", "--requests",
+                                           "12", "--warmup", "1", "--input-len", "500", "--output-len", "20",
+                                           "--time-scale", time_scale, "--out", str(out)),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["completed"] == 12
+    assert point["request_throughput"] <= 2 / point["e2e_s"]["p50"] * 1.05
+    assert point["output_tokens_per_s"] <= 2 * point["tokens_per_s_per_user"] * 1.05

@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from orchestrator.bench.metrics import RequestRecord, aggregate
+from orchestrator.bench.metrics import RequestRecord, aggregate, to_gpu_time
 from orchestrator.bench.sse_client import Connection, HttpError
 from orchestrator.sim.media import solid_png
 from orchestrator.sim.output import word_pieces
@@ -209,21 +209,10 @@ async def sweep(url: str, workload: Workload, tokenizer: ModelTokenizer, *, conc
             records = await run_concurrency(url, workload, tokenizer, int(load), tag)
         else:
             records = await run_rate(url, workload, tokenizer, float(load) * time_scale, tag)
-        scaled = [_rescale(r, time_scale) for r in records]
+        scaled = to_gpu_time(records, time_scale)
         points.append({"load_kind": kind, "load": load,
                        **aggregate(scaled, gpus=gpus, slo_ttft=slo_ttft, slo_tpot=slo_tpot)})
     return points
-
-
-def _rescale(record: RequestRecord, time_scale: float) -> RequestRecord:
-    if time_scale == 1.0:
-        return record
-    t0 = record.start
-
-    def s(t: float) -> float:
-        return t0 + (t - t0) / time_scale
-
-    return attrs.evolve(record, end=s(record.end), chunks=tuple((s(at), k) for at, k in record.chunks))
 
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:

@@ -56,6 +56,24 @@ class RequestRecord:
         return self.end - self.start
 
 
+def to_gpu_time(records: Sequence[RequestRecord], time_scale: float) -> list[RequestRecord]:
+    """A run against simulated workers at `time_scale`, converted to GPU time.
+
+    Every timestamp of the run is stretched around one origin (the first start), so that durations
+    and the gaps between requests scale together and rates stay consistent with latencies. (Rescaling
+    each request around its own start leaves the window unscaled and inflates every rate.)
+    """
+    if time_scale == 1.0 or not records:
+        return list(records)
+    origin = min(r.start for r in records)
+
+    def s(t: float) -> float:
+        return origin + (t - origin) / time_scale
+
+    return [attrs.evolve(r, start=s(r.start), end=s(r.end), chunks=tuple((s(at), k) for at, k in r.chunks))
+            for r in records]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:
