@@ -1,4 +1,4 @@
-"""`orchestrator bench run` and `orchestrator bench compare`."""
+"""`orchestrator bench run`, `orchestrator bench compare` and `orchestrator bench plan`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from pathlib import Path
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load generator and agg-vs-disagg comparison")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
-    run = sub.add_parser("run", help="run a workload against an OpenAI-compatible endpoint")
+    run = sub.add_parser("run", help="run a workload against an OpenAI-compatible endpoint",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         description="Send seeded chat requests (prompts built with the model's tokenizer) at each "
+                                     "concurrency or Poisson rate, stream the answers, and report TTFT, TPOT, ITL, "
+                                     "E2E, throughput, tokens/s per user and per GPU, goodput under the SLO and "
+                                     "errors by kind. Exits 1 when any request failed.")
     run.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     run.add_argument("--model", default="tiny-chat")
     run.add_argument("--model-dir", default="builtin:tiny-chat", help="tokenizer used to build prompts")
@@ -32,10 +37,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--label", default="")
     run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     run.set_defaults(run=run_command)
-    compare = sub.add_parser("compare", help="the same workload on several topologies; writes a report")
+    compare = sub.add_parser("compare", help="the same workload on several topologies; writes a report",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     compare.add_argument("file", type=Path, help="e.g. configs/bench/agg-vs-disagg.yaml")
     compare.add_argument("--out", type=Path, default=Path("results/bench"))
     compare.set_defaults(run=compare_command)
+    plan = sub.add_parser("plan", help="rank every topology of a GPU budget for a workload and SLO (virtual clock)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plan.add_argument("file", type=Path, help="e.g. configs/bench/plan-8gpu.yaml")
+    plan.add_argument("--out", type=Path, default=Path("results/plan"))
+    plan.add_argument("--aiconfigurator", default=None, metavar="PYTHON",
+                      help="an interpreter that can import aiconfigurator: its recommendation goes in the report")
+    plan.set_defaults(run=plan_command)
     bench.set_defaults(run=lambda args: bench.print_help() or 2)
 
 
@@ -61,6 +74,15 @@ def run_command(args: argparse.Namespace) -> int:
               f"errors {sum(p['errors'].values())}")
     if args.out is not None:
         args.out.write_text(json.dumps({"url": args.url, "points": points}, indent=2) + "\n")
+    failed = {kind: 0 for p in points for kind in p["errors"]}
+    for p in points:
+        for kind, count in p["errors"].items():
+            failed[kind] += count
+    if failed:
+        total = sum(p["requests"] for p in points)
+        print(f"error: {sum(failed.values())} of {total} requests failed ("
+              + ", ".join(f"{kind}: {n}" for kind, n in sorted(failed.items())) + ")", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -68,3 +90,9 @@ def compare_command(args: argparse.Namespace) -> int:
     from orchestrator.bench.compare import main_compare
 
     return main_compare(args.file, args.out)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from orchestrator.bench.plan import main_plan
+
+    return main_plan(args.file, args.out, args.aiconfigurator)

@@ -48,6 +48,15 @@ class SimRequest:
     output_ids: list[int] = attrs.field(factory=list)
 
 
+@attrs.frozen
+class Step:
+    """One continuous-batching iteration: its decodes, its prefill chunks, and what it costs."""
+
+    decodes: tuple[SimRequest, ...]
+    chunks: tuple[tuple[SimRequest, int], ...]
+    ms: float
+
+
 @attrs.define
 class Faults:
     crash_after_tokens: int | None = None  # whole process exits after this many tokens
@@ -133,44 +142,58 @@ class Scheduler:
                 request.state = "prefill"
                 self.prefilling.append(request)
 
-    async def run(self) -> None:
+    def plan_step(self) -> Step | None:
+        """Admit what fits, then choose the next step's work: every decoding request and prefill chunks up
+        to the token budget. None when there is nothing to do."""
         profile = self.profile
+        self._admit()
+        decodes = self.decoding[: profile.max_batch_size]
+        budget = profile.max_num_tokens - len(decodes)
+        chunks: list[tuple[SimRequest, int]] = []
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(request.prompt_len - request.prefilled, budget)
+            chunks.append((request, n))
+            budget -= n
+        if not decodes and not chunks:
+            return None
+        contexts = [r.prompt_len + r.generated for r in decodes]
+        step = Step(tuple(decodes), tuple(chunks), profile.step_ms([n for _, n in chunks], contexts))
+        self.last_step = (sum(n for _, n in chunks), len(decodes))
+        return step
+
+    def finish_step(self, step: Step) -> None:
+        """The step's GPU time has passed: emit its tokens and advance its prefills."""
+        self.steps += 1
+        for request in step.decodes:
+            if request.state == "decode":
+                self._emit(request)
+        for request, n in step.chunks:
+            if request.state != "prefill":
+                continue  # cancelled during the step
+            request.prefilled += n
+            if request.prefilled < request.prompt_len:
+                continue
+            self.prefilling.remove(request)
+            if request.kind == CONTEXT_ONLY:
+                self._context_token(request)
+            else:
+                request.state = "decode"
+                self.decoding.append(request)
+                self._emit(request)
+
+    async def run(self) -> None:
+        """The worker's step loop in real time (scaled); orchestrator.bench.plan drives the same steps on a
+        virtual clock."""
         while True:
-            self._admit()
-            decodes = self.decoding[: profile.max_batch_size]
-            budget = profile.max_num_tokens - len(decodes)
-            chunks: list[tuple[SimRequest, int]] = []
-            for request in self.prefilling:
-                if budget <= 0:
-                    break
-                n = min(request.prompt_len - request.prefilled, budget)
-                chunks.append((request, n))
-                budget -= n
-            if not decodes and not chunks:
+            step = self.plan_step()
+            if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            contexts = [r.prompt_len + r.generated for r in decodes]
-            step_ms = profile.step_ms([n for _, n in chunks], contexts)
-            self.last_step = (sum(n for _, n in chunks), len(decodes))
-            await asyncio.sleep(step_ms * self.time_scale / 1000.0)
-            self.steps += 1
-            for request in decodes:
-                if request.state == "decode":
-                    self._emit(request)
-            for request, n in chunks:
-                if request.state != "prefill":
-                    continue  # cancelled during the step
-                request.prefilled += n
-                if request.prefilled < request.prompt_len:
-                    continue
-                self.prefilling.remove(request)
-                if request.kind == CONTEXT_ONLY:
-                    self._context_token(request)
-                else:
-                    request.state = "decode"
-                    self.decoding.append(request)
-                    self._emit(request)
+            await asyncio.sleep(step.ms * self.time_scale / 1000.0)
+            self.finish_step(step)
 
     def _context_token(self, request: SimRequest) -> None:
         """The context phase samples the first token; it travels in the KV session. With
