@@ -24,12 +24,13 @@ from pathlib import Path
 
 import trio
 
-from orchestrator import disagg
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.sse_client import Connection
+from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.prefill import context_only_leg
 from orchestrator.processes import OrchestratorServers, SimWorkers
 from orchestrator.testing import write_config
 from orchestrator.tokenizer import ModelTokenizer
@@ -69,11 +70,11 @@ class Direct:
                                  stopping=g.StoppingOptions(max_tokens=self.max_tokens, ignore_eos=True))
         start = time.perf_counter()
         if self.mode == "disaggregated":
-            async with self.clients["prefill"].generate(disagg.context_only_leg(full)) as stream:
+            async with self.clients["prefill"].generate(context_only_leg(full)) as stream:
                 ready = [e async for e in stream][-1]
             if not isinstance(ready, PrefillReady):
                 raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
-            leg, client = disagg.generation_leg(full, ready.kv_session), self.clients["decode"]
+            leg, client = generation_leg(full, ready.kv_session), self.clients["decode"]
         else:
             leg, client = full, self.clients["aggregated"]
         first, count = None, 0

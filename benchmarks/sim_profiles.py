@@ -21,12 +21,13 @@ from pathlib import Path
 
 import trio
 
-from orchestrator import disagg
 from orchestrator.bench.metrics import percentile
+from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.sim.profiles import PROFILES
+from orchestrator.prefill import context_only_leg
 from orchestrator.processes import SimWorkers
+from orchestrator.sim.profiles import PROFILES
 
 
 def cost_tables() -> None:
@@ -65,11 +66,11 @@ async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[
             if mode == "aggregated":
                 client, leg = clients["aggregated"][i % len(clients["aggregated"])], full
             else:
-                async with clients["prefill"][0].generate(disagg.context_only_leg(full)) as stream:
+                async with clients["prefill"][0].generate(context_only_leg(full)) as stream:
                     ready = [e async for e in stream][-1]
                 if not isinstance(ready, PrefillReady):
                     raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
-                client, leg = clients["decode"][0], disagg.generation_leg(full, ready.kv_session)
+                client, leg = clients["decode"][0], generation_leg(full, ready.kv_session)
             times = []
             async with client.generate(leg) as stream:
                 async for event in stream:

@@ -15,9 +15,9 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
+from orchestrator.roles import ROLES  # noqa: F401 - the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
-ROLES = ("aggregated", "prefill", "decode")
 POLICIES = ("round_robin", "least_loaded")
 
 

@@ -1,31 +1,25 @@
 """The per-request flow: plan the legs, then run them in one trio nursery per request.
 
-    plan()     tokenize, choose workers, apply capability gating and the context-window rule,
-               build the engine request (pure conversion lives in orchestrator.convert);
-    execute()  open the request's nursery (it also runs the caller's disconnect watcher), run
-               aggregated / disaggregated / local legs, and keep the cancellation rules:
+    plan()     tokenize, choose workers, apply capability gating and the context-window rule, build
+               the engine request (pure conversion lives in orchestrator.convert);
+    execute()  open the request's nursery (it also runs the caller's disconnect watcher) and
+               dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
+               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv).
 
-- any cancellation (client disconnect, deadline, shutdown) cancels the RPCs and sends
-  Control.Abort to every worker still holding the request;
-- KV rule (orchestrator.disagg.unpulled_session_action): once a prefill returned a kv_session, its
-  blocks must not be stranded. If the prefill worker can abort sessions (supports_abort_cleanup) the
-  session is aborted; otherwise the decode leg is kept (shielded, bounded) until its first token - it
-  pulls the KV - and a session no decode leg will read is pulled by a one-token release leg.
+Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
+on every worker involved and keep the KV rule, so no prefill blocks are stranded.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Awaitable, Callable
 
 import attrs
 import trio
 
-from orchestrator import disagg
 from orchestrator.config import Config
 from orchestrator.convert import (
-    ApiError,
     ApiRequest,
     check_media_capability,
     check_media_options,
@@ -33,25 +27,17 @@ from orchestrator.convert import (
     full_leg,
     resolve_limits,
 )
-from orchestrator.decode import OutputSink, StreamState, finish_reason, stream_output
-from orchestrator.engine import (
-    DiscoveryFailed,
-    EngineError,
-    Failed,
-    Finished,
-    Tokens,
-    WorkerCapabilities,
-    WorkerUnavailable,
-)
-from orchestrator.engine.errors import ErrorCode
+from orchestrator.decode import OutputSink, ReplayedStream, StreamState, finish_reason, generation_leg, stream_output
+from orchestrator.decode.stage import DecodeStage
+from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
+from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
+from orchestrator.kv import HandoffError, check_session
+from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.pool import Worker, WorkerPool
-from orchestrator.prefill import run_prefill
+from orchestrator.prefill.stage import PrefillStage
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer, TemplateError
-
-log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -67,11 +53,15 @@ class Plan:
 
 class Coordinator:
     def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics):
-        self.config = config
-        self.pool = pool
-        self.tokenizer = tokenizer
-        self.metrics = metrics
+        self.config, self.pool, self.tokenizer, self.metrics = config, pool, tokenizer, metrics
         self.model_names = {config.model.name, *config.model.aliases}
+        limits = config.limits
+        releaser = KvReleaser(pool, metrics, limits.kv_cleanup_timeout_s)
+        self.prefill = PrefillStage(pool, metrics, releaser, retries=limits.prefill_retries,
+                                    cleanup_timeout_s=limits.kv_cleanup_timeout_s)
+        self.decode = DecodeStage(pool, metrics, releaser, retries=limits.decode_retries,
+                                  cleanup_timeout_s=limits.kv_cleanup_timeout_s)
+        self.releaser = releaser
 
     # ---- planning ----------------------------------------------------------------------------------
     def prompt_ids(self, api: ApiRequest) -> list[int]:
@@ -82,16 +72,16 @@ class Coordinator:
         try:
             text = self.tokenizer.render_chat([m.as_template_dict() for m in api.messages])
         except TemplateError as exc:
-            raise ApiError(400, f"messages: {exc}", param="messages") from exc
+            raise InvalidRequest(f"messages: {exc}", param="messages") from exc
         return self.tokenizer.encode(text)
 
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
         if api.model not in self.model_names:
-            raise ApiError(404, f"the model {api.model!r} does not exist; this server serves "
+            raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         prompt_ids = self.prompt_ids(api)
         if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
+            raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
         mode = self.config.mode
         if mode == "aggregated":
             path, roles = "aggregated", ("aggregated",)
@@ -126,117 +116,70 @@ class Coordinator:
         try:
             return await worker.client.capabilities()
         except DiscoveryFailed as exc:
-            raise ApiError(503, f"capability discovery of {worker.role} worker {worker.address} failed: "
-                                f"{exc.message}", code="worker_discovery_failed", retry_after=1) from exc
+            raise WorkerDiscoveryFailed(f"capability discovery of {worker.role} worker {worker.address} failed: "
+                                        f"{exc.message}", code="worker_discovery_failed", retry_after=1) from exc
         except (EngineError, AttributeError) as exc:
-            raise ApiError(503, f"{worker.role} worker {worker.address} is not available", retry_after=1) from exc
+            raise NoWorkerAvailable(f"{worker.role} worker {worker.address} is not available",
+                                    retry_after=1) from exc
 
     # ---- execution ---------------------------------------------------------------------------------
     async def execute(self, plan: Plan, sink: OutputSink, *,
                       watch: Callable[[trio.CancelScope], Awaitable[None]] | None = None) -> None:
-        """Run the plan in the request's own nursery. Raises ApiError/EngineError; trio.Cancelled if the
+        """Run the plan in the request's own nursery. Raises RequestError/EngineError; trio.Cancelled if the
         watcher or an outer scope cancelled it (after every worker was released)."""
         started = trio.current_time()
+        timeout = self.config.limits.request_timeout_s
         try:
             async with trio.open_nursery() as request_nursery:
                 if watch is not None:
                     request_nursery.start_soon(watch, request_nursery.cancel_scope)
                 try:
-                    with trio.fail_after(self.config.limits.request_timeout_s):
+                    with trio.fail_after(timeout):
                         if plan.path == "disaggregated":
                             await self._disaggregated(plan, sink, started)
                         else:
-                            await self._single_leg(plan, sink, started)
+                            await self._decode(plan.workers[0], plan.full, plan, sink, StreamState(), started)
+                            self.metrics.stage.labels("decode").observe(trio.current_time() - started)
                 except trio.TooSlowError:
-                    raise ApiError(504, f"the request did not finish within "
-                                        f"{self.config.limits.request_timeout_s:g} s", code="timeout") from None
+                    raise RequestTimedOut(f"the request did not finish within {timeout:g} s", code="timeout") from None
                 finally:
                     request_nursery.cancel_scope.cancel()  # stop the watcher
         except BaseExceptionGroup as group:
             raise _sole_error(group) from None
 
-    def _detokenizer(self, plan: Plan) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, stop=plan.api.stop)
-
-    async def _single_leg(self, plan: Plan, sink: OutputSink, started: float) -> None:
-        (worker,) = plan.workers
-        state = StreamState()
-        await self._generate(worker, plan.full, plan, sink, state, started, first_token_matters=False)
-        self.metrics.stage.labels("decode").observe(trio.current_time() - started)
-
     async def _disaggregated(self, plan: Plan, sink: OutputSink, started: float) -> None:
-        _, decode_worker = plan.workers
-        prefill_caps = plan.caps[0]
-
-        async def release(prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> None:
-            await self.release_unpulled(prefill_worker, prefill_caps, plan.full, session, decode_worker)
-
-        prefill_worker, outcome = await run_prefill(
-            self.pool, plan.workers[0], disagg.context_only_leg(plan.full),
-            retries=self.config.limits.prefill_retries, cleanup_timeout=self.config.limits.kv_cleanup_timeout_s,
-            metrics=self.metrics, release_session=release)
+        prefill_worker, decode_worker = plan.workers
+        result = await self.prefill.run(prefill_worker, _abort_cleanup, plan.full, decode_worker)
         prefill_done = trio.current_time()
         self.metrics.stage.labels("prefill").observe(prefill_done - started)
-        if outcome.session is None:  # the one context token finished the request (EOS, a stop): it is the answer
-            await self._answer_from_prefill(plan, outcome.answer, sink, started)
+        if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
+            state = StreamState()
+            await stream_output(ReplayedStream(result.answer), sink, self._detokenizer(plan), state, worker="prefill")
+            self.metrics.prefill_answers.inc()
+            await sink.finish(finish_reason(state), state.prompt_tokens or plan.prompt_tokens, state.completion_tokens)
             return
-        session = outcome.session
+        lease = result.lease
         try:
-            disagg.check_session(session)
-        except disagg.HandoffError as exc:
-            await release(prefill_worker, session)
-            raise EngineError(str(exc), worker=prefill_worker.address, rpc="Generate") from exc
-        # No checkpoint between here and the decode stream: a cancellation lands inside _generate,
-        # where the KV rule is kept.
+            check_session(lease.session)
+        except HandoffError as exc:
+            await self.releaser.release_unpulled(lease, plan.full, decode_worker)
+            raise EngineError(str(exc), worker=lease.prefill_worker.address, rpc="Generate") from exc
+        # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
+        # which keeps the KV rule for the lease.
         state = StreamState()
-        leg = disagg.generation_leg(plan.full, session)
         try:
-            await self._generate(decode_worker, leg, plan, sink, state, started, first_token_matters=True,
-                                 prefill=(prefill_worker, prefill_caps, session))
-        except EngineError:
-            if state.first_token_at is None:  # no decode pulled the session: do not strand its blocks
-                with trio.CancelScope(shield=True):
-                    await release(prefill_worker, session)
-            raise
+            await self._decode(decode_worker, generation_leg(plan.full, lease.session), plan, sink, state, started,
+                               lease=lease)
+        finally:
+            if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
+                await self.releaser.release_unpulled(lease, plan.full, decode_worker)
         if state.first_token_at is not None:
             self.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
             self.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
 
-    async def _answer_from_prefill(self, plan: Plan, events, sink: OutputSink, started: float) -> None:
-        state = StreamState()
-        await stream_output(ReplayedStream(events), sink, self._detokenizer(plan), state, worker="prefill")
-        if state.first_token_at is not None:
-            self.metrics.ttft.labels(plan.path).observe(state.first_token_at - started)
-        self.metrics.prefill_answers.inc()
-        await sink.finish(finish_reason(state), state.prompt_tokens or plan.prompt_tokens, state.completion_tokens)
-
-    async def _generate(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
-                        state: StreamState, started: float, *, first_token_matters: bool, prefill=None) -> None:
-        """Run a generation leg; a retryable failure before anything was streamed moves it to another
-        worker of the same role (a decode leg can pull the same KV session from there)."""
-        tried = [worker]
-        while True:
-            try:
-                await self._generate_once(worker, leg, plan, sink, state, started,
-                                          first_token_matters=first_token_matters, prefill=prefill)
-                return
-            except EngineError as exc:
-                if (state.first_token_at is not None or not exc.retryable
-                        or len(tried) > self.config.limits.decode_retries):
-                    raise
-                try:
-                    worker = self.pool.pick(worker.role, exclude=tuple(tried))
-                except ApiError:
-                    raise exc from None
-                tried.append(worker)
-                self.metrics.retries.labels(worker.role).inc()
-                log.warning("%s leg %s failed before its first token (%s); retrying on %s", worker.role,
-                            leg.request_id, exc.code_name, worker.address)
-
-    async def _generate_once(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
-                             state: StreamState, started: float, *, first_token_matters: bool, prefill=None) -> None:
-        mode = plan.path
-        last_chunk = [None]
+    async def _decode(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
+                      state: StreamState, started: float, lease=None) -> None:
+        mode, last_chunk = plan.path, [None]
 
         def on_chunk() -> None:
             now = trio.current_time()
@@ -246,120 +189,17 @@ class Coordinator:
                 self.metrics.itl.labels(mode).observe(now - last_chunk[0])
             last_chunk[0] = now
 
-        detokenizer = self._detokenizer(plan)
-        cleanup_timeout = self.config.limits.kv_cleanup_timeout_s
-        with self.pool.lease(worker):
-            try:
-                async with worker.client.generate(leg) as stream:
-                    try:
-                        await stream_output(stream, sink, detokenizer, state, worker=worker.address,
-                                            on_chunk=on_chunk)
-                    except trio.Cancelled:
-                        if first_token_matters and state.first_token_at is None and not state.terminal:
-                            await self._keep_until_first_token(stream, state, worker, prefill, cleanup_timeout)
-                        raise
-            except WorkerUnavailable as exc:
-                self.pool.report_unreachable(worker, exc)
-                self.metrics.engine_errors.labels(exc.code_name).inc()
-                raise
-            except EngineError as exc:
-                self.metrics.engine_errors.labels(exc.code_name).inc()
-                raise
-            finally:
-                if state.finished is None:
-                    # The RPC is cancelled already; Abort makes sure the engine lets go as well.
-                    with trio.CancelScope(shield=True) as scope:
-                        scope.deadline = trio.current_time() + min(5.0, cleanup_timeout)
-                        try:
-                            await worker.client.abort(request_id=leg.request_id, timeout=5.0)
-                        except EngineError as exc:
-                            log.info("abort of %s on %s: %s", leg.request_id, worker.address, exc)
-        if not state.terminal:
-            raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
-                              code=ErrorCode.ERROR_CODE_INTERNAL)
-        await sink.finish(finish_reason(state), state.prompt_tokens or plan.prompt_tokens, state.completion_tokens)
+        await self.decode.run(worker, leg, sink, state, detokenizer=lambda: self._detokenizer(plan),
+                              on_chunk=on_chunk, prompt_tokens=plan.prompt_tokens, lease=lease)
 
-    async def _keep_until_first_token(self, stream, state: StreamState, decode_worker: Worker, prefill,
-                                      timeout: float) -> None:
-        """KV rule for a cancellation between prefill_ready and the decode's first token."""
-        prefill_worker, prefill_caps, session = prefill
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + timeout
-            action = disagg.unpulled_session_action(supports_abort_cleanup=prefill_caps.supports_abort_cleanup,
-                                                    decode_leg_in_flight=True)
-            if action is disagg.KvAction.ABORT_SESSION and await self._abort_session(prefill_worker, session):
-                return
-            while not state.terminal and state.first_token_at is None:
-                batch = await stream.next_batch()
-                if not batch:
-                    break
-                if any(isinstance(e, Tokens) for e in batch):
-                    state.first_token_at = trio.current_time()
-                    self.metrics.kv_cleanups.labels("decode_first_token").inc()
-                for event in batch:
-                    if isinstance(event, Finished):
-                        state.finished = event
-                    elif isinstance(event, Failed):
-                        log.info("decode leg %s failed during KV cleanup: %s", session.session_id, event.error)
-                        return
-        if scope.cancelled_caught:
-            log.warning("KV cleanup of session %s on %s timed out after %.0f s", session.session_id,
-                        prefill_worker.address, timeout)
-
-    async def _abort_session(self, prefill_worker: Worker, session: kv_pb2.KvSessionRef) -> bool:
-        try:
-            await prefill_worker.client.abort(kv_session=session, timeout=5.0)
-        except EngineError as exc:  # e.g. UNIMPLEMENTED although the worker claimed abort cleanup
-            log.warning("abort of kv session %s on %s failed (%s); pulling it instead", session.session_id,
-                        prefill_worker.address, exc)
-            return False
-        self.metrics.kv_cleanups.labels("abort_session").inc()
-        return True
-
-    async def release_unpulled(self, prefill_worker: Worker, prefill_caps: WorkerCapabilities,
-                               full: g.GenerateRequest, session: kv_pb2.KvSessionRef, decode_worker: Worker) -> None:
-        """Free a session no decode leg will read (cancelled, failed, retries exhausted): abort it, or pull it
-        with a one-token release leg on a decode worker (the request's, or another routable one)."""
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + self.config.limits.kv_cleanup_timeout_s
-            action = disagg.unpulled_session_action(supports_abort_cleanup=prefill_caps.supports_abort_cleanup,
-                                                    decode_leg_in_flight=False)
-            if action is disagg.KvAction.ABORT_SESSION and await self._abort_session(prefill_worker, session):
-                return
-            candidates = [decode_worker] if decode_worker.routable else []
-            try:
-                candidates.append(self.pool.pick("decode", exclude=tuple(candidates)))
-            except ApiError:
-                pass
-            leg = disagg.release_leg(full, session)
-            for worker in candidates:
-                with self.pool.lease(worker):
-                    try:
-                        async with worker.client.generate(leg) as stream:
-                            while batch := await stream.next_batch():
-                                failed = next((e for e in batch if isinstance(e, Failed)), None)
-                                if failed is not None:
-                                    raise failed.error
-                    except EngineError as exc:
-                        log.warning("KV release of session %s via %s failed: %s", session.session_id,
-                                    worker.address, exc)
-                        continue
-                self.metrics.kv_cleanups.labels("decode_pull").inc()
-                return
-        log.warning("kv session %s on %s could not be released (%s): its blocks stay held until the worker's "
-                    "transfer timeout or restart", session.session_id, prefill_worker.address,
-                    "timed out" if scope.cancelled_caught else "no decode worker could pull it")
+    def _detokenizer(self, plan: Plan) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, stop=plan.api.stop)
 
 
-class ReplayedStream:
-    """Events already received, read like a generate stream (the prefill leg's answer)."""
-
-    def __init__(self, events) -> None:
-        self._batches = [list(events)]
-
-    async def next_batch(self) -> list:
-        await trio.lowlevel.checkpoint()
-        return self._batches.pop() if self._batches else []
+def _abort_cleanup(worker: Worker) -> bool:
+    """Whether this prefill worker can abort a session by kv_session (its ServerInfo says)."""
+    caps = worker.client.cached_capabilities if worker.client is not None else None
+    return caps is not None and caps.supports_abort_cleanup
 
 
 def _sole_error(group: BaseExceptionGroup) -> BaseException:

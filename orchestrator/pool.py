@@ -15,10 +15,11 @@ from typing import Iterator
 
 import trio
 
-from orchestrator.convert.errors import ApiError
 from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread
 from orchestrator.engine.client import HealthState
+from orchestrator.errors import NoWorkerAvailable
+from orchestrator.roles import ROLES
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.routing import make_policy
@@ -69,7 +70,7 @@ class WorkerPool:
         self.removal_grace = removal_grace
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
-        self._policy_names = {"aggregated": routing.aggregated, "prefill": routing.prefill, "decode": routing.decode}
+        self._policy_names = {role: getattr(routing, role) for role in ROLES}
         self._policies = {role: make_policy(name, self.staleness_s) for role, name in self._policy_names.items()}
         self.workers: dict[WorkerSpec, Worker] = {}
         self.registry_healthy = True
@@ -217,7 +218,7 @@ class WorkerPool:
             await trio.sleep(interval)
 
     def _notify(self) -> None:
-        for role in ("aggregated", "prefill", "decode"):
+        for role in ROLES:
             for state in STATES:
                 self._metrics.workers.labels(role, state).set(
                     sum(1 for w in self.workers.values() if w.role == role and w.state == state))
@@ -233,15 +234,17 @@ class WorkerPool:
         if not candidates:
             known = [w for w in self.workers.values() if w.role == role]
             detail = "; ".join(f"{w.address} {w.state}{': ' + w.detail if w.detail else ''}" for w in known[:4])
-            raise ApiError(503, f"no {role} worker is available" + (f" ({detail})" if detail else
-                                                                    " (none registered)"),
-                           code="no_worker_available", retry_after=1)
-        return self._policies[role].choose(candidates, trio.current_time())
+            raise NoWorkerAvailable(f"no {role} worker is available" + (f" ({detail})" if detail else
+                                                                          " (none registered)"),
+                                    code="no_worker_available", retry_after=1)
+        chosen = self._policies[role].choose(candidates, trio.current_time())
+        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
+        chosen.sent_since_load += 1
+        return chosen
 
     @contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:
         worker.inflight += 1
-        worker.sent_since_load += 1
         worker.idle = trio.Event() if worker.inflight == 1 else worker.idle
         try:
             yield worker

@@ -2,9 +2,10 @@
 
 import base64
 
-from orchestrator import disagg
+from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.prefill import context_only_leg
 from orchestrator.sim.media import solid_png
 
 
@@ -57,11 +58,11 @@ def terminal(events):
 
 async def run_disaggregated(prefill, decode, full: g.GenerateRequest, mutate_decode=None):
     """Context-only leg on `prefill`, then the generation leg on `decode`; returns (ctx events, gen events)."""
-    ctx_events = await collect(prefill, disagg.context_only_leg(full))
+    ctx_events = await collect(prefill, context_only_leg(full))
     ready = terminal(ctx_events)
     if not isinstance(ready, PrefillReady):
         return ctx_events, []
-    leg = disagg.generation_leg(full, ready.kv_session)
+    leg = generation_leg(full, ready.kv_session)
     if mutate_decode is not None:
         mutate_decode(leg)
     return ctx_events, await collect(decode, leg)

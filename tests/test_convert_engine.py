@@ -3,9 +3,7 @@
 import pytest
 from google.protobuf import json_format
 
-from orchestrator import disagg
 from orchestrator.convert import (
-    ApiError,
     check_media_capability,
     check_media_options,
     check_media_sources,
@@ -13,8 +11,12 @@ from orchestrator.convert import (
     parse_chat,
     resolve_limits,
 )
+from orchestrator.decode import generation_leg, release_leg
+from orchestrator.errors import InvalidRequest
+from orchestrator.kv import first_gen_tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
+from orchestrator.prefill import context_only_leg
 
 IMG = {"type": "image_url", "image_url": {"url": "https://a.example/1.png"}}
 
@@ -41,21 +43,21 @@ def test_text_max_tokens_defaults_to_the_room_left_and_is_clamped_to_max_output(
 
 
 def test_a_prompt_at_or_over_the_window_is_a_400_naming_both_numbers():
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(InvalidRequest) as info:
         limits(text_request(), prompt=100)
     assert "100 tokens" in info.value.message and "context window of 100" in info.value.message
-    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    assert info.value.code == "context_length_exceeded"
 
 
 def test_a_configured_window_tighter_than_the_engine_applies_to_text():
-    with pytest.raises(ApiError, match="context window of 40"):
+    with pytest.raises(InvalidRequest, match="context window of 40"):
         limits(text_request(), prompt=45, configured=40)
-    with pytest.raises(ApiError, match="exceed the context window of 40"):
+    with pytest.raises(InvalidRequest, match="exceed the context window of 40"):
         limits(text_request(max_tokens=35), prompt=10, configured=40)
 
 
 def test_image_requests_under_a_tighter_configured_window_are_refused():
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(InvalidRequest) as info:
         limits(image_request(), configured=40, engine=100)
     assert "configured context window of 40" in info.value.message and "own window is 100" in info.value.message
 
@@ -72,14 +74,14 @@ def test_image_requests_without_max_tokens_get_the_text_room_as_an_upper_bound_n
 def test_media_gating_names_the_role_and_the_signals_that_refuse():
     check_media_capability(image_request(), [("prefill", True, ""), ("decode", True, "")])
     check_media_capability(text_request(), [("prefill", False, "")])
-    with pytest.raises(ApiError, match="does not accept images.*decode worker reports supports_multimodal=false"):
+    with pytest.raises(InvalidRequest, match="does not accept images.*decode worker reports supports_multimodal=false"):
         check_media_capability(image_request(), [("prefill", True, ""), ("decode", False, "supports_multimodal=false")])
 
 
 def test_media_sources_must_be_among_the_encodings_a_worker_lists():
     check_media_sources(image_request(), [("decode", frozenset())])  # revision 1: not said, not refused
     check_media_sources(image_request(), [("decode", frozenset({"url", "data_uri"}))])
-    with pytest.raises(ApiError, match=r"messages\[0\].content\[0\]: the decode worker does not take an image URL"):
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].content\[0\]: the decode worker does not take an image URL"):
         check_media_sources(image_request(), [("decode", frozenset({"data_uri"}))])
 
 
@@ -113,7 +115,7 @@ def test_context_only_leg_is_the_full_request_with_one_token_and_the_request_typ
     req = image_request(seed=5, stop=["Z"], logprobs=True, min_tokens=2, ignore_eos=True,
                         response_format={"type": "json_object"})
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
-    ctx = disagg.context_only_leg(full)
+    ctx = context_only_leg(full)
     assert ctx.extra["request_type"] == "context_only" and ctx.stopping.max_tokens == 1
     ctx.stopping.max_tokens = full.stopping.max_tokens
     del ctx.extra["request_type"]
@@ -125,19 +127,19 @@ def test_generation_leg_carries_the_session_untouched_and_the_same_prompt_and_me
     req = image_request(max_tokens=5)
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
     session = _session()
-    leg = disagg.generation_leg(full, session)
+    leg = generation_leg(full, session)
     assert leg.kv.session == session
     assert leg.kv.session.SerializeToString(deterministic=True) == session.SerializeToString(deterministic=True)
     assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)
     assert [m.uuid for m in leg.media] == ["u1", "u2"]
     assert leg.stopping.max_tokens == 5 and "request_type" not in leg.extra
-    assert disagg.first_gen_tokens(session) == [42]
+    assert first_gen_tokens(session) == [42]
 
 
 def test_release_leg_pulls_the_session_for_one_token_and_asks_nothing_else():
     req = image_request(max_tokens=5, logprobs=True, min_tokens=3, response_format={"type": "json_object"})
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
-    leg = disagg.release_leg(full, _session())
+    leg = release_leg(full, _session())
     assert leg.request_id == "r-kv-release" and leg.kv.session == _session()
     assert leg.stopping == g.StoppingOptions(max_tokens=1)
     assert not leg.HasField("response") and not leg.HasField("guided")
@@ -147,11 +149,11 @@ def test_release_leg_pulls_the_session_for_one_token_and_asks_nothing_else():
 def test_media_options_go_only_to_workers_that_take_them_and_only_with_media():
     req = image_request(media_io_kwargs={"image": {"max_pixels": 1024}})
     check_media_options(req, [("prefill", True), ("decode", True)])
-    with pytest.raises(ApiError, match="decode worker does not take per-request media options"):
+    with pytest.raises(InvalidRequest, match="decode worker does not take per-request media options"):
         check_media_options(req, [("prefill", True), ("decode", False)])
-    with pytest.raises(ApiError, match="only allowed with media"):
+    with pytest.raises(InvalidRequest, match="only allowed with media"):
         check_media_options(text_request(media_io_kwargs={"image": {}}), [("decode", True)])
-    with pytest.raises(ApiError, match="media_io_kwargs.vision"):
+    with pytest.raises(InvalidRequest, match="media_io_kwargs.vision"):
         image_request(media_io_kwargs={"vision": {}})
     leg = full_leg(req, request_id="r", model="m", prompt_ids=[1], limits=limits(req))
     assert json_format.MessageToDict(leg.media_options) == {"image": {"max_pixels": 1024}}

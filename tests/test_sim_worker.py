@@ -8,16 +8,28 @@ import signal
 
 import pytest
 import trio
+from sim_helpers import (
+    Failed,
+    Finished,
+    PrefillReady,
+    Tokens,
+    collect,
+    data_uri,
+    full_request,
+    png_bytes,
+    refusal,
+    run_disaggregated,
+    terminal,
+    token_ids,
+    with_placeholders,
+)
 
-from orchestrator import disagg
+from orchestrator.decode import generation_leg
 from orchestrator.engine import ErrorCode, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.prefill import context_only_leg
 from orchestrator.testing import wait_for_load
-from sim_helpers import (
-    Failed, Finished, PrefillReady, Tokens, collect, data_uri, full_request, png_bytes, refusal, run_disaggregated,
-    terminal, token_ids, with_placeholders,
-)
 
 FAST = ("--time-scale", "0")
 
@@ -52,7 +64,7 @@ async def test_kv_session_is_held_until_pulled_then_released(trio_of_workers, en
     async with engine_client(pre.address) as p, engine_client(dec.address) as d:
 
         full = full_request("held", max_tokens=4)
-        ready = terminal(await collect(p, disagg.context_only_leg(full)))
+        ready = terminal(await collect(p, context_only_leg(full)))
         session = ready.kv_session
         assert session.session_id.isdigit() and session.endpoints[0].port > 0
         assert set(session.attributes_struct.fields) == {"ctx_info_endpoint", "ctx_dp_rank", "opaque_state",
@@ -60,12 +72,12 @@ async def test_kv_session_is_held_until_pulled_then_released(trio_of_workers, en
                                                          "schedule_style"}
         load = await p.load()
         assert load.active_kv_sessions == 1 and load.used_kv_blocks > 0 and load.running_requests == 0
-        events = await collect(d, disagg.generation_leg(full, session))
+        events = await collect(d, generation_leg(full, session))
         assert isinstance(terminal(events), Finished)
         load = await p.load()
         assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0 and attr(load, "kv_sessions_pulled") == 1
         # pulling the same session again: it is gone
-        again = await collect(d, disagg.generation_leg(full_request("held-2", max_tokens=4), session))
+        again = await collect(d, generation_leg(full_request("held-2", max_tokens=4), session))
         assert terminal(again).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
 
 
@@ -75,10 +87,10 @@ async def test_an_unpulled_session_expires_after_the_transfer_timeout(sim_worker
     async with engine_client(pre.address) as p, engine_client(dec.address) as d:
 
         full = full_request("late")
-        ready = terminal(await collect(p, disagg.context_only_leg(full)))
+        ready = terminal(await collect(p, context_only_leg(full)))
         load = await wait_for_load(p, lambda l: l.active_kv_sessions == 0, timeout=5)
         assert load.used_kv_blocks == 0 and attr(load, "kv_sessions_expired") == 1
-        events = await collect(d, disagg.generation_leg(full, ready.kv_session))
+        events = await collect(d, generation_leg(full, ready.kv_session))
         assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
 
 
@@ -101,7 +113,7 @@ async def test_a_decode_whose_prompt_or_media_differ_from_the_prefill_is_refused
         # media on a revision-1 worker: refused before anything else (TensorRT-LLM has no media there)
         full = full_request("mm-media")
         ready = terminal((await run_disaggregated(p, d, full))[0])
-        leg = disagg.generation_leg(full, ready.kv_session)
+        leg = generation_leg(full, ready.kv_session)
         other_media(leg)
         assert (await refusal(d, leg)).code == ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE
 
@@ -113,7 +125,7 @@ async def test_strict_persona_roles_are_strict_and_decode_runs_whole_requests_lo
         wrong = terminal(await collect(p, full_request("full-on-prefill")))
         assert wrong.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
 
-        ctx_on_decode = terminal(await collect(d, disagg.context_only_leg(full_request("ctx-on-decode"))))
+        ctx_on_decode = terminal(await collect(d, context_only_leg(full_request("ctx-on-decode"))))
         assert ctx_on_decode.error.code == ErrorCode.ERROR_CODE_ROLE_MISMATCH
         # conditional disaggregation: no kv.session on a decode worker = prefill + decode locally
         local = await collect(d, full_request("local", max_tokens=6))

@@ -6,38 +6,51 @@ import subprocess
 import httpx
 import pytest
 
-from orchestrator.testing import python_command, write_config
+from orchestrator.testing import python_command, wait_for_load, write_config
 
 
-async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim_workers, orchestrator_in_process):
-    workers = [sim_workers.start("aggregated", "--time-scale", "0.05") for _ in range(2)]
-    config = write_config(tmp_path / "inproc.yaml", "aggregated", {"aggregated": [w.address for w in workers]},
+async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim_workers, orchestrator_in_process,
+                                                                   engine_client):
+    """And least-loaded routing sends a burst to the idle worker: round robin would split it evenly."""
+    import trio
+
+    busy, idle = (sim_workers.start("aggregated", "--time-scale", "1") for _ in range(2))
+    config = write_config(tmp_path / "inproc.yaml", "aggregated", {"aggregated": [busy.address, idle.address]},
                           routing={"aggregated": "least_loaded", "load_staleness_ms": 100})
-    async with orchestrator_in_process(config) as url:
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            import trio
+    async with engine_client(busy.address) as direct:
+        async with trio.open_nursery() as background:
+            for i in range(6):  # six long requests keep `busy` busy, straight through the engine client
+                background.start_soon(_collect, direct, f"hog{i}")
+            await wait_for_load(direct, lambda l: l.running_requests == 6)
+            async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+                await trio.sleep(0.3)  # a few GetLoad samples
+                statuses = []
 
-            statuses = []
+                async def one():
+                    response = await http.post("/v1/chat/completions", json={
+                        "model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+                    statuses.append(response.status_code)
 
-            async def one():
-                response = await http.post("/v1/chat/completions", json={
-                    "model": "tiny-chat", "max_tokens": 30, "messages": [{"role": "user", "content": "hi"}]})
-                statuses.append(response.status_code)
-
-            async with trio.open_nursery() as nursery:
-                for _ in range(8):
-                    nursery.start_soon(one)
-            assert statuses == [200] * 8
-            metrics = (await http.get("/metrics")).text
+                async with trio.open_nursery() as nursery:
+                    for _ in range(6):
+                        nursery.start_soon(one)
+                assert statuses == [200] * 6
+                metrics = (await http.get("/metrics")).text
+            background.cancel_scope.cancel()
     assert "orchestrator_requests_total" in metrics
-    # least loaded spread the burst over both workers
-    from orchestrator.engine import EngineClient, LoopThread
+    async with engine_client(idle.address) as client:
+        served_by_idle = (await client.load()).attributes.fields["tokens_emitted"].number_value / 4
+    assert served_by_idle >= 5, served_by_idle  # round robin: 3
 
-    async with LoopThread.open() as loop_thread:
-        for worker in workers:
-            async with EngineClient.open(worker.address, loop_thread) as client:
-                load = await client.load()
-                assert load.attributes.fields["tokens_emitted"].number_value >= 30
+
+async def _collect(client, rid):
+    from orchestrator.openengine.v1 import generation_pb2 as g
+
+    request = g.GenerateRequest(request_id=rid, model="tiny-chat", token_ids=g.TokenIds(ids=[5, 6, 7]),
+                                stopping=g.StoppingOptions(max_tokens=4000, ignore_eos=True))
+    async with client.generate(request) as stream:
+        async for _ in stream:
+            pass
 
 
 def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_workers, orchestrator_servers):

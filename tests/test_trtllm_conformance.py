@@ -22,17 +22,19 @@ import httpx
 import pytest
 import trio
 from google.protobuf import json_format
+from serve_helpers import chat_body
 
-from orchestrator import disagg
 from orchestrator.convert import full_leg, parse_chat, resolve_limits
+from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.engine.capabilities import WorkerCapabilities
 from orchestrator.engine.events import FinishReason
+from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, KvAction, check_session, unpulled_session_action
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2, model_pb2, server_pb2
+from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
 from orchestrator.testing import free_port, python_command, wait_for_load, write_config
-from serve_helpers import chat_body
 
 FAST = ("--time-scale", "0.02")
 REVISION_3 = ("--schema-revision", "3")
@@ -111,7 +113,7 @@ def _r1_session(shape: str) -> kv_pb2.KvSessionRef:
 @pytest.mark.parametrize("shape", ["both", "endpoint", "opaque"])
 def test_the_three_revision_1_handoff_shapes_are_accepted(shape):
     """UPSTREAM handoff-shapes."""
-    disagg.check_session(_r1_session(shape))
+    check_session(_r1_session(shape))
 
 
 @pytest.mark.parametrize("breakage, words", [
@@ -131,13 +133,13 @@ def test_handoffs_trtllm_would_refuse_are_refused_by_name(breakage, words):
     else:
         session.session_id = ""
         del session.attributes_struct["disagg_request_id"]
-    with pytest.raises(disagg.HandoffError, match=words):
-        disagg.check_session(session)
+    with pytest.raises(HandoffError, match=words):
+        check_session(session)
 
 
 def _r3_session(requires_media: bool) -> kv_pb2.KvSessionRef:
-    session = kv_pb2.KvSessionRef(session_id="77", handoff_profile=disagg.TRTLLM_HANDOFF_PROFILE)
-    session.attributes_struct[disagg.TRTLLM_HANDOFF_PROFILE] = json.dumps(
+    session = kv_pb2.KvSessionRef(session_id="77", handoff_profile=TRTLLM_HANDOFF_PROFILE)
+    session.attributes_struct[TRTLLM_HANDOFF_PROFILE] = json.dumps(
         {"ctx_request_id": "77", "requires_decode_media": requires_media, "first_gen_tokens": [5]})
     return session
 
@@ -147,13 +149,13 @@ def test_revision_3_handoffs_resend_media_exactly_when_the_session_asks():
     full = g.GenerateRequest(request_id="r", media=[g.MediaItem(modality=g.MODALITY_IMAGE, url="http://x/1.png")])
     for requires in (True, False):
         session = _r3_session(requires)
-        disagg.check_session(session)
-        assert len(disagg.generation_leg(full, session).media) == (1 if requires else 0)
-    assert len(disagg.generation_leg(full, _r1_session("both")).media) == 1  # revision 1: the spec's rule
+        check_session(session)
+        assert len(generation_leg(full, session).media) == (1 if requires else 0)
+    assert len(generation_leg(full, _r1_session("both")).media) == 1  # revision 1: the spec's rule
     broken = _r3_session(True)
-    broken.attributes_struct[disagg.TRTLLM_HANDOFF_PROFILE] = "{not json"
-    with pytest.raises(disagg.HandoffError, match="not JSON"):
-        disagg.check_session(broken)
+    broken.attributes_struct[TRTLLM_HANDOFF_PROFILE] = "{not json"
+    with pytest.raises(HandoffError, match="not JSON"):
+        check_session(broken)
 
 
 def _ready() -> PrefillReady:
@@ -169,7 +171,7 @@ def _ready() -> PrefillReady:
 ])
 def test_how_a_context_only_leg_ends(events, expect):
     """UPSTREAM context-token, prefill-terminal."""
-    outcome = disagg.prefill_outcome(events)
+    outcome = prefill_outcome(events)
     if expect is None:
         assert outcome is None
         return
@@ -180,7 +182,7 @@ def test_how_a_context_only_leg_ends(events, expect):
     if expect == "error":
         assert "without a kv_session handoff" in outcome.error
     failed = Failed(EngineError("boom", worker="w", rpc="Generate"))
-    assert disagg.prefill_outcome([Tokens((1,)), failed]).failed is failed
+    assert prefill_outcome([Tokens((1,)), failed]).failed is failed
 
 
 def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_the_extensions():
@@ -189,7 +191,7 @@ def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_th
                       "logprobs": True, "top_logprobs": 1, "stop": ["x"], "ignore_eos": True,
                       "conversation_id": "agentx-session", "max_tokens": 64})
     limits = resolve_limits(req, prompt_tokens=3, configured_window=None, engine_window=100, max_output_tokens=None)
-    leg = disagg.context_only_leg(full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits))
+    leg = context_only_leg(full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits))
     assert leg.extra["request_type"] == "context_only" and leg.stopping.max_tokens == 1
     assert leg.stopping.min_tokens == 8 and leg.stopping.ignore_eos and len(leg.stopping.conditions) == 1
     assert leg.response.return_output_logprobs and leg.response.output_candidates.top_n == 1
@@ -199,11 +201,11 @@ def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_th
 
 def test_the_kv_rule_pulls_when_a_worker_cannot_abort_by_session():
     """UPSTREAM no-abort-cleanup, held-until-exit."""
-    rule = disagg.unpulled_session_action
-    assert rule(supports_abort_cleanup=True, decode_leg_in_flight=True) is disagg.KvAction.ABORT_SESSION
+    rule = unpulled_session_action
+    assert rule(supports_abort_cleanup=True, decode_leg_in_flight=True) is KvAction.ABORT_SESSION
     assert rule(supports_abort_cleanup=False, decode_leg_in_flight=True) is \
-        disagg.KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
-    assert rule(supports_abort_cleanup=False, decode_leg_in_flight=False) is disagg.KvAction.PULL_WITH_RELEASE_LEG
+        KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
+    assert rule(supports_abort_cleanup=False, decode_leg_in_flight=False) is KvAction.PULL_WITH_RELEASE_LEG
 
 
 def test_image_support_needs_every_signal_and_follows_the_path():

@@ -33,6 +33,7 @@ from orchestrator.bench.compare import SloSpec, _fmt, _json_default
 from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.config import ConfigError, build_attrs
+from orchestrator.roles import ROLES
 from orchestrator.sim.output import Vocabulary
 from orchestrator.sim.profiles import PROFILES, Profile
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
@@ -131,7 +132,7 @@ class VirtualCluster:
         self.topology, self.profile = topology, profile
         self.max_local = max_local_prefill_length if topology.mode == "conditional" else -1
         self.workers = {role: [_Worker(role, profile) for _ in range(getattr(topology, role))]
-                        for role in ("aggregated", "prefill", "decode")}
+                        for role in ROLES}
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()

@@ -3,7 +3,7 @@
 - api: parse and validate request bodies (chat, completions) into ApiRequest
 - media: image part rules, ordering and UUIDs
 - engine: the context-window rule, media gating, and the full engine leg
-- errors: ApiError in the OpenAI error format
+Failures are orchestrator.errors.InvalidRequest (a domain error; its HTTP status is the frontend's).
 """
 
 from orchestrator.convert.api import ApiRequest, parse_chat, parse_completion
@@ -15,8 +15,7 @@ from orchestrator.convert.engine import (
     full_leg,
     resolve_limits,
 )
-from orchestrator.convert.errors import ApiError
 from orchestrator.convert.media import ImageRef, MediaLimits
 
-__all__ = ["ApiError", "ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability",
+__all__ = ["ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability",
            "check_media_options", "check_media_sources", "full_leg", "parse_chat", "parse_completion", "resolve_limits"]

@@ -12,7 +12,7 @@ import math
 
 import attrs
 
-from orchestrator.convert.errors import invalid
+from orchestrator.errors import invalid
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -5,7 +5,7 @@
 - `check_media_capability`: images go only to workers whose every capability signal says they take
   images on the request's path; `check_media_sources`: and in an encoding they list;
 - `full_leg`: the one leg of aggregated mode (and of conditional mode's local path);
-- the disaggregated legs are in orchestrator.disagg (the KV-handoff codec).
+- the disaggregated legs are in orchestrator.prefill.legs and orchestrator.decode.legs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import attrs
 
 from orchestrator.convert.api import ApiRequest
-from orchestrator.convert.errors import ApiError, invalid
+from orchestrator.errors import WorkerDiscoveryFailed, invalid
 from orchestrator.convert.media import ImageRef
 from orchestrator.openengine.v1 import generation_pb2 as g
 
@@ -51,7 +51,8 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
             max_tokens = min(max_tokens, max_output_tokens)
         return Limits(max_tokens, window or 0)
     if window is None:
-        raise ApiError(503, "the worker did not report a context window (ModelInfo.max_context_length)")
+        raise WorkerDiscoveryFailed("the worker did not report a context window (ModelInfo.max_context_length)",
+                                    code="context_window_unknown", retry_after=1)
     if prompt_tokens >= window:
         raise invalid(f"the prompt has {prompt_tokens} tokens, which does not fit the context window of "
                       f"{window} tokens", param="messages" if req.kind == "chat" else "prompt",

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from orchestrator.convert.errors import invalid
+from orchestrator.errors import invalid
 
 ALLOWED_SCHEMES = ("http", "https", "data")
 _DATA_URI = re.compile(r"^data:(?P<mime>[^;,]+)(?P<params>(?:;[^;,]+)*),(?P<payload>.*)$", re.DOTALL)

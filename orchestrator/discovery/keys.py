@@ -14,8 +14,7 @@ import json
 import time
 
 from orchestrator.discovery.registry import WorkerSpec
-
-ROLES = ("aggregated", "prefill", "decode")
+from orchestrator.roles import ROLES
 
 
 def workers_prefix(namespace: str, model: str | None = None) -> str:

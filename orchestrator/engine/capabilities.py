@@ -18,14 +18,10 @@ import trio
 
 from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
 from orchestrator.openengine.v1 import generation_pb2, model_pb2, server_pb2
+from orchestrator.roles import Role
 
 T = TypeVar("T")
 
-ROLE_NAMES = {
-    server_pb2.ENGINE_ROLE_AGGREGATED: "aggregated",
-    server_pb2.ENGINE_ROLE_PREFILL: "prefill",
-    server_pb2.ENGINE_ROLE_DECODE: "decode",
-}
 # Revision-1 TensorRT-LLM (tensorrt_llm/grpc/openengine/control.py) reports ENGINE_ROLE_UNSPECIFIED:
 # "the same build serves either phase; the role is per request". Such a worker takes any role.
 UNSPECIFIED_ROLE = "unspecified"
@@ -113,7 +109,7 @@ class WorkerCapabilities:
         capacity = server.capacity
         return cls(
             instance_id=server.instance_id,
-            role=ROLE_NAMES.get(server.engine_role, UNSPECIFIED_ROLE),
+            role=str(Role.from_engine_role(server.engine_role) or UNSPECIFIED_ROLE),
             engine=f"{server.engine_name} {server.engine_version}".strip(),
             schema_revision=server.schema_revision,
             models=tuple(server.supported_models),

@@ -19,11 +19,12 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from orchestrator.config import Config
-from orchestrator.convert import ApiError, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert import MediaLimits, parse_chat, parse_completion
 from orchestrator.coordinator import Coordinator, new_request_id
 from orchestrator.engine import EngineError
 from orchestrator.frontend import openai_format as fmt
-from orchestrator.frontend.errors import from_engine_error
+from orchestrator.errors import RequestError
+from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
 
@@ -126,11 +127,10 @@ class App:
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             plan = await self.coordinator.plan(api, engine_id)
             outcome = await self._run(kind, request_id, api, plan, response, receive)
-        except ApiError as error:
-            outcome = "client_error" if error.status < 500 else "error"
-            await response.error(error)
-        except EngineError as error:
-            await response.error(from_engine_error(error))
+        except (ApiError, RequestError, EngineError) as error:
+            api_error = to_api_error(error)
+            outcome = "client_error" if api_error.status < 500 else "error"
+            await response.error(api_error)
         except ClientGone:
             outcome = "disconnected"
         except Exception:
@@ -162,11 +162,10 @@ class App:
             sink = _CollectingSink(kind, api, token_text)
         try:
             await self.coordinator.execute(plan, sink, watch=watch)
-        except (ApiError, EngineError) as error:
+        except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
-            api_error = error if isinstance(error, ApiError) else from_engine_error(error)
-            await response.stream_error(api_error)
+            await response.stream_error(to_api_error(error))
             return "error"
         if disconnected:
             raise ClientGone()

@@ -1,12 +1,46 @@
-"""Engine failures -> client-facing ApiErrors (status, type, code, Retry-After). Pure."""
+"""Failures -> client-facing ApiErrors (status, type, code, Retry-After) in the OpenAI error format. Pure.
+
+The only place that knows HTTP statuses: domain errors (orchestrator.errors) and engine errors
+(orchestrator.engine.EngineError) are mapped here.
+"""
 
 from __future__ import annotations
 
-from orchestrator.convert.errors import ApiError
+from orchestrator import errors
 from orchestrator.engine import EngineError, WorkerUnavailable
 from orchestrator.engine.errors import ErrorCode
 
-_STATUS = {
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _default_type(status)
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable_error"
+    return "server_error"
+
+
+_DOMAIN_STATUS = {errors.InvalidRequest: 400, errors.ModelNotFound: 404, errors.NoWorkerAvailable: 503,
+                  errors.WorkerDiscoveryFailed: 503, errors.RequestTimedOut: 504}
+_ENGINE_STATUS = {
     ErrorCode.ERROR_CODE_INVALID_ARGUMENT: 400,
     ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE: 400,
     ErrorCode.ERROR_CODE_MODEL_NOT_FOUND: 404,
@@ -22,11 +56,27 @@ _STATUS = {
 }
 
 
+def from_domain_error(error: errors.RequestError) -> ApiError:
+    status = next((s for kind, s in _DOMAIN_STATUS.items() if isinstance(error, kind)), 500)
+    return ApiError(status, error.message, param=error.param, code=error.code, retry_after=error.retry_after)
+
+
 def from_engine_error(error: EngineError) -> ApiError:
     if isinstance(error, WorkerUnavailable):
         return ApiError(503, f"worker unavailable: {error}", code="worker_unavailable", retry_after=1)
-    status = _STATUS.get(error.code, 500)
+    status = _ENGINE_STATUS.get(error.code, 500)
     code = error.code_name.removeprefix("ERROR_CODE_").lower()
     message = error.message if status < 500 else str(error)
     retry_after = 1 if status in (429, 503) else None
     return ApiError(status, message, code=code, retry_after=retry_after)
+
+
+def to_api_error(error: Exception) -> ApiError:
+    """Any failure of a request, as the client sees it."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, errors.RequestError):
+        return from_domain_error(error)
+    if isinstance(error, EngineError):
+        return from_engine_error(error)
+    raise TypeError(f"not a request failure: {error!r}")

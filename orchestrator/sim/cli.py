@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
+from orchestrator.roles import ROLES
 from orchestrator.sim.media import MediaLimits
 from orchestrator.sim.persona import HANDOFF_SHAPES, IMAGE_PATHS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
@@ -20,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim-worker", help="run a simulated TRT-LLM worker (OpenEngine v1 gRPC)",
                               description="Serve openengine.v1.Inference and Control with a GPU cost model. "
                                           "Prints 'ready grpc://HOST:PORT' when ready.")
-    p.add_argument("--role", choices=["aggregated", "prefill", "decode"], required=True)
+    p.add_argument("--role", choices=ROLES, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     p.add_argument("--model", default="tiny-chat", help="served model name")

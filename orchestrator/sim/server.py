@@ -36,6 +36,7 @@ from orchestrator.openengine.v1 import (
     openengine_pb2_grpc,
     server_pb2,
 )
+from orchestrator.roles import Role
 from orchestrator.sim import handoff, kv_transfer, media, output
 from orchestrator.sim.persona import Persona
 from orchestrator.sim.profiles import Profile
@@ -44,8 +45,6 @@ from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Faul
 log = logging.getLogger("orchestrator.sim")
 E = error_pb2.ErrorCode
 HS = lifecycle_pb2.HealthState
-ROLES = {"aggregated": server_pb2.ENGINE_ROLE_AGGREGATED, "prefill": server_pb2.ENGINE_ROLE_PREFILL,
-         "decode": server_pb2.ENGINE_ROLE_DECODE}
 ENGINE_NAME = "tensorrt_llm-sim"
 ENGINE_VERSION = "1.0.0-sim"
 # ServerInfo.schema_release: immutable schema identities, as Dynamo's sidecar requires (32 or 40 hex digits).
@@ -221,7 +220,7 @@ class SimWorker(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contr
         return server_pb2.ServerInfo(
             engine_name=ENGINE_NAME, engine_version=ENGINE_VERSION,
             # Revision-1 TensorRT-LLM: "the same build serves either phase; the role is per request".
-            engine_role=ROLES[c.role] if self.persona.declares_role else server_pb2.ENGINE_ROLE_UNSPECIFIED,
+            engine_role=Role(c.role).engine_role if self.persona.declares_role else server_pb2.ENGINE_ROLE_UNSPECIFIED,
             instance_id=self.instance_id, supported_models=[c.model],
             parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
                                                    data_parallel_size=1, data_parallel_rank=0),

@@ -2,7 +2,7 @@
 
 `stream_output` reads a generation stream batch by batch (every event that has arrived, so
 tokens are coalesced into one chunk under load), detokenizes incrementally, honours stop strings,
-and reports the terminal event. It never decides about workers; the coordinator does.
+and reports the terminal event. It never decides about workers; the decode stage does.
 """
 
 from __future__ import annotations
@@ -82,3 +82,14 @@ def finish_reason(state: StreamState) -> str:
     if state.stopped_on is not None:
         return "stop"
     return state.finished.reason_name if state.finished is not None else "stop"
+
+
+class ReplayedStream:
+    """Events already received, read like a generate stream (the prefill leg's whole answer)."""
+
+    def __init__(self, events) -> None:
+        self._batches = [list(events)]
+
+    async def next_batch(self) -> list:
+        await trio.lowlevel.checkpoint()
+        return self._batches.pop() if self._batches else []

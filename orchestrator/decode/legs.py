@@ -1,0 +1,32 @@
+"""The decode stage's leg codec, pure: the generation leg and the one-token release leg.
+
+The generation leg is the full request plus `kv.session`, the KvSessionRef exactly as the prefill
+returned it, and the prefill's media when the handoff needs them. The release leg only pulls a
+session, so a prefill worker that cannot abort sessions frees its blocks.
+"""
+
+from __future__ import annotations
+
+from orchestrator.kv.handoff import decode_needs_media
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import kv_pb2
+
+
+def generation_leg(full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> g.GenerateRequest:
+    leg = g.GenerateRequest()
+    leg.CopyFrom(full)
+    leg.kv.session.CopyFrom(session)
+    if not decode_needs_media(session):
+        del leg.media[:]
+    return leg
+
+
+def release_leg(full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> g.GenerateRequest:
+    """A generation leg whose only job is to pull the session: one token, nothing else asked of it."""
+    leg = generation_leg(full, session)
+    leg.request_id = f"{full.request_id}-kv-release"
+    leg.ClearField("stopping")
+    leg.stopping.max_tokens = 1
+    leg.ClearField("response")
+    leg.ClearField("guided")
+    return leg

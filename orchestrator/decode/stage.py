@@ -1,0 +1,108 @@
+"""The decode stage: stream a generation leg (or a whole request) from a worker to the client's sink.
+
+- A retryable failure before anything was streamed moves the leg to another worker of the same role
+  (orchestrator.retry); a decode leg pulls the same KV session from there. A failure after tokens
+  were streamed goes to `migrate` when one is given (the seam for request migration), else it stands.
+- Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
+  Control.Abort makes sure the engine lets go as well.
+- KV rule on cancellation, when the leg consumes a KV lease that is not pulled yet: abort the session
+  where the prefill worker can; otherwise keep the stream until its first token (the decode worker
+  has then pulled the KV) and only then let it go. Anything else that leaves a lease unpulled is the
+  caller's to release (orchestrator.kv.release).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+import trio
+
+from orchestrator.decode.output import OutputSink, StreamState, finish_reason, stream_output
+from orchestrator.engine import EngineError, Failed, Finished, Tokens
+from orchestrator.engine.errors import ErrorCode
+from orchestrator.kv.lease import KvAction, KvLease
+from orchestrator.kv.release import KvReleaser
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.retry import with_retries
+
+log = logging.getLogger(__name__)
+
+
+class DecodeStage:
+    def __init__(self, pool, metrics, releaser: KvReleaser, *, retries: int, cleanup_timeout_s: float):
+        self.pool, self.metrics, self.releaser = pool, metrics, releaser
+        self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
+
+    async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
+                  on_chunk: Callable[[], None], prompt_tokens: int, lease: KvLease | None = None,
+                  migrate: Callable[[EngineError, StreamState], Awaitable[None]] | None = None) -> None:
+        """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got."""
+        async def attempt(chosen) -> None:
+            await self._one_attempt(chosen, leg, sink, state, detokenizer(), on_chunk, prompt_tokens, lease)
+
+        try:
+            await with_retries(self.pool, worker, attempt, retries=self.retries, metrics=self.metrics,
+                               what=f"{worker.role} leg {leg.request_id}",
+                               may_retry=lambda error: state.first_token_at is None)
+        except EngineError as error:
+            if migrate is None or state.first_token_at is None:
+                raise
+            await migrate(error, state)
+
+    async def _one_attempt(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, detokenizer,
+                           on_chunk, prompt_tokens: int, lease: KvLease | None) -> None:
+        with self.pool.lease(worker):
+            try:
+                async with worker.client.generate(leg) as stream:
+                    try:
+                        await stream_output(stream, sink, detokenizer, state, worker=worker.address,
+                                            on_chunk=on_chunk)
+                    except trio.Cancelled:
+                        if lease is not None and not lease.settled and state.first_token_at is None \
+                                and not state.terminal:
+                            await self._settle_on_cancel(stream, state, lease)
+                        raise
+                    finally:
+                        if lease is not None and state.first_token_at is not None:
+                            lease.pulled = True
+            finally:
+                if state.finished is None:
+                    await self._abort(worker, leg.request_id)
+        if not state.terminal:
+            raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
+                              code=ErrorCode.ERROR_CODE_INTERNAL)
+        await sink.finish(finish_reason(state), state.prompt_tokens or prompt_tokens, state.completion_tokens)
+
+    async def _abort(self, worker, request_id: str) -> None:
+        # The RPC is cancelled already; Abort makes sure the engine lets go as well.
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + min(5.0, self.cleanup_timeout_s)
+            try:
+                await worker.client.abort(request_id=request_id, timeout=5.0)
+            except EngineError as exc:
+                log.info("abort of %s on %s: %s", request_id, worker.address, exc)
+
+    async def _settle_on_cancel(self, stream, state: StreamState, lease: KvLease) -> None:
+        """KV rule for a cancellation between prefill_ready and the decode's first token."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.cleanup_timeout_s
+            if lease.action(decode_leg_in_flight=True) is KvAction.ABORT_SESSION and await self.releaser.abort(lease):
+                return
+            while not state.terminal and state.first_token_at is None:
+                batch = await stream.next_batch()
+                if not batch:
+                    break
+                if any(isinstance(e, Tokens) for e in batch):
+                    state.first_token_at = trio.current_time()
+                    self.metrics.kv_cleanups.labels("decode_first_token").inc()
+                for event in batch:
+                    if isinstance(event, Finished):
+                        state.finished = event
+                    elif isinstance(event, Failed):
+                        log.info("decode leg of session %s failed during KV cleanup: %s", lease.session.session_id,
+                                 event.error)
+                        return
+        if scope.cancelled_caught:
+            log.warning("KV cleanup of session %s on %s timed out after %.0f s", lease.session.session_id,
+                        lease.prefill_worker.address, self.cleanup_timeout_s)

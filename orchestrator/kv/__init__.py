@@ -1,0 +1,15 @@
+"""The KV session between the stages: the handoff codec (pure), the lease and its rule (pure), and the
+releaser that frees a session nobody pulled (orchestrator.kv.release)."""
+
+from orchestrator.kv.handoff import (
+    SESSION_ATTRIBUTES,
+    TRTLLM_HANDOFF_PROFILE,
+    HandoffError,
+    check_session,
+    decode_needs_media,
+    first_gen_tokens,
+)
+from orchestrator.kv.lease import KvAction, KvLease, unpulled_session_action
+
+__all__ = ["SESSION_ATTRIBUTES", "TRTLLM_HANDOFF_PROFILE", "HandoffError", "KvAction", "KvLease", "check_session",
+           "decode_needs_media", "first_gen_tokens", "unpulled_session_action"]
