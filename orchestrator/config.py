@@ -282,11 +282,7 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
             raise ConfigError(file, f"{key}.role", " or ".join(ROLES), worker.role)
         if (worker.sim is None) == (not worker.command):
             raise ConfigError(file, key, "exactly one of sim or command")
-        if worker.sim is not None:
-            from orchestrator.sim.profiles import PROFILES
-
-            if worker.sim.profile not in PROFILES:
-                raise ConfigError(file, f"{key}.sim.profile", " or ".join(sorted(PROFILES)), worker.sim.profile)
+        if worker.sim is not None:  # the profile name is checked by orchestrator.launch (it knows the simulator)
             if worker.sim.time_scale < 0:
                 raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
             if worker.sim.schema_revision not in (1, 3):

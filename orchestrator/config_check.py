@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from orchestrator import config as config_module
+from orchestrator.launch import check_sim_workers
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.config:
         try:
             config = config_module.load(path, check_paths=not args.no_path_checks)
+            check_sim_workers(config, str(path))
         except config_module.ConfigError as exc:
             print(f"error: {exc}")
             status = 1

@@ -12,21 +12,13 @@ on every worker involved and keep the KV rule, so no prefill blocks are stranded
 
 from __future__ import annotations
 
-import time
 from typing import Awaitable, Callable
 
 import attrs
 import trio
 
 from orchestrator.config import Config
-from orchestrator.convert import (
-    ApiRequest,
-    check_media_capability,
-    check_media_options,
-    check_media_sources,
-    full_leg,
-    resolve_limits,
-)
+from orchestrator.convert import ApiRequest, check_worker_media, full_leg, resolve_limits
 from orchestrator.decode import OutputSink, ReplayedStream, StreamState, finish_reason, generation_leg, stream_output
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
@@ -96,13 +88,7 @@ class Coordinator:
             # A revision-3 decode worker refuses a request without a KV session: prefill it elsewhere.
             path, workers = "disaggregated", (self.pool.pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
-        if api.images:
-            split = path == "disaggregated"
-            check_media_capability(api, [(w.role, *c.image_support(split)) for w, c in zip(workers, caps)])
-            check_media_sources(api, [(w.role, c.multimodal.source_types if c.multimodal else frozenset())
-                                      for w, c in zip(workers, caps)])
-        check_media_options(api, [(w.role, c.schema_revision >= 3 and c.multimodal is not None
-                                   and c.multimodal.per_request_media_options) for w, c in zip(workers, caps)])
+        check_worker_media(api, [(w.role, c) for w, c in zip(workers, caps)], disaggregated=path == "disaggregated")
         windows = [c.max_context_length for c in caps if c.max_context_length]
         outputs = [c.max_output_tokens for c in caps if c.max_output_tokens]
         limits = resolve_limits(api, prompt_tokens=len(prompt_ids), configured_window=self.config.model.context_window,
@@ -209,9 +195,3 @@ def _sole_error(group: BaseExceptionGroup) -> BaseException:
         errors = errors[0].exceptions
     return errors[0] if len(errors) == 1 else group
 
-
-def new_request_id(given: str | None) -> str:
-    """Honour the client's X-Request-Id when it is sane; engine legs get a unique suffix."""
-    if given and len(given) <= 128 and given.isprintable():
-        return given
-    return f"req-{time.time_ns():x}"

@@ -250,9 +250,20 @@ async def _first_death(launcher: Launcher, scope: trio.CancelScope, outcome: dic
     scope.cancel()
 
 
+def check_sim_workers(config: Config, file: str) -> None:
+    """What only the launcher can check: the simulated workers' profiles exist."""
+    from orchestrator.sim.profiles import PROFILES
+
+    for i, worker in enumerate(config.launch.workers):
+        if worker.sim is not None and worker.sim.profile not in PROFILES:
+            raise ConfigError(file, f"launch.workers[{i}].sim.profile", " or ".join(sorted(PROFILES)),
+                              worker.sim.profile)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_module.load(args.config)
+        check_sim_workers(config, str(args.config))
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

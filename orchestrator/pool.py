@@ -1,7 +1,7 @@
 """The live worker pool: one engine client per worker, its health, capabilities and load.
 
-A worker is routable when its last health check said READY (or DEGRADED) and it is not being
-removed. Snapshots from the registry are diffed: new workers are connected, removed ones stop
+Each worker's state follows the pure table in orchestrator.worker_state; this module is its monitor
+(health polling, identity checks, load polling) and the picks. A worker is routable when it is READY. Snapshots from the registry are diffed: new workers are connected, removed ones stop
 getting requests at once and are closed when their in-flight requests are done (or a grace
 period passes). A transport failure during a request marks the worker unhealthy until the next
 good health check.
@@ -20,12 +20,12 @@ from orchestrator.engine import EngineClient, EngineError, LoopThread
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.roles import ROLES
+from orchestrator.worker_state import WorkerEvent, WorkerState, next_state, rereads_capabilities
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.routing import make_policy
 
 log = logging.getLogger(__name__)
-STATES = ("connecting", "ready", "unhealthy", "draining", "misconfigured", "removing")
 
 
 class Worker:
@@ -34,7 +34,7 @@ class Worker:
         self.address = spec.address
         self.role = spec.role
         self.client: EngineClient | None = None
-        self.state = "connecting"
+        self.state = WorkerState.CONNECTING
         self.detail = ""
         self.inflight = 0
         self.sent_since_load = 0
@@ -53,7 +53,7 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.state == "ready" and self.client is not None
+        return self.state is WorkerState.READY and self.client is not None
 
     def __repr__(self) -> str:
         return f"<Worker {self.role} {self.address} {self.state}>"
@@ -105,9 +105,9 @@ class WorkerPool:
             self._nursery.start_soon(self._run_worker, worker)
         for spec in current - snapshot.workers:
             worker = self.workers[spec]
-            if worker.state != "removing":
+            if worker.state is not WorkerState.REMOVING:
                 log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
-                worker.state = "removing"
+                self._on(worker, WorkerEvent.REMOVED, "")
                 self._nursery.start_soon(self._retire, worker)
         self._notify()
 
@@ -128,7 +128,7 @@ class WorkerPool:
                             nursery.start_soon(self._poll_load, worker)
                         await self._monitor(worker)
         finally:
-            if self.workers.get(worker.spec) is worker and worker.state == "removing":
+            if self.workers.get(worker.spec) is worker and worker.state is WorkerState.REMOVING:
                 del self.workers[worker.spec]
             worker.client = None
             self._notify()
@@ -140,18 +140,16 @@ class WorkerPool:
             try:
                 state = await client.health(timeout=max(1.0, self.health_interval * 2))
             except EngineError as exc:
-                self._set_state(worker, "unhealthy", cause_chain(exc))
+                self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
             else:
                 if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
-                    if previous not in ("ready", "connecting"):
-                        # Back from unhealthy/draining/misconfigured: it may be a restarted process with
-                        # another build, role or window, so what it can do is read again.
+                    if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
                     await self._check_identity(worker)
                 elif state == HealthState.HEALTH_STATE_DRAINING:
-                    self._set_state(worker, "draining", "worker reports DRAINING")
+                    self._on(worker, WorkerEvent.DRAINING, "worker reports DRAINING")
                 else:
-                    self._set_state(worker, "unhealthy", f"health {HealthState.Name(state)}")
+                    self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
                 self._notify()
             worker.wake_monitor = trio.Event()
@@ -183,21 +181,22 @@ class WorkerPool:
         except EngineError as exc:
             # Health is fine, discovery is not: keep the worker routable so that requests see the shared
             # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
-            self._set_state(worker, "ready", f"capability discovery failing: {exc}")
+            self._on(worker, WorkerEvent.HEALTHY, f"capability discovery failing: {exc}")
             return
         if not caps.serves_role(worker.role):
-            self._set_state(worker, "misconfigured",
-                            f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
+            self._on(worker, WorkerEvent.IDENTITY_MISMATCH,
+                     f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
         elif self.model and self.model not in caps.models and caps.model_id != self.model:
-            self._set_state(worker, "misconfigured", f"serves {caps.models}, not {self.model!r}")
+            self._on(worker, WorkerEvent.IDENTITY_MISMATCH, f"serves {caps.models}, not {self.model!r}")
         else:
-            self._set_state(worker, "ready", "")
+            self._on(worker, WorkerEvent.HEALTHY, "")
 
-    def _set_state(self, worker: Worker, state: str, detail: str) -> None:
-        if worker.state == "removing":
+    def _on(self, worker: Worker, event: WorkerEvent, detail: str) -> None:
+        state = next_state(worker.state, event)
+        if worker.state is WorkerState.REMOVING:
             return
         if state != worker.state or detail != worker.detail:
-            level = logging.INFO if state == "ready" else logging.WARNING
+            level = logging.INFO if state in (WorkerState.READY, WorkerState.REMOVING) else logging.WARNING
             if state != worker.state:
                 log.log(level, "worker %s %s: %s -> %s %s", worker.role, worker.address, worker.state, state, detail)
             elif detail:
@@ -207,7 +206,7 @@ class WorkerPool:
     async def _poll_load(self, worker: Worker) -> None:
         interval = max(0.02, self.staleness_s / 2)
         while True:
-            if worker.state == "ready":
+            if worker.state is WorkerState.READY:
                 try:
                     load = await worker.client.load(timeout=max(1.0, interval * 4))
                 except EngineError:
@@ -219,7 +218,7 @@ class WorkerPool:
 
     def _notify(self) -> None:
         for role in ROLES:
-            for state in STATES:
+            for state in WorkerState:
                 self._metrics.workers.labels(role, state).set(
                     sum(1 for w in self.workers.values() if w.role == role and w.state == state))
         self.changed.set()
@@ -255,7 +254,7 @@ class WorkerPool:
 
     def report_unreachable(self, worker: Worker, error: EngineError) -> None:
         """A request could not reach this worker: stop routing to it until its health is good again."""
-        self._set_state(worker, "unhealthy", cause_chain(error))
+        self._on(worker, WorkerEvent.UNREACHABLE, cause_chain(error))
         worker.wake_monitor.set()
         self._notify()
 

@@ -6,7 +6,7 @@ from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg
-from orchestrator.sim.media import solid_png
+from orchestrator.synthetic import solid_png
 
 
 def png_bytes(width=2, height=2, color=(200, 30, 30)) -> bytes:

@@ -8,6 +8,7 @@ import yaml
 
 from orchestrator import config as config_module
 from orchestrator.config import ConfigError
+from orchestrator.launch import check_sim_workers
 from orchestrator.testing import python_command
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -69,7 +70,7 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
 def test_config_errors_name_file_key_and_expectation(tmp_path, text, key, words):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
-        config_module.load(path)
+        check_sim_workers(config_module.load(path), str(path))  # what `check-config` and `launch` run
     assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
 
 

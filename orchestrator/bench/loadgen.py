@@ -20,8 +20,7 @@ import trio
 
 from orchestrator.bench.metrics import RequestRecord, aggregate, to_gpu_time
 from orchestrator.bench.sse_client import Connection, HttpError
-from orchestrator.sim.media import solid_png
-from orchestrator.sim.output import word_pieces
+from orchestrator.synthetic import solid_png, word_pieces
 from orchestrator.tokenizer import ModelTokenizer
 
 IMAGE_URI = "data:image/png;base64," + base64.b64encode(solid_png()).decode()

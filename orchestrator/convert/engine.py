@@ -11,13 +11,17 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import attrs
 
 from orchestrator.convert.api import ApiRequest
-from orchestrator.errors import WorkerDiscoveryFailed, invalid
 from orchestrator.convert.media import ImageRef
+from orchestrator.errors import WorkerDiscoveryFailed, invalid
 from orchestrator.openengine.v1 import generation_pb2 as g
+
+if TYPE_CHECKING:  # capabilities are read, never fetched, here
+    from orchestrator.engine.capabilities import WorkerCapabilities
 
 
 @attrs.frozen
@@ -76,6 +80,17 @@ def check_media_capability(req: ApiRequest, workers: list[tuple[str, bool, str]]
         if not accepts:
             raise invalid(f"model {req.model!r} does not accept images on this path: its {role} worker reports "
                           f"{signals}", param="messages", code="images_not_supported")
+
+
+def check_worker_media(req: ApiRequest, workers: list[tuple[str, WorkerCapabilities]], *,
+                       disaggregated: bool) -> None:
+    """Every media rule against what each worker touched reports: images, their encodings, media options."""
+    if req.images:
+        check_media_capability(req, [(role, *caps.image_support(disaggregated)) for role, caps in workers])
+        check_media_sources(req, [(role, caps.multimodal.source_types if caps.multimodal else frozenset())
+                                  for role, caps in workers])
+    check_media_options(req, [(role, caps.schema_revision >= 3 and caps.multimodal is not None
+                               and caps.multimodal.per_request_media_options) for role, caps in workers])
 
 
 def check_media_options(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:

@@ -20,7 +20,7 @@ import trio
 
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits, parse_chat, parse_completion
-from orchestrator.coordinator import Coordinator, new_request_id
+from orchestrator.coordinator import Coordinator
 from orchestrator.engine import EngineError
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
@@ -40,6 +40,13 @@ _engine_ids = itertools.count()
 
 class ClientGone(Exception):
     pass
+
+
+def new_request_id(given: str | None) -> str:
+    """Honour the client's X-Request-Id when it is sane; engine legs get a unique suffix."""
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return f"req-{time.time_ns():x}"
 
 
 class App:

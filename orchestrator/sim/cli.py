@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     on_ready = None
     if args.etcd:
-        from orchestrator.discovery.register import sim_self_registration
+        from orchestrator.sim.registration import sim_self_registration
 
         on_ready = sim_self_registration(args.etcd, args.etcd_namespace, config.role, config.model, args.etcd_ttl)
     try:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import struct
-import zlib
 
 import attrs
 import httpx
@@ -27,17 +25,6 @@ MAGIC = {
 
 class MediaError(Exception):
     """An image the engine cannot use; becomes INVALID_ARGUMENT."""
-
-
-def solid_png(width: int = 8, height: int = 8, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    """A valid PNG of one color, made with zlib (for tests, demos and benchmark workloads)."""
-    raw = b"".join(b"\x00" + bytes(color) * width for _ in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def sniff_image(data: bytes) -> str | None:

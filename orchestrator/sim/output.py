@@ -11,6 +11,8 @@ import json
 import struct
 from pathlib import Path
 
+from orchestrator.synthetic import word_pieces
+
 _MASK = (1 << 64) - 1
 
 
@@ -36,15 +38,6 @@ def prompt_digest(prompt_ids: list[int] | tuple[int, ...]) -> str:
 
 def media_digest(media_ids: list[str]) -> str:
     return hashlib.blake2b("\x00".join(media_ids).encode(), digest_size=12).hexdigest()
-
-
-def word_pieces(vocab: dict[str, int]) -> dict[str, int]:
-    """Word -> id for the pieces that are a space plus ASCII letters.
-
-    Byte-level BPE marks a leading space with "Ġ"; those pieces give readable text.
-    """
-    return {piece[1:]: i for piece, i in vocab.items()
-            if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha()}
 
 
 class Vocabulary:

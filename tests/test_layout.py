@@ -1,0 +1,44 @@
+"""The house rules a newcomer can rely on, checked on the source tree."""
+
+import ast
+from pathlib import Path
+
+import orchestrator
+
+PACKAGE = Path(orchestrator.__file__).parent
+# The simulator is a leaf: only the launcher, the planner (it steps the simulator's scheduler on a virtual
+# clock) and the testkit may import it; the orchestrator itself talks to every worker over gRPC.
+MAY_IMPORT_SIM = {"launch.py", "bench/plan.py", "testing.py"}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_nothing_outside_the_simulator_imports_it_but_the_launcher_the_planner_and_the_testkit():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(("sim/", "openengine/v1/")) or relative in MAY_IMPORT_SIM:
+            continue
+        if any(name == "orchestrator.sim" or name.startswith("orchestrator.sim.") for name in _imports(path)):
+            offenders.append(relative)
+    assert offenders == []
+
+
+def test_http_statuses_live_only_in_the_frontend():
+    offenders = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                 if not path.relative_to(PACKAGE).as_posix().startswith(("frontend/", "openengine/v1/", "sim/",
+                                                                          "bench/"))
+                 and "ApiError" in path.read_text()]
+    assert offenders == []
+
+
+def test_the_coordinator_stays_small():
+    assert len((PACKAGE / "coordinator.py").read_text().splitlines()) <= 200
