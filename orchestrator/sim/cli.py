@@ -79,7 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from orchestrator.sim.server import SimConfig
+    from orchestrator.sim.config import SimConfig
 
     persona = Persona(args.persona, args.schema_revision, args.handoff)
     return SimConfig(

@@ -92,7 +92,8 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             name="llama3-8b-h100-fp8",
-            source="aiconfigurator 0.12.0, h100_sxm, trtllm 1.3.0rc20, Llama-3.1-8B FP8 GEMM/FMHA/KV (calibration.json)",
+            source="aiconfigurator 0.12.0, h100_sxm, trtllm 1.3.0rc20, Llama-3.1-8B FP8 GEMM/FMHA/KV "
+                   "(calibration.json)",
             prefill_a=4.334, prefill_b=0.01349, prefill_c=4.203e-07,
             decode_d=5.223, decode_e=2.13e-05, decode_f=0.007102,
             max_batch_size=256, max_num_tokens=8192,

@@ -21,8 +21,9 @@ def sim_self_registration(etcd_url: str, namespace: str, role: str, model: str, 
     async def on_ready(worker, address: str) -> None:
         spec = WorkerSpec(address=address, role=role, model=model, instance_id=worker.instance_id)
         key = keys.worker_key(namespace, model, role, worker.instance_id)
-        registration = Registration(etcd_url, key, keys.worker_value(spec, schema_revision=worker.config.schema_revision),
-                                    ttl=ttl, is_healthy=lambda: worker.health_state() == HS.HEALTH_STATE_READY)
+        value = keys.worker_value(spec, schema_revision=worker.config.schema_revision)
+        registration = Registration(etcd_url, key, value, ttl=ttl,
+                                    is_healthy=lambda: worker.health_state() == HS.HEALTH_STATE_READY)
         worker.background.append(asyncio.ensure_future(registration.run()))
         deadline = asyncio.get_running_loop().time() + 30
         while not registration.registered and asyncio.get_running_loop().time() < deadline:

@@ -1,0 +1,78 @@
+"""The simulated worker's settings (from `orchestrator sim-worker` flags) and what follows from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from orchestrator.sim import media
+from orchestrator.sim.persona import Persona
+from orchestrator.sim.profiles import Profile
+
+
+@attrs.frozen
+class SimConfig:
+    role: str
+    host: str
+    port: int
+    model: str
+    model_dir: Path
+    profile: Profile
+    time_scale: float = 1.0
+    instance_id: str = ""
+    warmup_s: float = 0.0
+    persona: Persona = Persona()
+    kv_transfer_timeout_s: float | None = None  # None: the persona's (revision-1 TensorRT-LLM: until exit)
+    supports_abort_cleanup: bool = False  # force abort-by-session on where the persona has none
+    supports_multimodal: bool | None = None  # None: the persona's
+    image_paths: str = "both"  # revision 3: where MODALITY_IMAGE is listed (both | aggregate | none)
+    max_context_length: int | None = None
+    total_kv_blocks: int | None = None
+    reported_schema_revision: int | None = None  # fault: claim another ServerInfo.schema_revision
+    minimum_client_revision: int = 1
+    # faults
+    error_rate: float = 0.0
+    error_phase: str = "any"  # prefill | decode | aggregated | any
+    error_code: str = "ERROR_CODE_INTERNAL"
+    error_retryable: bool = False
+    crash_after_tokens: int | None = None
+    stall_after_tokens: int | None = None
+    drop_kv_sessions: bool = False
+    not_ready: bool = False
+    fail_model_info: bool = False
+    eos_probability: float = 0.0
+    seed: int = 0
+    media_limits: media.MediaLimits = media.MediaLimits()
+
+    @property
+    def context_window(self) -> int:
+        return self.max_context_length or self.profile.max_context_length
+
+    @property
+    def schema_revision(self) -> int:
+        return self.persona.schema_revision
+
+    @property
+    def multimodal(self) -> bool:
+        return self.persona.default_multimodal() if self.supports_multimodal is None else self.supports_multimodal
+
+    @property
+    def abort_cleanup(self) -> bool:
+        return self.supports_abort_cleanup or (self.persona.trtllm and self.persona.abort_by_session)
+
+    @property
+    def session_ttl_s(self) -> float | None:
+        if self.kv_transfer_timeout_s is None:
+            return self.persona.default_session_ttl_s
+        return self.kv_transfer_timeout_s or None  # 0: never expire
+
+    def lists_images(self, disaggregated: bool) -> bool:
+        """Revision 3: whether multimodal_capabilities lists MODALITY_IMAGE for a leg of this kind."""
+        return self.image_paths == "both" or (self.image_paths == "aggregate" and not disaggregated)
+
+    def images_on(self, disaggregated: bool) -> bool:
+        """Whether this worker takes images for a leg of this kind."""
+        if self.persona.schema_revision < 3:
+            return self.multimodal
+        return self.multimodal and self.lists_images(disaggregated)

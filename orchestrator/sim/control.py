@@ -1,0 +1,169 @@
+"""The Control service of the simulated worker: health, server and model info, load, abort, the rest."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from google.protobuf import struct_pb2
+
+from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.roles import Role
+from orchestrator.sim import handoff, kv_transfer
+
+
+HS = lifecycle_pb2.HealthState
+
+
+ENGINE_NAME = "tensorrt_llm-sim"
+ENGINE_VERSION = "1.0.0-sim"
+# ServerInfo.schema_release: immutable schema identities, as Dynamo's sidecar requires (32 or 40 hex digits).
+SCHEMA_RELEASES = {1: "768a93c7b44e40f28c692ad0b471a8f2",  # the BSR commit tensorrt_llm/grpc/openengine pins
+                   3: "f1a7189311770f8aa1f0dd787561df809847595d"}  # tensorrt_llm/openengine's OPENENGINE_COMMIT
+
+
+class ControlService:
+    """Control RPCs; mixed into SimWorker (orchestrator.sim.server), which owns the state."""
+
+    def health_state(self) -> int:
+        if self.draining:
+            return HS.HEALTH_STATE_DRAINING
+        if self.config.not_ready:
+            return HS.HEALTH_STATE_NOT_READY
+        if time.monotonic() - self.started_at < self.config.warmup_s:
+            return HS.HEALTH_STATE_STARTING
+        return HS.HEALTH_STATE_READY
+
+    async def Health(self, request, context):
+        state = self.health_state()
+        return lifecycle_pb2.HealthResponse(state=state, checks=[
+            lifecycle_pb2.HealthCheck(name="engine", state=state, message=HS.Name(state))])
+
+    async def GetServerInfo(self, request, context):
+        c = self.config
+        kv = kv_pb2.KvConnectorInfo(
+            enabled=True, transfer_backend=kv_transfer.PROTOCOL,
+            local_endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
+            supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=True,
+            supports_decode_pull=not self.persona.trtllm or self.persona.schema_revision >= 3,
+            supports_abort_cleanup=c.abort_cleanup, supports_drain=True, schema_version=c.schema_revision)
+        if self.persona.session_profile:
+            kv.handoff_profile = handoff.TRTLLM_PROFILE
+            kv.supports_client_bootstrap = False
+        return server_pb2.ServerInfo(
+            engine_name=ENGINE_NAME, engine_version=ENGINE_VERSION,
+            # Revision-1 TensorRT-LLM: "the same build serves either phase; the role is per request".
+            engine_role=Role(c.role).engine_role if self.persona.declares_role else server_pb2.ENGINE_ROLE_UNSPECIFIED,
+            instance_id=self.instance_id, supported_models=[c.model],
+            parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                   data_parallel_size=1, data_parallel_rank=0),
+            kv_connector=kv, minimum_client_revision=c.minimum_client_revision,
+            schema_revision=c.schema_revision if c.reported_schema_revision is None else c.reported_schema_revision,
+            schema_release=SCHEMA_RELEASES[c.schema_revision],
+            capacity=server_pb2.DeploymentCapacity(
+                kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
+                max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
+            extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale, "persona": self.persona.name,
+                           "handoff_shape": self.persona.handoff_shape}),
+        )
+
+    async def GetModelInfo(self, request, context):
+        c = self.config
+        self.model_info_calls += 1
+        if c.fail_model_info:
+            await context.abort(grpc.StatusCode.INTERNAL, "fault injection: model info unavailable")
+        if request.model and request.model != c.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        info = model_pb2.ModelInfo(
+            model_id=c.model, served_model_name=c.model, max_context_length=c.context_window,
+            tokenizer_modes=["auto"], supports_text_input=True, supports_token_ids_input=True,
+            generation=model_pb2.GenerationCapabilities(
+                output_logprobs=model_pb2.LogprobCapabilities(
+                    supported=True, candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N],
+                    max_top_n=20),
+                guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
+                max_num_sequences=1, supports_stop_in_output=True),
+            supports_lora=False, supports_multimodal=c.multimodal,
+        )
+        if self.persona.advertises_max_output_tokens:
+            info.max_output_tokens = c.profile.max_output_tokens
+        if c.schema_revision >= 3:
+            image = [generation_pb2.MODALITY_IMAGE]
+            info.tokenizer.source = str(c.model_dir)
+            info.tokenizer.mode = "auto"
+            mm = info.multimodal_capabilities
+            mm.aggregate_modalities.extend(image if c.lists_images(disaggregated=False) else [])
+            mm.prefill_decode_modalities.extend(image if c.lists_images(disaggregated=True) else [])
+            mm.source_types.extend([generation_pb2.MEDIA_SOURCE_TYPE_URL, generation_pb2.MEDIA_SOURCE_TYPE_DATA_URI,
+                                    generation_pb2.MEDIA_SOURCE_TYPE_RAW_BYTES])
+            mm.supports_per_request_media_options = True
+            if self.image_token_id is not None and c.lists_images(disaggregated=False):
+                mm.routing_image_token_id = self.image_token_id
+        return info
+
+    async def GetLoad(self, request, context):
+        s = self.scheduler
+        prefill_tokens, decode_batch = s.last_step
+        return server_pb2.LoadInfo(
+            instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
+            running_requests=s.running, queued_requests=len(s.waiting),
+            active_kv_sessions=len(self.sessions.sessions), used_kv_blocks=s.used_blocks,
+            total_kv_blocks=s.total_blocks, running_tokens=sum(r.prompt_len + r.generated for r in s.decoding),
+            waiting_tokens=sum(r.prompt_len for r in s.waiting), prefill_batch_size=len(s.prefilling),
+            decode_batch_size=decode_batch,
+            attributes=_struct({"tokens_emitted": s.tokens_emitted, "steps": s.steps,
+                                "kv_sessions_expired": self.sessions.expired,
+                                "kv_sessions_pulled": self.sessions.pulled,
+                                "cancelled_by_client": self.cancelled_by_client,
+                                "model_info_calls": self.model_info_calls,
+                                "recent_requests": list(self.recent)}),
+        )
+
+    async def Abort(self, request, context):
+        target = request.WhichOneof("target")
+        if target == "request_id":
+            sim_request = self.active.get(request.request_id)
+            if sim_request is not None and self.scheduler.cancel(sim_request):
+                sim_request.on_finish(sim_request, "cancelled", None)
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+            if request.request_id in self.finished_ids or sim_request is not None or self.persona.trtllm:
+                # TensorRT-LLM: "an already-finished or never-seen request is not an error"
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
+                                               message=f"request {request.request_id!r} not found")
+        if target == "kv_session":
+            if not self.config.abort_cleanup:
+                if self.persona.trtllm:
+                    await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                        "aborting by kv_session is not supported; abort by request_id")
+                return lifecycle_pb2.AbortResponse(
+                    status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
+                    message="abort by kv_session is not supported (supports_abort_cleanup is false); "
+                            "blocks are released when a decode pulls them or the transfer timeout expires")
+            if self.sessions.drop(request.kv_session.session_id):
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
+        if target == "all_requests":
+            for sim_request in list(self.active.values()):
+                if self.scheduler.cancel(sim_request):
+                    sim_request.on_finish(sim_request, "cancelled", None)
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "abort needs a target")
+
+    async def _unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "LoRA adapters are not supported by the simulated worker")
+
+    LoadLora = UnloadLora = ListLoras = _unimplemented
+
+    async def GetKvEventSources(self, request, context):
+        return kv_pb2.GetKvEventSourcesResponse()
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not published by the simulated worker")
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    result = struct_pb2.Struct()
+    result.update(values)
+    return result

@@ -1,0 +1,129 @@
+"""Scheduler events -> GenerateResponse messages: tokens, finishes, the context leg's token and PrefillReady."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid as uuidlib
+
+
+from orchestrator.openengine.v1 import generation_pb2
+from orchestrator.sim import handoff, kv_transfer, output
+from orchestrator.sim.scheduler import SimRequest
+
+
+class Outbox:
+    """Responses for one Generate call, filled by the scheduler, drained by the handler."""
+
+    __slots__ = ("items", "waiter", "closed")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+        self.closed = False
+
+    def put(self, item: generation_pb2.GenerateResponse, last: bool = False) -> None:
+        self.items.append(item)
+        self.closed = self.closed or last
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        batch = list(self.items)
+        self.items.clear()
+        return batch
+
+
+class ResponseCallbacks:
+    """The scheduler's callbacks for one request, as responses in its outbox; mixed into SimWorker."""
+
+    def _token_response(self, rid: str, want_logprobs: bool, top_n: int):
+        GenerateResponse, TokenOutput, TokenInfo = (generation_pb2.GenerateResponse, generation_pb2.TokenOutput,
+                                                    generation_pb2.TokenInfo)
+        vocab_words = self.vocab.word_ids
+
+        def token_response(token: int, position: int) -> generation_pb2.GenerateResponse:
+            info = TokenInfo(token_id=token)
+            if want_logprobs:
+                info.logprob = _logprob(token, position)
+                for rank in range(top_n):
+                    alt = vocab_words[(token + rank * 31) % len(vocab_words)]
+                    info.candidates.add(token_id=alt, logprob=info.logprob - rank * 0.5, rank=rank + 1)
+            return GenerateResponse(request_id=rid, token=TokenOutput(output_index=0, tokens=[info]))
+
+        return token_response
+
+    def _token_callback(self, outbox: Outbox, token_response, stop_texts: list[str]):
+        def on_token(request: SimRequest, token: int) -> None:
+            outbox.put(token_response(token, request.generated - 1))
+            if stop_texts:
+                text = self.tokenizer.decode(request.output_ids[-16:])
+                for stop in stop_texts:
+                    if stop in text and self.scheduler.cancel(request):
+                        request.on_finish(request, "stop", ("stop_text", stop))
+                        return
+
+        return on_token
+
+    def _finish_callback(self, outbox: Outbox, rid: str, prompt_len: int):
+        reasons = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
+                   "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
+
+        def on_finish(request: SimRequest, reason: str, match) -> None:
+            stop_match = None
+            if match is not None:
+                stop_match = generation_pb2.StopMatch(**{match[0]: match[1]})
+            outbox.put(generation_pb2.GenerateResponse(
+                request_id=rid,
+                finished=generation_pb2.GenerationFinished(output_index=0, reason=reasons[reason],
+                                                           stop_match=stop_match),
+                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=request.generated,
+                                           total_tokens=prompt_len + request.generated)), last=True)
+
+        return on_finish
+
+    def _context_callback(self, outbox: Outbox, rid: str, prompt_ids, media_ids, prompt_len: int, token_response,
+                          stop_texts: list[str], want_logprobs: bool):
+        def on_context_done(request: SimRequest, first_token: int) -> None:
+            c = self.config
+            if self.persona.streams_context_token:
+                # Revision-1 TensorRT-LLM streams the context phase's token before the handoff.
+                outbox.put(token_response(first_token, 0))
+                text = self.tokenizer.decode([first_token])
+                stop = next((s for s in stop_texts if s in text), None)
+                if stop is not None:  # the one token stopped the request: no KV to hand off
+                    self.scheduler.release_blocks(request.blocks)
+                    request.blocks = 0
+                    request.generated = 1
+                    request.on_finish(request, "stop", ("stop_text", stop))
+                    return
+            context_id = str(next(self.context_ids)) if self.persona.trtllm else rid
+            opaque = handoff.new_opaque_state(context_id, c.host, self.kv_port, uuidlib.uuid4().hex)
+            held = kv_transfer.HeldSession(
+                session_id=context_id, blocks=request.blocks, tokens=prompt_len,
+                prompt_digest=output.prompt_digest(prompt_ids), media_digest=output.media_digest(media_ids),
+                opaque_state=opaque, first_gen_tokens=[first_token])
+            request.blocks = 0  # the blocks now belong to the session, not the request
+            if not c.drop_kv_sessions:
+                self.sessions.hold(held)
+            else:
+                self.scheduler.release_blocks(held.blocks)
+            session = handoff.encode(self.persona, handoff.Handoff(
+                session_key=context_id, kv_host=c.host, kv_port=self.kv_port, opaque_state=opaque,
+                first_gen_tokens=(first_token,), requires_decode_media=bool(media_ids), prompt_tokens=prompt_len,
+                first_gen_log_probs=(_logprob(first_token, 0),) if want_logprobs else ()))
+            outbox.put(generation_pb2.GenerateResponse(
+                request_id=rid, prefill_ready=generation_pb2.PrefillReady(kv_session=session),
+                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=0,
+                                           total_tokens=prompt_len)), last=True)
+
+        return on_context_done
+
+
+def _logprob(token: int, position: int) -> float:
+    """A deterministic stand-in logprob, the same for a token on either leg."""
+    return -((token * 7919 + position) % 1000) / 400.0
