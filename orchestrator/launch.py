@@ -182,20 +182,26 @@ class Launcher:
         if binary is None:
             raise LaunchFailed(f"{self.config_path}: launch.etcd.binary: {self.config.launch.etcd.binary!r} is not on "
                                "PATH (Debian: apt-get install etcd-server)")
-        client, peer = free_port(), free_port()
-        self.etcd_url = f"http://127.0.0.1:{client}"
-        argv = etcd_command(binary, "orch-launch", os.path.join(self._tmp, "etcd"), client, peer)
-        child = Child("etcd", argv)
-        self.children.append(child)
-        await nursery.start(child.run)
-        with trio.move_on_after(timeout):
-            while child.returncode is None:
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", client)
-                    await stream.aclose()
-                    return
-                except OSError:
-                    await trio.sleep(0.05)
+        # free_port() is check-then-bind: an etcd that exits at once (its port was taken meanwhile) is started
+        # again on fresh ports.
+        for attempt in range(5):
+            client, peer = free_port(), free_port()
+            self.etcd_url = f"http://127.0.0.1:{client}"
+            argv = etcd_command(binary, "orch-launch", os.path.join(self._tmp, f"etcd-{attempt}"), client, peer)
+            child = Child("etcd", argv)
+            self.children.append(child)
+            await nursery.start(child.run)
+            with trio.move_on_after(timeout):
+                while child.returncode is None:
+                    try:
+                        stream = await trio.open_tcp_stream("127.0.0.1", client)
+                        await stream.aclose()
+                        return
+                    except OSError:
+                        await trio.sleep(0.05)
+            if child.returncode is None:
+                break  # it runs but does not answer: no port clash, a real failure
+            self.children.remove(child)
         raise LaunchFailed(child.describe_failure())
 
     async def down(self) -> None:

@@ -147,13 +147,23 @@ class EtcdServer:
         binary = shutil.which("etcd")
         if binary is None:
             raise ProcessFailed("etcd is not on PATH: install Debian's etcd-server (see .ci/run)")
-        self.data_dir = tempfile.mkdtemp(prefix="orch-etcd-")
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
         self._binary = binary
         self._log_dir = log_dir
         self.process: subprocess.Popen | None = None
-        self.start()
+        # free_port() is check-then-bind: another process may take the port before etcd binds it. A start
+        # whose etcd exited at once is tried again on fresh ports (a restart keeps the ports it has).
+        for attempt in range(5):
+            self.data_dir = tempfile.mkdtemp(prefix="orch-etcd-")
+            self.client_port, self.peer_port = free_port(), free_port()
+            self.url = f"http://127.0.0.1:{self.client_port}"
+            try:
+                self.start()
+                return
+            except ProcessFailed:
+                exited = self.process is not None and self.process.poll() is not None
+                self.close()
+                if not exited or attempt == 4:
+                    raise
 
     def start(self) -> None:
         self._log = open(Path(self._log_dir) / f"etcd-{self.client_port}.log", "ab")

@@ -10,7 +10,8 @@ Fixtures
 - `engine_client`: a factory usable from trio tests: `async with engine_client(addr) as client`.
 
 Helpers: `ManagedProcess` (start a command, wait for its `ready ...` line, stop it, tail its log),
-`free_port()`, `wait_for_load(...)`.
+`free_port()`, `wait_for_load(...)`; for unit tests without processes, the scripted `FakeEngineClient`,
+`FakePool` and `fake_worker` (orchestrator.fake_engine), run under pytest-trio's `autojump_clock`.
 
 A five-line test:
 
@@ -29,6 +30,15 @@ from typing import AsyncIterator, Callable
 
 import pytest
 
+from orchestrator.fake_engine import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
+    Fail,
+    FakeEngineClient,
+    FakePool,
+    Hang,
+    Send,
+    Wait,
+    fake_worker,
+)
 from orchestrator.processes import (  # noqa: F401 - re-exported for tests that use the testkit
     EtcdServer,
     ManagedProcess,

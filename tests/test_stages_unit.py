@@ -1,0 +1,265 @@
+"""The two stages, the KV lease rule and the retry rule, against scripted fake workers on trio's MockClock.
+
+No process, no gRPC: every test runs in milliseconds (the autojump_clock fixture skips the waits). Cancellation is
+tried at every phase of each stage; afterwards the fakes tell which RPCs were cancelled, what was
+aborted, and whether a session was pulled or released.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from orchestrator.decode import StreamState, generation_leg
+from orchestrator.decode.stage import DecodeStage
+from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
+from orchestrator.engine.events import FinishReason
+from orchestrator.errors import NoWorkerAvailable
+from orchestrator.kv import KvLease
+from orchestrator.kv.release import KvReleaser
+from orchestrator.metrics import Metrics
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import kv_pb2
+from orchestrator.prefill.stage import PrefillStage
+from orchestrator.retry import with_retries
+from orchestrator.testing import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
+from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.models import TINY_CHAT
+
+TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
+WORD = TOKENIZER.encode(" weather")[0]
+SESSION = kv_pb2.KvSessionRef(session_id="7", endpoints=[kv_pb2.KvEndpoint(host="10.0.0.1", port=5601)])
+DONE = Finished(FinishReason.FINISH_REASON_LENGTH)
+
+
+def full(rid="r1", max_tokens=3) -> g.GenerateRequest:
+    return g.GenerateRequest(request_id=rid, model="m", token_ids=g.TokenIds(ids=[1, 2, 3]),
+                             stopping=g.StoppingOptions(max_tokens=max_tokens))
+
+
+def prefill_script(*steps):
+    return lambda request: list(steps)
+
+
+def decode_tokens(n=3, gap=0.01):
+    steps = []
+    for _ in range(n):
+        steps += [Wait(gap), Send(Tokens((WORD,)))]
+    return steps + [Send(DONE)]
+
+
+class Sink:
+    def __init__(self):
+        self.text, self.finished = "", None
+
+    async def delta(self, text, token_ids, logprobs):
+        self.text += text
+
+    async def finish(self, reason, prompt_tokens, completion_tokens):
+        self.finished = (reason, completion_tokens)
+
+
+def deployment(prefill_scripts=(), decode_scripts=(), abort_cleanup=False, abort_error=None, retries=1):
+    from orchestrator.fake_engine import capabilities
+
+    prefills = [FakeEngineClient(f"p{i}", capabilities("prefill", abort_cleanup=abort_cleanup), script,
+                                 abort_error=abort_error) for i, script in enumerate(prefill_scripts)]
+    decodes = [FakeEngineClient(f"d{i}", capabilities("decode"), script) for i, script in enumerate(decode_scripts)]
+    pool = FakePool([fake_worker("prefill", c) for c in prefills] + [fake_worker("decode", c) for c in decodes])
+    metrics = Metrics()
+    releaser = KvReleaser(pool, metrics, cleanup_timeout_s=5)
+    prefill = PrefillStage(pool, metrics, releaser, retries=retries, cleanup_timeout_s=5)
+    decode = DecodeStage(pool, metrics, releaser, retries=retries, cleanup_timeout_s=5)
+    return pool, prefills, decodes, prefill, decode, releaser, metrics
+
+
+def abort_capability(worker) -> bool:
+    return worker.client.cached_capabilities.supports_abort_cleanup
+
+
+def workers(pool, role):
+    return [w for w in pool.workers if w.role == role]
+
+
+# ---- the prefill stage --------------------------------------------------------------------------------
+
+async def test_prefill_returns_a_lease_and_holds_back_the_context_token(autojump_clock):
+    pool, (p,), _, prefill, *_ = deployment([prefill_script(Wait(0.05), Send(Tokens((WORD,))), Wait(0.01),
+                                                              Send(PrefillReady(SESSION)))], [])
+    result = await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    assert result.lease.session == SESSION and not result.lease.settled and not result.answer
+    (leg,) = p.generated()
+    assert leg.extra["request_type"] == "context_only" and leg.stopping.max_tokens == 1
+
+
+async def test_a_prefill_that_stops_on_its_token_is_the_answer(autojump_clock):
+    pool, _, _, prefill, *_ = deployment([prefill_script(Send(Tokens((WORD,))),
+                                                         Send(Finished(FinishReason.FINISH_REASON_STOP)))], [])
+    result = await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    assert result.lease is None and [type(e) for e in result.answer] == [Tokens, Finished]
+
+
+async def test_a_retryable_prefill_failure_moves_to_another_prefill_worker(autojump_clock):
+    busy = EngineError("overloaded", worker="p0", rpc="Generate", retryable=True)
+    pool, (p0, p1), _, prefill, _, _, metrics = deployment(
+        [prefill_script(Fail(busy)), prefill_script(Send(PrefillReady(SESSION)))], [])
+    first = next(w for w in workers(pool, "prefill") if w.client is p0)
+    result = await prefill.run(first, abort_capability, full())
+    assert result.lease.prefill_worker.client is p1
+    assert len(p0.generated()) == len(p1.generated()) == 1
+    assert 'orchestrator_retries_total{role="prefill"} 1.0' in metrics.render().decode()
+
+
+async def test_a_non_retryable_prefill_failure_is_not_retried(autojump_clock):
+    wrong = EngineError("bad", worker="p0", rpc="Generate", retryable=False)
+    pool, (p0, p1), _, prefill, *_ = deployment([prefill_script(Fail(wrong)), prefill_script(Hang())], [])
+    with pytest.raises(EngineError, match="bad"):
+        await prefill.run(next(w for w in workers(pool, "prefill") if w.client is p0), abort_capability, full())
+    assert p1.generated() == []
+
+
+@pytest.mark.parametrize("cancel_at", [0.01, 0.06])  # before its token, and after it but before PrefillReady
+async def test_a_prefill_cancelled_mid_flight_is_aborted_and_nothing_is_held(cancel_at, autojump_clock):
+    pool, (p,), (d,), prefill, *_ = deployment([prefill_script(Wait(0.05), Send(Tokens((WORD,))), Hang())],
+                                               [lambda request: decode_tokens(1)])
+    with trio.move_on_after(cancel_at):
+        await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    assert p.aborts == ["r1"] and p.cancelled == ["r1"], (p.aborts, p.cancelled, p.calls)
+    assert d.generated() == []  # no session appeared, so nothing to release
+
+
+@pytest.mark.parametrize("abort_cleanup", [False, True])
+async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_session(abort_cleanup, autojump_clock):
+    """The abort raced the handoff: the session exists, and is aborted or pulled by a release leg."""
+    def script(request):
+        return [Wait(0.05), Send(PrefillReady(SESSION))]
+
+    pool, (p,), (d,), prefill, *_ = deployment([script], [lambda request: decode_tokens(1)],
+                                               abort_cleanup=abort_cleanup)
+    with trio.move_on_after(0.01):
+        await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    assert "r1" in p.aborts
+    if abort_cleanup:
+        assert SESSION in p.aborts and d.generated() == []
+    else:
+        (release,) = d.generated()
+        assert release.request_id == "r1-kv-release" and release.kv.session == SESSION
+        assert release.stopping == g.StoppingOptions(max_tokens=1)
+
+
+# ---- the decode stage ---------------------------------------------------------------------------------
+
+async def run_decode(decode, worker, leg, lease=None, migrate=None):
+    sink, state = Sink(), StreamState()
+    await decode.run(worker, leg, sink, state, detokenizer=lambda: IncrementalDetokenizer(TOKENIZER),
+                     on_chunk=lambda: None, prompt_tokens=3, lease=lease, migrate=migrate)
+    return sink, state
+
+
+def lease_on(pool, abort_cleanup=False):
+    return KvLease(workers(pool, "prefill")[0], SESSION, abort_cleanup)
+
+
+async def test_decode_streams_the_text_and_marks_the_lease_pulled(autojump_clock):
+    pool, _, (d,), _, decode, *_ = deployment([prefill_script()], [lambda request: decode_tokens(3)])
+    lease = lease_on(pool)
+    sink, state = await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+    assert lease.pulled and d.cancelled == [] and d.aborts == []
+
+
+async def test_a_retryable_decode_failure_before_the_first_token_moves_to_another_decode_worker(autojump_clock):
+    gone = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
+    pool, _, (d0, d1), _, decode, *_ = deployment([prefill_script()], [lambda r: [Fail(gone)],
+                                                                        lambda r: decode_tokens(2)])
+    first = next(w for w in workers(pool, "decode") if w.client is d0)
+    sink, _ = await run_decode(decode, first, generation_leg(full(), SESSION), lease_on(pool))
+    assert sink.finished == ("length", 2) and [w.client for w, _ in pool.unreachable] == [d0]
+    assert d1.generated()[0].kv.session == SESSION  # the retry pulls the same session
+
+
+async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_goes_to_the_migration_hook(autojump_clock):
+    broken = EngineError("lost", worker="d0", rpc="Generate", retryable=True)
+    pool, _, (d0, d1), _, decode, *_ = deployment([prefill_script()], [
+        lambda r: [Send(Tokens((WORD,))), Fail(broken)], lambda r: decode_tokens(2)])
+    first = next(w for w in workers(pool, "decode") if w.client is d0)
+    with pytest.raises(EngineError, match="lost"):
+        await run_decode(decode, first, full())
+    assert d1.generated() == []
+    migrated = []
+
+    async def migrate(error, state):
+        migrated.append((error.message, state.completion_tokens))
+
+    await run_decode(decode, first, full(), migrate=migrate)
+    assert migrated == [("lost", 1)]
+
+
+@pytest.mark.parametrize("abort_cleanup", [False, True])
+async def test_decode_cancelled_before_its_first_token_keeps_the_kv_rule(abort_cleanup, autojump_clock):
+    pool, (p,), (d,), _, decode, *_ = deployment([prefill_script()], [lambda r: [Wait(0.2), *decode_tokens(3)]],
+                                                 abort_cleanup=abort_cleanup)
+    lease = lease_on(pool, abort_cleanup)
+    with trio.move_on_after(0.05):
+        await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
+    if abort_cleanup:  # the session is aborted at once; the decode stream is dropped
+        assert p.aborts == [SESSION] and lease.released and not lease.pulled
+    else:  # the stream is kept until its first token: the decode worker then holds the KV
+        assert p.aborts == [] and lease.pulled
+    assert d.aborts == ["r1"] and d.cancelled == ["r1"]  # and the decode leg itself is let go
+
+
+async def test_a_failing_abort_by_session_falls_back_to_keeping_the_decode_until_its_first_token(autojump_clock):
+    unimplemented = EngineError("aborting by kv_session is not supported", worker="p0", rpc="Abort")
+    pool, (p,), (d,), _, decode, *_ = deployment([prefill_script()], [lambda r: [Wait(0.2), *decode_tokens(2)]],
+                                                 abort_cleanup=True, abort_error=unimplemented)
+    lease = lease_on(pool, abort_cleanup=True)
+    with trio.move_on_after(0.05):
+        await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
+    assert lease.pulled and not lease.released
+
+
+async def test_decode_cancelled_mid_stream_aborts_the_leg_and_leaves_the_lease_alone(autojump_clock):
+    pool, (p,), (d,), _, decode, *_ = deployment([prefill_script()], [lambda r: decode_tokens(10, gap=0.05)])
+    lease = lease_on(pool)
+    with trio.move_on_after(0.12):
+        await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(max_tokens=10), SESSION), lease)
+    assert lease.pulled and p.aborts == [] and d.aborts == ["r1"] and d.cancelled == ["r1"]
+
+
+# ---- the releaser and the retry rule ------------------------------------------------------------------
+
+async def test_the_releaser_tries_the_next_decode_worker_when_a_release_leg_fails(autojump_clock):
+    failing = EngineError("injected", worker="d0", rpc="Generate")
+    pool, (p,), (d0, d1), _, _, releaser, metrics = deployment(
+        [prefill_script()], [lambda r: [Send(Failed(failing))], lambda r: decode_tokens(1)])
+    lease = lease_on(pool)
+    await releaser.release_unpulled(lease, full(), next(w for w in workers(pool, "decode") if w.client is d0))
+    assert lease.released and [r.request_id for r in d1.generated()] == ["r1-kv-release"]
+    assert 'orchestrator_kv_cleanups_total{way="decode_pull"} 1.0' in metrics.render().decode()
+
+
+async def test_the_releaser_leaves_a_settled_lease_alone(autojump_clock):
+    pool, (p,), (d,), _, _, releaser, _ = deployment([prefill_script()], [lambda r: decode_tokens(1)])
+    lease = lease_on(pool)
+    lease.pulled = True
+    await releaser.release_unpulled(lease, full(), workers(pool, "decode")[0])
+    assert d.generated() == [] and p.aborts == []
+
+
+async def test_retries_stop_at_the_limit_and_keep_the_original_error_when_no_worker_is_left(autojump_clock):
+    pool = FakePool([fake_worker("decode", FakeEngineClient(f"d{i}")) for i in range(3)])
+    seen = []
+
+    async def attempt(worker):
+        seen.append(worker.address)
+        raise EngineError(f"busy {worker.address}", worker=worker.address, rpc="Generate", retryable=True)
+
+    with pytest.raises(EngineError, match="busy"):
+        await with_retries(pool, pool.workers[0], attempt, retries=1, metrics=Metrics(), what="leg")
+    assert len(seen) == 2 and len(set(seen)) == 2  # one retry, on another worker
+    alone = FakePool([fake_worker("decode", FakeEngineClient("only"))])
+    with pytest.raises(EngineError, match="busy grpc://only"):
+        await with_retries(alone, alone.workers[0], attempt, retries=3, metrics=Metrics(), what="leg")
+    with pytest.raises(NoWorkerAvailable):
+        alone.pick("prefill")
