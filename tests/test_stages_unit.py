@@ -7,6 +7,7 @@ aborted, and whether a session was pulled or released.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 
@@ -18,13 +19,13 @@ from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
+from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.retry import with_retries
 from orchestrator.testing import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
-from orchestrator.models import TINY_CHAT
 
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
 WORD = TOKENIZER.encode(" weather")[0]
@@ -263,3 +264,70 @@ async def test_retries_stop_at_the_limit_and_keep_the_original_error_when_no_wor
         await with_retries(alone, alone.workers[0], attempt, retries=3, metrics=Metrics(), what="leg")
     with pytest.raises(NoWorkerAvailable):
         alone.pick("prefill")
+
+
+# ---- the coordinator over the fakes ---------------------------------------------------------------------
+
+def coordinator(tmp_path, mode, pool, **sections):
+    from orchestrator import config as config_module
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.testing import write_config
+
+    config = config_module.load(write_config(tmp_path / "c.yaml", mode, {}, **sections))
+    return Coordinator(config, pool, TOKENIZER, Metrics())
+
+
+def chat(**extra):
+    from orchestrator.convert import parse_chat
+
+    return parse_chat({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                       **extra})
+
+
+async def test_a_disaggregated_request_through_the_coordinator(tmp_path, autojump_clock):
+    from orchestrator.fake_engine import capabilities
+
+    prefill = FakeEngineClient("p0", capabilities(), lambda r: [Wait(0.02), Send(Tokens((WORD,))),
+                                                                Send(PrefillReady(SESSION))])
+    decode = FakeEngineClient("d0", capabilities(), lambda r: decode_tokens(3))
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", decode)])
+    c = coordinator(tmp_path, "disaggregated", pool)
+    plan = await c.plan(chat(conversation_id="conv-1"), "e1")
+    sink = Sink()
+    await c.execute(plan, sink)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+    (ctx,), (gen,) = prefill.generated(), decode.generated()
+    assert ctx.extra["request_type"] == "context_only" and gen.kv.session == SESSION
+    assert ctx.extra["conversation_id"] == gen.extra["conversation_id"] == "conv-1"
+    assert prefill.cancelled == decode.cancelled == []
+
+
+async def test_a_disaggregated_request_whose_decode_fails_releases_its_session(tmp_path, autojump_clock):
+    from orchestrator.fake_engine import capabilities
+
+    wrong = EngineError("bad", worker="d0", rpc="Generate")
+    prefill = FakeEngineClient("p0", capabilities(), lambda r: [Send(PrefillReady(SESSION))])
+    broken = FakeEngineClient("d0", capabilities(), lambda r: [Fail(wrong)])
+    healthy = FakeEngineClient("d1", capabilities(), lambda r: decode_tokens(1))
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", broken), fake_worker("decode", healthy)])
+    c = coordinator(tmp_path, "disaggregated", pool)
+    plan = await c.plan(chat(), "e2")
+    plan = attrs.evolve(plan, workers=(plan.workers[0], pool.workers[1]))  # route to the broken decode worker
+    with pytest.raises(EngineError, match="bad"):
+        await c.execute(plan, Sink())
+    releases = [r.request_id for r in broken.generated() + healthy.generated() if r.request_id.endswith("release")]
+    assert releases == ["e2-kv-release", "e2-kv-release"]  # the broken one first, then the healthy one pulled
+
+
+async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_declares_revision_3(tmp_path,
+                                                                                          autojump_clock):
+    from orchestrator.fake_engine import capabilities
+
+    prefill = FakeEngineClient("p0", capabilities("prefill", schema_revision=3),
+                               lambda r: [Send(PrefillReady(SESSION))])
+    decode = FakeEngineClient("d0", capabilities("decode", schema_revision=3), lambda r: decode_tokens(1))
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", decode)])
+    c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096})
+    assert (await c.plan(chat(), "e3")).path == "disaggregated"
+    decode.caps = capabilities("unspecified")
+    assert (await c.plan(chat(), "e4")).path == "local"
