@@ -14,11 +14,20 @@ SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrato
                       "orchestrator.discovery.register", "orchestrator.bench.cli")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _env_log_level() -> str:
+    level = os.environ.get("ORCH_LOG_LEVEL", "INFO").upper()
+    return level if level in LOG_LEVELS else "INFO"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Disaggregated LLM serving on TensorRT-LLM "
                                      "OpenEngine v1 workers.")
     parser.add_argument("--version", action="version", version=f"orchestrator {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("ORCH_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="{" + ",".join(LOG_LEVELS) + "}",
+                        default=_env_log_level(), help="any case; default $ORCH_LOG_LEVEL or INFO")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMAND_MODULES:
         __import__(module, fromlist=["add_parser"]).add_parser(subparsers)
@@ -26,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    log.configure(os.environ.get("ORCH_LOG_LEVEL", "INFO"))  # logging works from the first line
+    log.configure(_env_log_level())  # logging works from the first line
     parser = build_parser()
     args = parser.parse_args(argv)
     log.configure(args.log_level)

@@ -189,6 +189,9 @@ def _convert(value: Any, tp: Any, file: str, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        others = [arg for arg in args if arg is not type(None)]
+        if len(others) == 1:  # X | None: what is wrong inside X names its own key
+            return _convert(value, others[0], file, key)
         for arg in args:
             if arg is type(None):
                 continue
@@ -303,7 +306,23 @@ def load(path: str | Path, *, check_paths: bool = True) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(file, "(syntax)", f"valid YAML: {exc}") from exc
+    if data is None:
+        raise ConfigError(file, "(file)", "a configuration: the file is empty")
     return from_dict(data, file=file, base_dir=path.resolve().parent, check_paths=check_paths)
+
+
+def serving_problem(config: Config, file: str) -> ConfigError | None:
+    """Why this config cannot serve as written, if it cannot: a role its mode needs has no worker
+    (none listed under discovery.static and none launched). etcd discovery finds its workers later."""
+    if config.discovery.static is None:
+        return None
+    launched = {w.role for w in config.launch.workers}
+    for role in config.needed_roles:
+        if not getattr(config.discovery.static, role) and role not in launched:
+            return ConfigError(file, f"discovery.static.{role}",
+                               f"at least one {role} worker for {config.mode} mode (list its grpc:// address, or "
+                               f"launch one under launch.workers)", [])
+    return None
 
 
 def from_dict(data: Any, *, file: str = "<dict>", base_dir: Path = Path("."), check_paths: bool = True) -> Config:

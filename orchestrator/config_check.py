@@ -23,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             config = config_module.load(path, check_paths=not args.no_path_checks)
             check_sim_workers(config, str(path))
+            problem = config_module.serving_problem(config, str(path))
+            if problem is not None:
+                raise problem
         except config_module.ConfigError as exc:
             print(f"error: {exc}")
             status = 1

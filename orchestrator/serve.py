@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
 from functools import partial
@@ -148,5 +149,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     host = args.host or config.http.host
     port = config.http.port if args.port is None else args.port
-    trio.run(partial(serve, config, host=host, port=port))
+    try:
+        trio.run(partial(serve, config, host=host, port=port))
+    except (OSError, BaseExceptionGroup) as exc:
+        busy = _address_in_use(exc)
+        if busy is None:
+            raise
+        log.error("cannot listen on %s:%d: %s; choose another with --port or http.port in %s", host, port,
+                  busy.strerror or busy, args.config)
+        return 2
     return 0
+
+
+def _address_in_use(exc: BaseException) -> OSError | None:
+    """The EADDRINUSE inside what hypercorn's bind raised (possibly wrapped in exception groups)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _address_in_use(inner)
+            if found is not None:
+                return found
+    return None

@@ -45,6 +45,45 @@ def test_check_config_names_a_typoed_key(tmp_path):
     assert f"{path}: routing.decdoe: expected one of the known keys" in result.stdout
 
 
+@pytest.mark.parametrize("text, words", [
+    ("", "(file): expected a configuration: the file is empty"),
+    ("mode: disaggregated\ndiscovery:\n  static: {prefill: [], decode: [grpc://10.0.0.2:50051]}\n",
+     "discovery.static.prefill: expected at least one prefill worker for disaggregated mode"),
+    ("mode: aggregated\n", "discovery.static.aggregated: expected at least one aggregated worker"),
+    ("launch:\n  workers:\n    - {role: decode, sim: {profle: x}}\n",
+     "launch.workers[0].sim.profle: expected one of the known keys"),  # inside a nested section, by name
+])
+def test_check_config_refuses_configs_that_cannot_serve(tmp_path, text, words):
+    path = write(tmp_path, text)
+    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"error: {path}: {words}" in result.stdout, result.stdout
+
+
+def test_log_levels_are_case_insensitive_and_their_choices_are_in_the_help():
+    ok = subprocess.run(python_command("--log-level", "debug", "check-config", "configs/agg.yaml"), capture_output=True,
+                        text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(python_command("--log-level", "loud", "--help"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
+    assert "{DEBUG,INFO,WARNING,ERROR,CRITICAL}" in subprocess.run(python_command("--help"), capture_output=True,
+                                                                   text=True, timeout=60).stdout
+
+
+def test_a_busy_port_is_one_clear_line_naming_the_port_and_the_flag(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = write(tmp_path, "mode: aggregated\ndiscovery:\n  static: {aggregated: [grpc://127.0.0.1:9]}\n")
+        result = subprocess.run(python_command("serve", "-c", str(config), "--port", str(port)), capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0] and "--port" in errors[0]
+
+
 def test_check_config_names_a_missing_model_directory(tmp_path):
     path = write(tmp_path, "model:\n  dir: ./no-such-model\n")
     with pytest.raises(ConfigError) as info:
