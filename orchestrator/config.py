@@ -93,6 +93,7 @@ class LimitsConfig:
     max_images: int = attrs.field(default=16, validator=_positive)
     max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
     max_total_image_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
+    max_image_url_chars: int = attrs.field(default=8192, validator=_positive)
     max_request_bytes: int = attrs.field(default=96 * 1024 * 1024, validator=_positive)
     request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
     worker_startup_timeout_s: float = attrs.field(default=300.0, validator=_positive)

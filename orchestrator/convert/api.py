@@ -90,14 +90,24 @@ def _number(body: dict, name: str, lo: float | None = None, hi: float | None = N
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise invalid(f"{name}: expected {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+        raise invalid(f"{name}: expected {'an integer' if integer else 'a number'}, got {_shown(value)}", param=name)
     if isinstance(value, float) and not math.isfinite(value):
         raise invalid(f"{name}: expected a finite number", param=name)
     if lo is not None and (value <= lo if lo_open else value < lo):
-        raise invalid(f"{name}: must be {'>' if lo_open else '>='} {lo:g}, got {value!r}", param=name)
+        raise invalid(f"{name}: must be {'>' if lo_open else '>='} {_bound(lo)}, got {_shown(value)}", param=name)
     if hi is not None and value > hi:
-        raise invalid(f"{name}: must be <= {hi:g}, got {value!r}", param=name)
+        raise invalid(f"{name}: must be <= {_bound(hi)}, got {_shown(value)}", param=name)
     return value
+
+
+def _bound(limit: float) -> str:
+    return str(limit) if isinstance(limit, int) else f"{limit:g}"
+
+
+def _shown(value) -> str:
+    """A value for an error message: a 5,000-digit number or a megabyte string is not echoed whole."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bool(body: dict, name: str, default: bool = False) -> bool:
@@ -109,10 +119,14 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
+UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
+INT32_MAX = 2**31 - 1
+
+
 def _int_list(value, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= UINT32_MAX
                                               for v in value):
-        raise invalid(f"{name}: expected a list of non-negative integers", param=name)
+        raise invalid(f"{name}: expected a list of integers from 0 to {UINT32_MAX}", param=name)
     return tuple(value)
 
 
@@ -143,9 +157,9 @@ def _common(body: dict, kind: str) -> dict:
             raise invalid("stream_options: only allowed when stream is true", param="stream_options")
         include_usage = _bool(stream_options, "include_usage")
 
-    max_tokens = _number(body, "max_completion_tokens", 1, integer=True) if kind == "chat" else None
+    max_tokens = _number(body, "max_completion_tokens", 1, UINT32_MAX, integer=True) if kind == "chat" else None
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, integer=True)
+        max_tokens = _number(body, "max_tokens", 1, UINT32_MAX, integer=True)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -161,7 +175,7 @@ def _common(body: dict, kind: str) -> dict:
     sampling = Sampling(
         temperature=_number(body, "temperature", 0, 2),
         top_p=_number(body, "top_p", 0, 1, lo_open=True),
-        top_k=_number(body, "top_k", -1, integer=True),
+        top_k=_number(body, "top_k", -1, INT32_MAX, integer=True),
         min_p=_number(body, "min_p", 0, 1),
         seed=_number(body, "seed", 0, 2**64 - 1, integer=True),
         presence_penalty=_number(body, "presence_penalty", -2, 2),
@@ -174,7 +188,7 @@ def _common(body: dict, kind: str) -> dict:
         raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
                       param="conversation_id")
     return dict(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                min_tokens=_number(body, "min_tokens", 0, integer=True), stop=stops, stop_token_ids=stop_token_ids,
+                min_tokens=_number(body, "min_tokens", 0, UINT32_MAX, integer=True), stop=stops, stop_token_ids=stop_token_ids,
                 ignore_eos=_bool(body, "ignore_eos"), sampling=sampling, conversation_id=conversation_id,
                 media_options=_media_options(body))
 

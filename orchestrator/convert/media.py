@@ -21,6 +21,7 @@ _DATA_URI = re.compile(r"^data:(?P<mime>[^;,]+)(?P<params>(?:;[^;,]+)*),(?P<payl
 
 @attrs.frozen
 class MediaLimits:
+    max_url_chars: int = 8192  # an http(s) URL the engine will fetch
     max_images: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
     max_total_image_bytes: int = 64 * 1024 * 1024
@@ -73,6 +74,9 @@ def parse_image_part(part: dict, where: str, limits: MediaLimits) -> tuple[Image
         raise invalid(f"{where}.image_url.url: scheme {scheme or '(none)'!r} is not allowed; "
                       "use http, https or a data: URI", param=f"{where}.image_url.url")
     if scheme in ("http", "https"):
+        if len(url) > limits.max_url_chars:
+            raise invalid(f"{where}.image_url.url: the URL has {len(url)} characters; at most {limits.max_url_chars} "
+                          "are allowed", param=f"{where}.image_url.url")
         if not urlsplit(url).hostname:
             raise invalid(f"{where}.image_url.url: the URL has no host", param=f"{where}.image_url.url")
         return ImageRef(url=url, uuid=uuid, where=where), 0

@@ -89,12 +89,17 @@ class ClientClosed(EngineError):
 def from_rpc_error(exc: grpc.aio.AioRpcError, *, worker: str, rpc: str) -> EngineError:
     status = exc.code()
     code, retryable = _STATUS_MAP.get(status, (ErrorCode.ERROR_CODE_INTERNAL, False))
+    details = exc.details() or status.name
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # The worker's gRPC message limit, not its load: the same request will never fit (big data: images).
+        code, retryable = ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False
+        details = f"the request is larger than the worker's gRPC message limit ({details}); send smaller images"
     kind = (
         WorkerUnavailable
         if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         else EngineError
     )
-    error = kind(exc.details() or status.name, worker=worker, rpc=rpc, code=code,
+    error = kind(details, worker=worker, rpc=rpc, code=code,
                  retryable=retryable, grpc_status=status)
     error.__cause__ = exc
     return error

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import secrets
 import time
 from typing import Any, Awaitable, Callable
@@ -57,8 +58,10 @@ class App:
         self.metrics = metrics
         self.draining = False
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
-        self.media_limits = MediaLimits(config.limits.max_images, config.limits.max_image_bytes,
-                                        config.limits.max_total_image_bytes)
+        limits = config.limits
+        self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
+                                        max_image_bytes=limits.max_image_bytes,
+                                        max_total_image_bytes=limits.max_total_image_bytes)
         self.routes: dict[tuple[str, str], Callable] = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
@@ -299,9 +302,37 @@ async def read_json(receive: Receive, limit: int) -> Any:
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise ApiError(400, f"the request body is not usable JSON: {exc}") from None
+    if _ESCAPED_SURROGATE.search(raw):
+        _refuse_lone_surrogates(body)
+    return body
+
+
+# JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"); such a string has no UTF-8 form, so no engine
+# (and no protobuf string) can take it. Only bodies that contain such an escape are walked.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value, where: str = "body") -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where}: the string holds a lone UTF-16 surrogate (not valid Unicode text)",
+                           param=where) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, where)
+            _refuse_lone_surrogates(item, f"{key}" if where == "body" else f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{where}[{i}]")
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:
