@@ -106,9 +106,21 @@ class LimitsConfig:
 
 
 @attrs.frozen
+class AuthConfig:
+    """API keys (Bearer). Any of the three sources; none at all: no authentication."""
+
+    api_keys: tuple[str, ...] = ()  # inline (prefer a file or the environment for real keys)
+    api_keys_file: str | None = None  # one key per line; relative to the config file
+    api_keys_env: str | None = None  # the name of an environment variable holding comma-separated keys
+    protect_health: bool = False  # /health needs a key too
+    protect_metrics: bool = False  # /metrics needs a key too
+
+
+@attrs.frozen
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
 
 
 @attrs.frozen
@@ -152,6 +164,7 @@ class Config:
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     http: HttpConfig = HttpConfig()
+    auth: AuthConfig = AuthConfig()
     launch: LaunchConfig = LaunchConfig()
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)

@@ -77,6 +77,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.coordinator import Coordinator
     from orchestrator.engine import LoopThread
     from orchestrator.frontend.app import App
+    from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
     from orchestrator.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
@@ -88,9 +89,11 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s)
-        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics)
+        api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
+        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys)
         hc = HypercornConfig()
         hc.bind = [f"{host}:{port}"]
+        hc.backlog = config.http.backlog  # hypercorn's default of 100 resets a burst of connections
         hc.graceful_timeout = limits.shutdown_grace_s
         hc.keep_alive_timeout = 75
         hc.accesslog = None
@@ -144,10 +147,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = apply_etcd_overrides(apply_worker_overrides(config_module.load(args.config), args.worker),
                                       args.etcd_endpoint)
+        from orchestrator.frontend.auth import load_api_keys
+
+        keys = load_api_keys(config.auth, file=str(args.config), base_dir=config.base_dir)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
     host = args.host or config.http.host
+    if not keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no API keys are configured (auth: in %s) and the API listens on %s: anyone who can reach "
+                    "the port can use it", args.config, host)
     port = config.http.port if args.port is None else args.port
     try:
         trio.run(partial(serve, config, host=host, port=port))

@@ -25,6 +25,7 @@ from orchestrator.coordinator import Coordinator
 from orchestrator.engine import EngineError
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
+from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
@@ -51,12 +52,14 @@ def new_request_id(given: str | None) -> str:
 
 
 class App:
-    def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics):
+    def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics,
+                 api_keys: ApiKeys | None = None):
         self.config = config
         self.coordinator = coordinator
         self.pool = pool
         self.metrics = metrics
         self.draining = False
+        self.api_keys = api_keys or ApiKeys([])
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
@@ -80,6 +83,12 @@ class App:
         if scope["type"] != "http":
             return
         handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is not None and self._needs_key(scope["path"]) and not self.api_keys.allows(
+                _header(scope, b"authorization")):
+            error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
+                             code="invalid_api_key")
+            await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+            return
         if handler is None:
             allowed = [m for (m, p) in self.routes if p == scope["path"]]
             error = (ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
@@ -87,6 +96,15 @@ class App:
             await send_json(send, error.status, error.body())
             return
         await handler(scope, receive, send)
+
+    def _needs_key(self, path: str) -> bool:
+        if not self.api_keys.enabled:
+            return False
+        if path == "/health":
+            return self.config.auth.protect_health
+        if path == "/metrics":
+            return self.config.auth.protect_metrics
+        return True
 
     # ---- simple routes -------------------------------------------------------------------------
     async def models(self, scope, receive, send) -> None:
