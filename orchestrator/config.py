@@ -94,6 +94,9 @@ class LimitsConfig:
     max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
     max_total_image_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
     max_image_url_chars: int = attrs.field(default=8192, validator=_positive)
+    # Hosts (exact names) or networks (CIDR) whose image URLs may name internal addresses: workers fetch URLs
+    # themselves, so by default only public addresses are allowed (orchestrator/media_policy.py).
+    image_url_allowlist: tuple[str, ...] = ()
     max_request_bytes: int = attrs.field(default=96 * 1024 * 1024, validator=_positive)
     request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
     worker_startup_timeout_s: float = attrs.field(default=300.0, validator=_positive)

@@ -25,6 +25,7 @@ from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
 from orchestrator.kv import HandoffError, check_session
 from orchestrator.kv.release import KvReleaser
+from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.pool import Worker, WorkerPool
@@ -54,6 +55,7 @@ class Coordinator:
         self.decode = DecodeStage(pool, metrics, releaser, retries=limits.decode_retries,
                                   cleanup_timeout_s=limits.kv_cleanup_timeout_s)
         self.releaser = releaser
+        self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
 
     # ---- planning ----------------------------------------------------------------------------------
     def prompt_ids(self, api: ApiRequest) -> list[int]:
@@ -71,6 +73,7 @@ class Coordinator:
         if api.model not in self.model_names:
             raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
+        await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)
         prompt_ids = self.prompt_ids(api)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")

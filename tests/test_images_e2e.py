@@ -21,7 +21,8 @@ from serve_helpers import Deployment
 
 PIL = pytest.importorskip("PIL.Image")
 FAST = ("--time-scale", "0.02", "--schema-revision", "3")
-REVISION_1 = ("--time-scale", "0.02")  # tensorrt_llm/grpc/openengine: supports_multimodal=false, media UNIMPLEMENTED
+REVISION_1 = ("--time-scale", "0.02")
+LOCAL_IMAGES = {"image_url_allowlist": ["127.0.0.1"]}  # the test's image server is on loopback, refused by default  # tensorrt_llm/grpc/openengine: supports_multimodal=false, media UNIMPLEMENTED
 
 
 def image_bytes(fmt: str, color) -> bytes:
@@ -73,7 +74,8 @@ def image_request(url_base, **extra):
 
 @pytest.fixture(scope="module")
 def agg(tmp_path_factory):
-    deployment = Deployment(tmp_path_factory.mktemp("img-agg"), "aggregated", {"aggregated": [FAST]})
+    deployment = Deployment(tmp_path_factory.mktemp("img-agg"), "aggregated", {"aggregated": [FAST]},
+                            limits=LOCAL_IMAGES)
     yield deployment
     deployment.close()
 
@@ -81,7 +83,7 @@ def agg(tmp_path_factory):
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory):
     deployment = Deployment(tmp_path_factory.mktemp("img-disagg"), "disaggregated",
-                            {"prefill": [FAST], "decode": [FAST]})
+                            {"prefill": [FAST], "decode": [FAST]}, limits=LOCAL_IMAGES)
     yield deployment
     deployment.close()
 
@@ -146,7 +148,8 @@ async def test_images_are_refused_unless_every_signal_of_every_worker_says_yes(
     prefill = sim_workers.start("prefill", *(prefill_flags if prefill_flags == REVISION_1 else (*FAST, *prefill_flags)))
     decode = sim_workers.start("decode", *(decode_flags if decode_flags == REVISION_1 else (*FAST, *decode_flags)))
     server = orchestrator_servers.start(write_config(
-        tmp_path / "gate.yaml", "disaggregated", {"prefill": [prefill.address], "decode": [decode.address]}))
+        tmp_path / "gate.yaml", "disaggregated", {"prefill": [prefill.address], "decode": [decode.address]},
+        limits=LOCAL_IMAGES))
     async with httpx.AsyncClient(timeout=30) as http:
         refused = await http.post(server.url + "/v1/chat/completions", json=image_request(image_server))
         text_only = await http.post(server.url + "/v1/chat/completions", json={
@@ -163,7 +166,7 @@ async def test_a_configured_window_tighter_than_the_engine_refuses_image_request
     worker = sim_workers.start("aggregated", *FAST)
     server = orchestrator_servers.start(write_config(
         tmp_path / "window.yaml", "aggregated", {"aggregated": [worker.address]},
-        model={"name": "tiny-chat", "dir": "builtin:tiny-chat", "context_window": 4096}))
+        model={"name": "tiny-chat", "dir": "builtin:tiny-chat", "context_window": 4096}, limits=LOCAL_IMAGES))
     async with httpx.AsyncClient(timeout=30) as http:
         refused = await http.post(server.url + "/v1/chat/completions", json=image_request(image_server))
         text = await http.post(server.url + "/v1/chat/completions", json={
@@ -191,7 +194,7 @@ async def test_a_failing_capability_discovery_is_one_shared_503_for_concurrent_i
     worker = sim_workers.start("aggregated", *FAST, "--fail-model-info")
     server = orchestrator_servers.start(write_config(
         tmp_path / "disc.yaml", "aggregated", {"aggregated": [worker.address]},
-        limits={"health_interval_s": 30}))  # keep background health checks out of the count
+        limits={"health_interval_s": 30, **LOCAL_IMAGES}))  # keep background health checks out of the count
     results = []
     async with httpx.AsyncClient(timeout=30) as http:
         async def one():
@@ -211,7 +214,7 @@ async def test_a_failing_capability_discovery_is_one_shared_503_for_concurrent_i
 async def test_the_engine_enforces_its_fetch_size_limit(tmp_path, sim_workers, orchestrator_servers, image_server):
     worker = sim_workers.start("aggregated", *FAST, "--media-max-bytes", "100")  # the JPEG is larger
     server = orchestrator_servers.start(write_config(tmp_path / "small.yaml", "aggregated",
-                                                     {"aggregated": [worker.address]}))
+                                                     {"aggregated": [worker.address]}, limits=LOCAL_IMAGES))
     body = {"model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_server + "/cat.jpg"}}]}]}
     async with httpx.AsyncClient(timeout=30) as http:
@@ -234,3 +237,24 @@ async def test_media_options_reach_revision_3_workers_that_take_them_and_are_ref
         text_only = await http.post(disagg.url + "/v1/chat/completions", json={
             "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "media_io_kwargs": options})
         assert text_only.status_code == 400 and text_only.json()["error"]["param"] == "media_io_kwargs"
+
+
+async def test_image_urls_that_name_internal_addresses_never_reach_the_engine(
+        tmp_path, sim_workers, orchestrator_servers, engine_client):
+    """Workers fetch image URLs themselves: loopback, link-local (metadata), private and credentialed URLs
+    are refused before any worker is asked (orchestrator/media_policy.py)."""
+    worker = sim_workers.start("aggregated", *FAST)
+    server = orchestrator_servers.start(write_config(tmp_path / "ssrf.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    urls = [server.url + "/metrics", "http://127.1/x.png", "http://2130706433/x.png", "http://0x7f000001/x.png",
+            "http://[::ffff:127.0.0.1]/x.png", "http://169.254.169.254/latest/meta-data/", "http://10.0.0.7/x.png",
+            "http://user:secret@93.184.216.34/x.png"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in urls:
+            body = {"model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}]}
+            response = await http.post(server.url + "/v1/chat/completions", json=body)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["code"] == "image_url_not_allowed", (url, error)
+            assert "secret" not in response.text and str(worker.address) not in response.text
+    assert await recent_requests(engine_client, worker) == []
