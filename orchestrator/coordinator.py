@@ -30,7 +30,8 @@ from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.pool import Worker, WorkerPool
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer, TemplateError
+from orchestrator.prompt import prompt_token_ids
+from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 
 
 @attrs.frozen
@@ -58,23 +59,13 @@ class Coordinator:
         self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
 
     # ---- planning ----------------------------------------------------------------------------------
-    def prompt_ids(self, api: ApiRequest) -> list[int]:
-        if api.prompt_ids is not None:
-            return list(api.prompt_ids)
-        if api.kind == "completion":
-            return self.tokenizer.encode(api.prompt or "")
-        try:
-            text = self.tokenizer.render_chat([m.as_template_dict() for m in api.messages])
-        except TemplateError as exc:
-            raise InvalidRequest(f"messages: {exc}", param="messages") from exc
-        return self.tokenizer.encode(text)
-
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
         if api.model not in self.model_names:
             raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)
-        prompt_ids = self.prompt_ids(api)
+        prompt_ids = await prompt_token_ids(api, self.tokenizer,
+                                            window=self.config.model.context_window or self.pool.largest_window())
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
         mode = self.config.mode

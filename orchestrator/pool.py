@@ -225,6 +225,12 @@ class WorkerPool:
         self.changed = trio.Event()
 
     # ---- using workers -----------------------------------------------------------------------------
+    def largest_window(self) -> int | None:
+        """The largest context window a known worker reports (None before any capability discovery)."""
+        windows = [w.client.cached_capabilities.max_context_length for w in self.workers.values()
+                   if w.client is not None and w.client.cached_capabilities is not None]
+        return max((window for window in windows if window), default=None)
+
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 

@@ -19,6 +19,7 @@ placeholder either way cannot take images: that is an error, not a guess.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Sequence
@@ -94,6 +95,17 @@ class ModelTokenizer:
             else:
                 pieces.append(part["text"])
         return "\n".join(pieces)  # as OpenAI-compatible servers join parts
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (a text of B bytes has at least B / this many tokens)."""
+        sizes = (len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
+                 for i in range(self.tokenizer.get_vocab_size()))
+        return max(max(sizes, default=1), 1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the token count of `text`, in O(length) and without tokenizing."""
+        return len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

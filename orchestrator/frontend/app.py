@@ -320,7 +320,9 @@ async def read_json(receive: Receive, limit: int) -> Any:
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        # A big body (images as data URIs, long prompts) is parsed on a worker thread: the event loop keeps
+        # serving every other stream meanwhile.
+        body = json.loads(raw) if len(raw) < 1 << 20 else await trio.to_thread.run_sync(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
