@@ -143,7 +143,8 @@ def fake_worker(role: str, client: FakeEngineClient):
 
 
 class FakePool:
-    """The part of WorkerPool the stages use: pick (round robin per role), lease, report_unreachable."""
+    """The part of WorkerPool the stages and the coordinator use: pick (round robin per role), lease,
+    report_unreachable, largest_window."""
 
     def __init__(self, workers):
         self.workers = list(workers)
@@ -156,6 +157,9 @@ class FakePool:
             raise NoWorkerAvailable(f"no {role} worker is available", code="no_worker_available", retry_after=1)
         self._turn += 1
         return candidates[self._turn % len(candidates)]
+
+    def largest_window(self) -> int | None:
+        return max((w.client.caps.max_context_length or 0 for w in self.workers), default=None) or None
 
     @contextmanager
     def lease(self, worker) -> Iterator[object]:

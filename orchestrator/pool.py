@@ -73,6 +73,9 @@ class WorkerPool:
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
         self._policies = {role: make_policy(name, self.staleness_s) for role, name in self._policy_names.items()}
         self.workers: dict[WorkerSpec, Worker] = {}
+        # Removed workers still finishing their requests. Kept apart, so that a worker that registers again
+        # meanwhile (etcd came back, its lease was renewed) is added anew instead of being forgotten.
+        self.retiring: set[Worker] = set()
         self.registry_healthy = True
         self.registry_detail = ""
         self.changed = trio.Event()  # set on every pool change; replaced after
@@ -104,11 +107,11 @@ class WorkerPool:
             log.info("worker added: %s %s", spec.role, spec.address)
             self._nursery.start_soon(self._run_worker, worker)
         for spec in current - snapshot.workers:
-            worker = self.workers[spec]
-            if worker.state is not WorkerState.REMOVING:
-                log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
-                self._on(worker, WorkerEvent.REMOVED, "")
-                self._nursery.start_soon(self._retire, worker)
+            worker = self.workers.pop(spec)
+            log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
+            self._on(worker, WorkerEvent.REMOVED, "")
+            self.retiring.add(worker)
+            self._nursery.start_soon(self._retire, worker)
         self._notify()
 
     async def _retire(self, worker: Worker) -> None:
@@ -128,8 +131,7 @@ class WorkerPool:
                             nursery.start_soon(self._poll_load, worker)
                         await self._monitor(worker)
         finally:
-            if self.workers.get(worker.spec) is worker and worker.state is WorkerState.REMOVING:
-                del self.workers[worker.spec]
+            self.retiring.discard(worker)
             worker.client = None
             self._notify()
 
@@ -220,7 +222,7 @@ class WorkerPool:
         for role in ROLES:
             for state in WorkerState:
                 self._metrics.workers.labels(role, state).set(
-                    sum(1 for w in self.workers.values() if w.role == role and w.state == state))
+                    sum(1 for w in self._every_worker() if w.role == role and w.state == state))
         self.changed.set()
         self.changed = trio.Event()
 
@@ -266,4 +268,7 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         return [{"address": w.address, "role": w.role, "state": w.state, "detail": w.detail,
-                 "inflight": w.inflight} for w in self.workers.values()]
+                 "inflight": w.inflight} for w in self._every_worker()]
+
+    def _every_worker(self) -> list[Worker]:
+        return [*self.workers.values(), *self.retiring]

@@ -272,3 +272,38 @@ async def test_a_registration_keeps_its_lease_through_an_etcd_restart(tmp_path):
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_frozen_etcd_makes_health_degraded_keeps_serving_and_the_pool_comes_back(
+        tmp_path, sim_workers, orchestrator_servers):
+    """SIGSTOP keeps etcd's connections open, so no watch breaks: the registry's status probe notices."""
+    etcd = EtcdServer(tmp_path)  # our own: this test freezes it
+    try:
+        server = orchestrator_servers.start(etcd_config(tmp_path, etcd, mode="aggregated"))
+        worker = sim_workers.start("aggregated", *sim_flags(etcd))
+        failures = 0
+        async with httpx.AsyncClient(timeout=30) as http:
+            await wait_until(lambda: _with(http, server.url, worker.address), timeout=10)
+            etcd.process.send_signal(signal.SIGSTOP)
+            try:
+                async def degraded():
+                    return (await http.get(server.url + "/health")).json()["status"] == "degraded"
+
+                frozen_for = await wait_until(degraded, timeout=10, interval=0.1)
+                for _ in range(10):  # the last known pool keeps serving
+                    response = await http.post(server.url + "/v1/chat/completions", json=chat())
+                    failures += response.status_code != 200
+                await trio.sleep(max(0.0, TTL + 1 - frozen_for))  # longer than the lease
+            finally:
+                etcd.process.send_signal(signal.SIGCONT)
+
+            async def ready_with_the_worker():
+                health = (await http.get(server.url + "/health")).json()
+                return health["status"] == "ready" and any(w["address"] == worker.address and w["state"] == "ready"
+                                                           for w in health["workers"])
+
+            await wait_until(ready_with_the_worker, timeout=TTL + 15, interval=0.1)
+            assert (await http.post(server.url + "/v1/chat/completions", json=chat())).status_code == 200
+        assert failures == 0 and frozen_for < 8
+    finally:
+        etcd.close()

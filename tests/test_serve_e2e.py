@@ -254,7 +254,8 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
 
 
 async def test_an_error_after_streaming_began_is_a_final_sse_event(tmp_path, sim_workers, orchestrator_servers):
-    crashing = sim_workers.start("aggregated", "--time-scale", "0.05", "--crash-after-tokens", "5")
+    # real step times (about 7 ms a token): the first tokens are on the wire well before the crash
+    crashing = sim_workers.start("aggregated", "--time-scale", "1", "--crash-after-tokens", "10")
     server = orchestrator_servers.start(write_config(tmp_path / "crash.yaml", "aggregated",
                                                      {"aggregated": [crashing.address]}))
     async with httpx.AsyncClient(timeout=30) as http:

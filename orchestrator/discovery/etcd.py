@@ -31,7 +31,7 @@ class WatchBroken(Exception):
 
 class EtcdRegistry(WorkerRegistry):
     def __init__(self, endpoints: tuple[str, ...], namespace: str, *, model: str, loop_thread: LoopThread,
-                 max_backoff: float = 2.0):
+                 max_backoff: float = 2.0, probe_interval_s: float = 2.0):
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
         self.endpoints = endpoints
@@ -41,6 +41,7 @@ class EtcdRegistry(WorkerRegistry):
         self._max_backoff = max_backoff
         self._entries: dict[str, WorkerSpec] = {}
         self._retry_log = RateLimitedLog(log, interval=10.0)
+        self.probe_interval_s = probe_interval_s
 
     async def run(self, publish: Publish) -> None:
         backoff = 0.1
@@ -98,23 +99,12 @@ class EtcdRegistry(WorkerRegistry):
                     inbox.close(exc)
 
             loop_thread.call_soon(lambda: holder.setdefault("task", asyncio.ensure_future(pump())))
-            while True:
-                events = await inbox.get_batch()
-                if not events:
-                    raise WatchBroken("the watch stream ended")
-                changed = False
-                for event in events:
-                    key = event.kv.key.decode()
-                    if event.kind == "PUT":
-                        try:
-                            self._entries[key] = keys.parse_entry(key, event.kv.value)
-                            changed = True
-                        except keys.BadEntry as exc:
-                            log.warning("etcd: ignoring %s", exc)
-                    elif self._entries.pop(key, None) is not None:
-                        changed = True
-                if changed:
-                    publish(Snapshot(frozenset(self._entries.values())))
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._probe, client, endpoint)
+                    await self._follow(inbox, publish)
+            except BaseExceptionGroup as group:  # the probe's or the watch's news, not a group of them
+                raise group.exceptions[0] if len(group.exceptions) == 1 else group
         finally:
             def stop():
                 task = holder.get("task")
@@ -123,3 +113,36 @@ class EtcdRegistry(WorkerRegistry):
                 asyncio.ensure_future(client.close())
 
             loop_thread.call_soon(stop)
+
+    async def _probe(self, client, endpoint: str) -> None:
+        """A frozen etcd (SIGSTOP, a hung disk) keeps its TCP connections open, so the watch never breaks:
+        ask it something small every probe interval, and count no answer as a broken watch."""
+        while True:
+            await trio.sleep(self.probe_interval_s)
+            with trio.move_on_after(self.probe_interval_s) as waited:
+                try:
+                    await self._loop_thread.run(client.status)
+                except Exception as exc:  # noqa: BLE001 - any failure to answer is the same news
+                    raise WatchBroken(f"etcd {endpoint} failed a status request: {cause_chain(exc)}") from exc
+            if waited.cancelled_caught:
+                raise WatchBroken(f"etcd {endpoint} did not answer a status request within "
+                                  f"{self.probe_interval_s:g} s")
+
+    async def _follow(self, inbox, publish: Publish) -> None:
+        while True:
+            events = await inbox.get_batch()
+            if not events:
+                raise WatchBroken("the watch stream ended")
+            changed = False
+            for event in events:
+                key = event.kv.key.decode()
+                if event.kind == "PUT":
+                    try:
+                        self._entries[key] = keys.parse_entry(key, event.kv.value)
+                        changed = True
+                    except keys.BadEntry as exc:
+                        log.warning("etcd: ignoring %s", exc)
+                elif self._entries.pop(key, None) is not None:
+                    changed = True
+            if changed:
+                publish(Snapshot(frozenset(self._entries.values())))

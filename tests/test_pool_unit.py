@@ -1,0 +1,49 @@
+"""The worker pool's registry diffing, with a scripted registry and unreachable worker addresses."""
+
+import trio
+
+from orchestrator.config import RoutingConfig
+from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.engine import LoopThread
+from orchestrator.metrics import Metrics
+from orchestrator.pool import WorkerPool
+from orchestrator.worker_state import WorkerState
+
+
+class ScriptedRegistry(WorkerRegistry):
+    """Publishes what the test tells it to."""
+
+    def __init__(self, first: Snapshot):
+        self.first = first
+        self.publish = None
+
+    async def run(self, publish) -> None:
+        self.publish = publish
+        publish(self.first)
+        await trio.sleep_forever()
+
+
+async def test_a_worker_that_registers_again_while_it_retires_is_added_anew():
+    """etcd frozen longer than the lease: the worker's key expires while it serves, then it registers again.
+    The retiring Worker finishes its requests; the new registration gets a Worker of its own."""
+    spec = WorkerSpec(address="grpc://127.0.0.1:9", role="decode", model="m", instance_id="d1")
+    registry = ScriptedRegistry(Snapshot(frozenset({spec})))
+    async with LoopThread.open() as loop_thread:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="m",
+                          health_interval=0.05, removal_grace=30)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run, registry)
+            first = pool.workers[spec]
+            with pool.lease(first):  # a request in flight on it
+                registry.publish(Snapshot(frozenset()))
+                assert spec not in pool.workers and first in pool.retiring
+                assert first.state is WorkerState.REMOVING
+                registry.publish(Snapshot(frozenset({spec})))
+                again = pool.workers[spec]
+                assert again is not first and again.state is not WorkerState.REMOVING
+                assert {w["state"] for w in pool.snapshot()} >= {"removing"}
+            with trio.fail_after(5):  # the retiring one goes once its request is done; the new one stays
+                while first in pool.retiring:
+                    await trio.sleep(0.01)
+            assert pool.workers[spec] is again
+            nursery.cancel_scope.cancel()
