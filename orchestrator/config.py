@@ -124,6 +124,9 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)  # the whole request body, or a 408
+    keep_alive_s: float = attrs.field(default=15.0, validator=_positive)  # an idle keep-alive connection closes
+    max_header_bytes: int = attrs.field(default=16 * 1024, validator=_positive)
 
 
 @attrs.frozen

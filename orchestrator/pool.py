@@ -9,6 +9,7 @@ good health check.
 
 from __future__ import annotations
 
+import collections
 import logging
 from contextlib import contextmanager
 from typing import Iterator
@@ -239,10 +240,10 @@ class WorkerPool:
     def pick(self, role: str, exclude: tuple[Worker, ...] = ()) -> Worker:
         candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude]
         if not candidates:
-            known = [w for w in self.workers.values() if w.role == role]
-            detail = "; ".join(f"{w.address} {w.state}{': ' + w.detail if w.detail else ''}" for w in known[:4])
-            raise NoWorkerAvailable(f"no {role} worker is available" + (f" ({detail})" if detail else
-                                                                          " (none registered)"),
+            states = collections.Counter(str(w.state) for w in self.workers.values() if w.role == role)
+            known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+            # Which workers and why: the log and /health (operators); the client learns only the counts.
+            raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
                                     code="no_worker_available", retry_after=1)
         chosen = self._policies[role].choose(candidates, trio.current_time())
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.

@@ -95,7 +95,10 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         hc.bind = [f"{host}:{port}"]
         hc.backlog = config.http.backlog  # hypercorn's default of 100 resets a burst of connections
         hc.graceful_timeout = limits.shutdown_grace_s
-        hc.keep_alive_timeout = 75
+        # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
+        # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
+        hc.keep_alive_timeout = config.http.keep_alive_s
+        hc.h11_max_incomplete_size = config.http.max_header_bytes
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         shutdown = trio.Event()

@@ -309,3 +309,37 @@ async def test_a_failed_decode_leg_releases_the_session_where_the_prefill_worker
     async with engine_client(prefill.address) as client:
         load = await client.load()
     assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+
+async def test_client_error_bodies_name_no_internal_address(tmp_path, sim_workers, orchestrator_servers):
+    """Worker addresses and cause chains are for the log and the operator's /health view, not for clients."""
+    dead = sim_workers.start("aggregated", *FAST)
+    server = orchestrator_servers.start(write_config(tmp_path / "hush.yaml", "aggregated",
+                                                     {"aggregated": [dead.address]}))
+    dead.process.stop()
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
+    assert response.status_code == 503
+    host_port = dead.address.removeprefix("grpc://")
+    assert host_port not in response.text and "127.0.0.1" not in response.text, response.text
+    assert host_port in server.process.tail(200)  # the operator's log has the whole story
+
+
+async def test_a_body_that_never_arrives_whole_is_a_408_and_frees_the_connection(tmp_path, sim_workers,
+                                                                                  orchestrator_servers):
+    worker = sim_workers.start("aggregated", *FAST)
+    server = orchestrator_servers.start(write_config(tmp_path / "slow.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}, http={"body_timeout_s": 1.0}))
+    host, port = server.url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 100\r\n\r\n{\"model\": ")  # 10 of the 100 bytes promised
+    answer = b""
+    with trio.fail_after(10):
+        while b"\r\n\r\n" not in answer or b"}}" not in answer:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                break
+            answer += chunk
+    await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer[:300]

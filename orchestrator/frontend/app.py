@@ -27,6 +27,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
+from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
 
@@ -60,6 +61,7 @@ class App:
         self.metrics = metrics
         self.draining = False
         self.api_keys = api_keys or ApiKeys([])
+        self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
@@ -118,9 +120,13 @@ class App:
         # degraded: still serving the last known pool while the registry (etcd) is unreachable
         status = ("draining" if self.draining else "not_ready" if not ready
                   else "degraded" if not self.pool.registry_healthy else "ready")
-        body = {"status": status, "mode": self.config.mode, "ready_workers": roles, "workers": self.pool.snapshot()}
-        if not self.pool.registry_healthy:
-            body["registry"] = self.pool.registry_detail
+        body = {"status": status, "mode": self.config.mode, "ready_workers": roles}
+        # The operator's view (worker addresses, states, causes): to every caller when no API keys are
+        # configured, else only to callers with a key.
+        if not self.api_keys.enabled or self.api_keys.allows(_header(scope, b"authorization")):
+            body["workers"] = self.pool.snapshot()
+            if not self.pool.registry_healthy:
+                body["registry"] = self.pool.registry_detail
         await send_json(send, 200 if ready else 503, body)
 
     async def metrics_route(self, scope, receive, send) -> None:
@@ -148,7 +154,8 @@ class App:
         try:
             if self.draining:
                 raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
-            body = await read_json(receive, self.config.limits.max_request_bytes)
+            with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+                body = await read_json(receive, self.config.limits.max_request_bytes)
             api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
@@ -158,7 +165,13 @@ class App:
         except (ApiError, RequestError, EngineError) as error:
             api_error = to_api_error(error)
             outcome = "client_error" if api_error.status < 500 else "error"
+            if api_error.status >= 500:  # the client's body is scrubbed; the whole story is here
+                self.failure_log("request %s failed with %d: %s", request_id, api_error.status, cause_chain(error))
             await response.error(api_error)
+        except trio.TooSlowError:
+            outcome = "client_error"
+            await response.error(ApiError(408, f"the request body did not arrive within "
+                                               f"{self.config.http.body_timeout_s:g} s", code="request_timeout"))
         except ClientGone:
             outcome = "disconnected"
         except Exception:

@@ -6,6 +6,8 @@ The only place that knows HTTP statuses: domain errors (orchestrator.errors) and
 
 from __future__ import annotations
 
+import re
+
 from orchestrator import errors
 from orchestrator.engine import EngineError, WorkerUnavailable
 from orchestrator.engine.errors import ErrorCode
@@ -56,17 +58,29 @@ _ENGINE_STATUS = {
 }
 
 
+# Client error bodies never name internal addresses: worker and KV endpoints, gRPC targets. The full error,
+# with its worker and cause chain, goes to the log (frontend/app.py) and the operator's /health view.
+_ADDRESS = re.compile(r"(?<![\w.])(?:grpc://|ipv[46]:)?(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]|localhost)"
+                      r"(?::\d+)?")
+
+
+def scrub(message: str) -> str:
+    return _ADDRESS.sub("<internal>", message)
+
+
 def from_domain_error(error: errors.RequestError) -> ApiError:
     status = next((s for kind, s in _DOMAIN_STATUS.items() if isinstance(error, kind)), 500)
-    return ApiError(status, error.message, param=error.param, code=error.code, retry_after=error.retry_after)
+    message = scrub(error.message) if status >= 500 else error.message
+    return ApiError(status, message, param=error.param, code=error.code, retry_after=error.retry_after)
 
 
 def from_engine_error(error: EngineError) -> ApiError:
     if isinstance(error, WorkerUnavailable):
-        return ApiError(503, f"worker unavailable: {error}", code="worker_unavailable", retry_after=1)
+        return ApiError(503, f"a worker became unavailable during {error.rpc}", code="worker_unavailable",
+                        retry_after=1)
     status = _ENGINE_STATUS.get(error.code, 500)
     code = error.code_name.removeprefix("ERROR_CODE_").lower()
-    message = error.message if status < 500 else str(error)
+    message = error.message if status < 500 else scrub(f"the engine failed ({error.code_name}): {error.message}")
     retry_after = 1 if status in (429, 503) else None
     return ApiError(status, message, code=code, retry_after=retry_after)
 
