@@ -94,6 +94,8 @@ class LimitsConfig:
     max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
     max_total_image_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
     max_image_url_chars: int = attrs.field(default=8192, validator=_positive)
+    # A leg whose worker fails after tokens were streamed is continued on another worker this many times.
+    migration_limit: int = 2
     # Hosts (exact names) or networks (CIDR) whose image URLs may name internal addresses: workers fetch URLs
     # themselves, so by default only public addresses are allowed (orchestrator/media_policy.py).
     image_url_allowlist: tuple[str, ...] = ()

@@ -4,7 +4,7 @@
                the engine request (pure conversion lives in orchestrator.convert);
     execute()  open the request's nursery (it also runs the caller's disconnect watcher) and
                dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
-               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv).
+               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.
 
 Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
 on every worker involved and keep the KV rule, so no prefill blocks are stranded.
@@ -19,11 +19,11 @@ import trio
 
 from orchestrator.config import Config
 from orchestrator.convert import ApiRequest, check_worker_media, full_leg, resolve_limits
-from orchestrator.decode import OutputSink, ReplayedStream, StreamState, finish_reason, generation_leg, stream_output
+from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
-from orchestrator.kv import HandoffError, check_session
+from orchestrator.flow import RequestFlow
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
@@ -31,7 +31,7 @@ from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.pool import Worker, WorkerPool
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.prompt import prompt_token_ids
-from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.tokenizer import ModelTokenizer
 
 
 @attrs.frozen
@@ -115,71 +115,13 @@ class Coordinator:
                     request_nursery.start_soon(watch, request_nursery.cancel_scope)
                 try:
                     with trio.fail_after(timeout):
-                        if plan.path == "disaggregated":
-                            await self._disaggregated(plan, sink, started)
-                        else:
-                            await self._decode(plan.workers[0], plan.full, plan, sink, StreamState(), started)
-                            self.metrics.stage.labels("decode").observe(trio.current_time() - started)
+                        await RequestFlow(self, plan, sink, started).run()
                 except trio.TooSlowError:
                     raise RequestTimedOut(f"the request did not finish within {timeout:g} s", code="timeout") from None
                 finally:
                     request_nursery.cancel_scope.cancel()  # stop the watcher
         except BaseExceptionGroup as group:
             raise _sole_error(group) from None
-
-    async def _disaggregated(self, plan: Plan, sink: OutputSink, started: float) -> None:
-        prefill_worker, decode_worker = plan.workers
-        result = await self.prefill.run(prefill_worker, _abort_cleanup, plan.full, decode_worker)
-        prefill_done = trio.current_time()
-        self.metrics.stage.labels("prefill").observe(prefill_done - started)
-        if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
-            state = StreamState()
-            await stream_output(ReplayedStream(result.answer), sink, self._detokenizer(plan), state, worker="prefill")
-            self.metrics.prefill_answers.inc()
-            await sink.finish(finish_reason(state), state.prompt_tokens or plan.prompt_tokens, state.completion_tokens)
-            return
-        lease = result.lease
-        try:
-            check_session(lease.session)
-        except HandoffError as exc:
-            await self.releaser.release_unpulled(lease, plan.full, decode_worker)
-            raise EngineError(str(exc), worker=lease.prefill_worker.address, rpc="Generate") from exc
-        # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
-        # which keeps the KV rule for the lease.
-        state = StreamState()
-        try:
-            await self._decode(decode_worker, generation_leg(plan.full, lease.session), plan, sink, state, started,
-                               lease=lease)
-        finally:
-            if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
-                await self.releaser.release_unpulled(lease, plan.full, decode_worker)
-        if state.first_token_at is not None:
-            self.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
-            self.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
-
-    async def _decode(self, worker: Worker, leg: g.GenerateRequest, plan: Plan, sink: OutputSink,
-                      state: StreamState, started: float, lease=None) -> None:
-        mode, last_chunk = plan.path, [None]
-
-        def on_chunk() -> None:
-            now = trio.current_time()
-            if last_chunk[0] is None:
-                self.metrics.ttft.labels(mode).observe(now - started)
-            else:
-                self.metrics.itl.labels(mode).observe(now - last_chunk[0])
-            last_chunk[0] = now
-
-        await self.decode.run(worker, leg, sink, state, detokenizer=lambda: self._detokenizer(plan),
-                              on_chunk=on_chunk, prompt_tokens=plan.prompt_tokens, lease=lease)
-
-    def _detokenizer(self, plan: Plan) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, stop=plan.api.stop)
-
-
-def _abort_cleanup(worker: Worker) -> bool:
-    """Whether this prefill worker can abort a session by kv_session (its ServerInfo says)."""
-    caps = worker.client.cached_capabilities if worker.client is not None else None
-    return caps is not None and caps.supports_abort_cleanup
 
 
 def _sole_error(group: BaseExceptionGroup) -> BaseException:

@@ -27,6 +27,10 @@ class Metrics:
                                ["role"], registry=r)
         self.kv_cleanups = Counter("orchestrator_kv_cleanups", "KV sessions released after a cancellation, by way",
                                    ["way"], registry=r)
+        self.migrations = Counter("orchestrator_migrations", "Requests continued on another worker after a worker "
+                                  "failed mid-stream (prompt + tokens sent), by mode", ["mode"], registry=r)
+        for mode in ("aggregated", "disaggregated", "local"):
+            self.migrations.labels(mode)
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)

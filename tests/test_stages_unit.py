@@ -152,7 +152,7 @@ async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_sessio
 
 async def run_decode(decode, worker, leg, lease=None, migrate=None):
     sink, state = Sink(), StreamState()
-    await decode.run(worker, leg, sink, state, detokenizer=lambda: IncrementalDetokenizer(TOKENIZER),
+    await decode.run(worker, leg, sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
                      on_chunk=lambda: None, prompt_tokens=3, lease=lease, migrate=migrate)
     return sink, state
 
@@ -189,11 +189,11 @@ async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_goes_to_t
     assert d1.generated() == []
     migrated = []
 
-    async def migrate(error, state):
-        migrated.append((error.message, state.completion_tokens))
+    async def migrate(error, failed_worker):
+        migrated.append((error.message, failed_worker.client.name))
 
     await run_decode(decode, first, full(), migrate=migrate)
-    assert migrated == [("lost", 1)]
+    assert migrated == [("lost", "d0")]
 
 
 @pytest.mark.parametrize("abort_cleanup", [False, True])

@@ -21,6 +21,20 @@ def generation_leg(full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> g.G
     return leg
 
 
+def continuation_leg(full: g.GenerateRequest, generated: list[int], attempt: int) -> g.GenerateRequest:
+    """The request again, for another worker, after `generated` tokens were streamed: the prompt plus those
+    tokens, and what is left of the budget. (A deterministic engine goes on with the same tokens.)"""
+    leg = g.GenerateRequest()
+    leg.CopyFrom(full)
+    leg.request_id = f"{full.request_id}-m{attempt}"
+    leg.token_ids.ids.extend(generated)
+    if leg.stopping.HasField("max_tokens"):
+        leg.stopping.max_tokens = max(1, leg.stopping.max_tokens - len(generated))
+    if leg.stopping.HasField("min_tokens"):
+        leg.stopping.min_tokens = max(0, leg.stopping.min_tokens - len(generated))
+    return leg
+
+
 def release_leg(full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> g.GenerateRequest:
     """A generation leg whose only job is to pull the session: one token, nothing else asked of it."""
     leg = generation_leg(full, session)

@@ -30,6 +30,8 @@ class StreamState:
 
     first_token_at: float | None = None
     completion_tokens: int = 0
+    token_ids: list[int] = attrs.Factory(list)  # what was streamed, for a continuation elsewhere (migration)
+    resent_tokens: int = 0  # of those, how many a continuation sent back as prompt (not the client's prompt)
     prompt_tokens: int | None = None
     finished: Finished | None = None
     stopped_on: str | None = None
@@ -66,6 +68,7 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
             if state.first_token_at is None:
                 state.first_token_at = trio.current_time()
             state.completion_tokens += len(ids)
+            state.token_ids.extend(ids)
             text = detokenizer.add(ids)
             if detokenizer.stopped_on is not None:
                 state.stopped_on = detokenizer.stopped_on

@@ -36,22 +36,28 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migrate: Callable[[EngineError, StreamState], Awaitable[None]] | None = None) -> None:
-        """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got."""
+                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None) -> None:
+        """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
+        `detokenizer` may carry on from an earlier leg of the same request (a migration)."""
+        streamed_before = state.completion_tokens
+        failed_on = [worker]
+
         async def attempt(chosen) -> None:
-            await self._one_attempt(chosen, leg, sink, state, detokenizer(), on_chunk, prompt_tokens, lease)
+            failed_on[0] = chosen
+            await self._one_attempt(chosen, leg, sink, state, detokenizer, on_chunk, prompt_tokens, lease,
+                                    streamed_before)
 
         try:
             await with_retries(self.pool, worker, attempt, retries=self.retries, metrics=self.metrics,
                                what=f"{worker.role} leg {leg.request_id}",
-                               may_retry=lambda error: state.first_token_at is None)
+                               may_retry=lambda error: state.completion_tokens == streamed_before)
         except EngineError as error:
-            if migrate is None or state.first_token_at is None:
+            if migrate is None or state.completion_tokens == streamed_before:
                 raise
-            await migrate(error, state)
+            await migrate(error, failed_on[0])
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, detokenizer,
-                           on_chunk, prompt_tokens: int, lease: KvLease | None) -> None:
+                           on_chunk, prompt_tokens: int, lease: KvLease | None, streamed_before: int) -> None:
         with self.pool.lease(worker):
             try:
                 async with worker.client.generate(leg) as stream:
@@ -59,20 +65,21 @@ class DecodeStage:
                         await stream_output(stream, sink, detokenizer, state, worker=worker.address,
                                             on_chunk=on_chunk)
                     except trio.Cancelled:
-                        if lease is not None and not lease.settled and state.first_token_at is None \
+                        if lease is not None and not lease.settled and state.completion_tokens == streamed_before \
                                 and not state.terminal:
-                            await self._settle_on_cancel(stream, state, lease)
+                            await self._settle_on_cancel(stream, state, lease, streamed_before)
                         raise
                     finally:
-                        if lease is not None and state.first_token_at is not None:
-                            lease.pulled = True
+                        if lease is not None and state.completion_tokens > streamed_before:
+                            lease.pulled = True  # this leg streamed a token: its worker has the KV
             finally:
                 if state.finished is None:
                     await self._abort(worker, leg.request_id)
         if not state.terminal:
             raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
                               code=ErrorCode.ERROR_CODE_INTERNAL)
-        await sink.finish(finish_reason(state), state.prompt_tokens or prompt_tokens, state.completion_tokens)
+        engine_prompt = state.prompt_tokens - state.resent_tokens if state.prompt_tokens else None
+        await sink.finish(finish_reason(state), engine_prompt or prompt_tokens, state.completion_tokens)
 
     async def _abort(self, worker, request_id: str) -> None:
         # The RPC is cancelled already; Abort makes sure the engine lets go as well.
@@ -83,18 +90,19 @@ class DecodeStage:
             except EngineError as exc:
                 log.info("abort of %s on %s: %s", request_id, worker.address, exc)
 
-    async def _settle_on_cancel(self, stream, state: StreamState, lease: KvLease) -> None:
+    async def _settle_on_cancel(self, stream, state: StreamState, lease: KvLease, streamed_before: int) -> None:
         """KV rule for a cancellation between prefill_ready and the decode's first token."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s
             if lease.action(decode_leg_in_flight=True) is KvAction.ABORT_SESSION and await self.releaser.abort(lease):
                 return
-            while not state.terminal and state.first_token_at is None:
+            while not state.terminal and state.completion_tokens == streamed_before:
                 batch = await stream.next_batch()
                 if not batch:
                     break
                 if any(isinstance(e, Tokens) for e in batch):
-                    state.first_token_at = trio.current_time()
+                    state.first_token_at = state.first_token_at or trio.current_time()
+                    state.completion_tokens += 1  # only "a token came": the client is gone, nothing is sent
                     self.metrics.kv_cleanups.labels("decode_first_token").inc()
                 for event in batch:
                     if isinstance(event, Finished):

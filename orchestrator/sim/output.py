@@ -1,7 +1,10 @@
-"""Deterministic output tokens: a pure function of (prompt ids, media identities, seed, position).
+"""Deterministic output tokens: each one a pure function of everything before it (media identities, seed,
+prompt tokens, the tokens generated so far), as greedy decoding of a real model is.
 
-So the same request yields the same tokens on an aggregated worker and on a prefill + decode pair.
-Tokens are drawn from the tokenizer's word-like pieces so that the detokenized text is readable.
+So the same request yields the same tokens on an aggregated worker and on a prefill + decode pair, and a
+request continued elsewhere with its prompt plus the tokens already sent (migration) goes on with
+exactly the tokens the first worker would have produced. Tokens are drawn from the tokenizer's
+word-like pieces so that the detokenized text is readable.
 """
 
 from __future__ import annotations
@@ -24,12 +27,20 @@ def _splitmix64(x: int) -> int:
 
 
 def request_key(prompt_ids: list[int] | tuple[int, ...], media_ids: list[str], seed: int | None) -> int:
+    """The output state after the prompt: seed and media first, then every prompt token, in order."""
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids))
     for media_id in media_ids:
         digest.update(b"\x00" + media_id.encode())
     digest.update(b"\x01" + str(seed if seed is not None else 0).encode())
-    return int.from_bytes(digest.digest(), "little")
+    state = int.from_bytes(digest.digest(), "little")
+    for token in prompt_ids:
+        state = advance(state, token)
+    return state
+
+
+def advance(state: int, token: int) -> int:
+    """The output state after one more token (of the prompt or of the output: they are one sequence)."""
+    return _splitmix64(state ^ ((token + 1) * 0x9E3779B97F4A7C15 & _MASK))
 
 
 def prompt_digest(prompt_ids: list[int] | tuple[int, ...]) -> str:
@@ -60,11 +71,11 @@ class Vocabulary:
             raise ValueError(f"{model_dir}/tokenizer_config.json: eos_token not among the added tokens")
         return cls(sorted(i for word, i in word_pieces(vocab).items() if len(word) > 1), eos_id)
 
-    def token_at(self, key: int, position: int) -> int:
-        return self.word_ids[_splitmix64(key ^ (position * 0xD1B54A32D192ED03 & _MASK)) % len(self.word_ids)]
+    def next_token(self, state: int) -> int:
+        return self.word_ids[_splitmix64(state ^ 0xD1B54A32D192ED03) % len(self.word_ids)]
 
-    def ends_at(self, key: int, position: int, probability: float) -> bool:
-        """Whether the sampled token at `position` is EOS (only when an EOS probability is set)."""
+    def ends(self, state: int, probability: float) -> bool:
+        """Whether the next sampled token is EOS (only when an EOS probability is set)."""
         if probability <= 0.0:
             return False
-        return (_splitmix64(key + position + 0x5EED) % 1_000_000) < probability * 1_000_000
+        return (_splitmix64(state + 0x5EED) % 1_000_000) < probability * 1_000_000

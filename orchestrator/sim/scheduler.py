@@ -17,7 +17,7 @@ from typing import Callable
 
 import attrs
 
-from orchestrator.sim.output import Vocabulary
+from orchestrator.sim.output import Vocabulary, advance
 from orchestrator.sim.profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class SimRequest:
     request_id: str
     kind: str
     prompt_len: int  # prompt tokens including image tokens
-    key: int  # output key (see output.request_key)
+    key: int  # the output state: every token so far, hashed (output.request_key, output.advance)
     max_tokens: int
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -199,9 +199,9 @@ class Scheduler:
         """The context phase samples the first token; it travels in the KV session. With
         `context_stops`, a first token that stops the request (EOS, a stop token) finishes it here,
         as TensorRT-LLM's context phase does: there is no KV to hand off then."""
-        token = self.vocab.token_at(request.key, 0)
+        token = self.vocab.next_token(request.key)
         if self.context_stops and request.min_tokens == 0:
-            if not request.ignore_eos and self.vocab.ends_at(request.key, 0, self.faults.eos_probability):
+            if not request.ignore_eos and self.vocab.ends(request.key, self.faults.eos_probability):
                 self._release(request)
                 request.on_finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
                 return
@@ -220,10 +220,9 @@ class Scheduler:
         if position == 0 and request.first_gen_tokens:
             token = request.first_gen_tokens[0]
         else:
-            token = self.vocab.token_at(request.key, position)
+            token = self.vocab.next_token(request.key)
         may_stop = position >= request.min_tokens
-        if may_stop and not request.ignore_eos and self.vocab.ends_at(request.key, position,
-                                                                        self.faults.eos_probability):
+        if may_stop and not request.ignore_eos and self.vocab.ends(request.key, self.faults.eos_probability):
             self._finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
             return
         if may_stop and token in request.stop_token_ids:
@@ -244,6 +243,7 @@ class Scheduler:
             self.stalled.append(request)
 
     def _output(self, request: SimRequest, token: int) -> None:
+        request.key = advance(request.key, token)
         request.generated += 1
         request.output_ids.append(token)
         request.on_token(request, token)

@@ -1,0 +1,114 @@
+"""One planned request's legs: the prefill stage then the decode stage joined by a KV lease, or one whole leg,
+and request migration when a worker fails mid-stream.
+
+Migration: a decode leg (or a whole leg) that fails after tokens were streamed is continued on another
+worker, invisibly to the client: the prompt plus the tokens already sent, what is left of the budget, a
+new prefill where the path is split (orchestrator.decode.legs.continuation_leg). The output state and the
+detokenizer carry on, so the text neither repeats nor skips. Up to `limits.migration_limit` times.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from orchestrator.decode import ReplayedStream, StreamState, continuation_leg, finish_reason, generation_leg, stream_output
+from orchestrator.engine import EngineError
+from orchestrator.errors import NoWorkerAvailable
+from orchestrator.kv import HandoffError, check_session
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestFlow:
+    def __init__(self, coordinator, plan, sink, started: float):
+        self.c, self.plan, self.sink, self.started = coordinator, plan, sink, started
+        self.state = StreamState()
+        self.detokenizer = IncrementalDetokenizer(coordinator.tokenizer, stop=plan.api.stop)
+        self.migrations = 0
+        self.failed: list = []  # workers a leg of this request failed on
+        self._last_chunk: float | None = None
+
+    async def run(self) -> None:
+        if self.plan.path == "disaggregated":
+            await self._split(self.plan.full, *self.plan.workers)
+        else:
+            await self._whole(self.plan.workers[0], self.plan.full)
+            self.c.metrics.stage.labels("decode").observe(trio.current_time() - self.started)
+
+    def _on_chunk(self) -> None:
+        now, metrics, mode = trio.current_time(), self.c.metrics, self.plan.path
+        if self._last_chunk is None:
+            metrics.ttft.labels(mode).observe(now - self.started)
+        else:
+            metrics.itl.labels(mode).observe(now - self._last_chunk)
+        self._last_chunk = now
+
+    async def _whole(self, worker, leg: g.GenerateRequest) -> None:
+        await self.c.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
+                                on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens, migrate=self.migrate)
+
+    async def _split(self, full: g.GenerateRequest, prefill_worker, decode_worker) -> None:
+        c, state = self.c, self.state
+        result = await c.prefill.run(prefill_worker, _abort_cleanup, full, decode_worker)
+        prefill_done = trio.current_time()
+        c.metrics.stage.labels("prefill").observe(prefill_done - self.started)
+        if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
+            await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
+            c.metrics.prefill_answers.inc()
+            await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens)
+            return
+        lease = result.lease
+        try:
+            check_session(lease.session)
+        except HandoffError as exc:
+            await c.releaser.release_unpulled(lease, full, decode_worker)
+            raise EngineError(str(exc), worker=lease.prefill_worker.address, rpc="Generate") from exc
+        # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
+        # which keeps the KV rule for the lease.
+        streamed_before = state.completion_tokens
+        try:
+            await c.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
+                               detokenizer=self.detokenizer, on_chunk=self._on_chunk,
+                               prompt_tokens=self.plan.prompt_tokens, lease=lease, migrate=self.migrate)
+        finally:
+            if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
+                await c.releaser.release_unpulled(lease, full, decode_worker)
+        if state.first_token_at is not None and streamed_before == 0:
+            c.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
+            c.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
+
+    async def migrate(self, error: EngineError, failed_worker) -> None:
+        """Continue the request elsewhere after `failed_worker` failed mid-stream (or let `error` stand)."""
+        c, plan = self.c, self.plan
+        if self.migrations >= c.config.limits.migration_limit:
+            raise error
+        self.failed.append(failed_worker)
+        try:
+            if plan.path == "disaggregated":
+                decode_worker = c.pool.pick("decode", exclude=tuple(self.failed))
+                prefill_worker = c.pool.pick("prefill")
+            else:
+                decode_worker = c.pool.pick(failed_worker.role, exclude=tuple(self.failed))
+        except NoWorkerAvailable:
+            raise error from None
+        self.migrations += 1
+        c.metrics.migrations.labels(plan.path).inc()
+        generated = list(self.state.token_ids)
+        log.warning("request %s: %s failed after %d tokens (%s); continuing on %s", plan.request_id,
+                    failed_worker.address, len(generated), error.code_name, decode_worker.address)
+        self.state.resent_tokens = len(generated)
+        leg = continuation_leg(plan.full, generated, self.migrations)
+        if plan.path == "disaggregated":
+            await self._split(leg, prefill_worker, decode_worker)
+        else:
+            await self._whole(decode_worker, leg)
+
+
+def _abort_cleanup(worker) -> bool:
+    """Whether this prefill worker can abort a session by kv_session (its ServerInfo says)."""
+    caps = worker.client.cached_capabilities if worker.client is not None else None
+    return caps is not None and caps.supports_abort_cleanup
