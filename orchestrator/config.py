@@ -111,6 +111,32 @@ class LimitsConfig:
 
 
 @attrs.frozen
+class TlsFiles:
+    """PEM files for TLS to the workers. `ca_file` verifies them; `cert_file` + `key_file` are ours (mTLS)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None  # the name to check in the workers' certificates, if not their address
+
+    def read(self, base_dir: Path, file: str) -> tuple[bytes | None, bytes | None, bytes | None]:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError(file, "workers_tls", "both cert_file and key_file, or neither")
+        out = []
+        for key in ("ca_file", "cert_file", "key_file"):
+            name = getattr(self, key)
+            if name is None:
+                out.append(None)
+                continue
+            path = Path(name) if Path(name).is_absolute() else base_dir / name
+            try:
+                out.append(path.read_bytes())
+            except OSError as exc:
+                raise ConfigError(file, f"workers_tls.{key}", f"a readable PEM file ({exc.strerror})", name) from exc
+        return tuple(out)
+
+
+@attrs.frozen
 class AuthConfig:
     """API keys (Bearer). Any of the three sources; none at all: no authentication."""
 
@@ -126,6 +152,8 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
+    tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
+    tls_key_file: str | None = None
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)  # the whole request body, or a 408
     keep_alive_s: float = attrs.field(default=15.0, validator=_positive)  # an idle keep-alive connection closes
     max_header_bytes: int = attrs.field(default=16 * 1024, validator=_positive)
@@ -173,6 +201,7 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
+    workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
     launch: LaunchConfig = LaunchConfig()
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
@@ -312,7 +341,9 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
                 raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
             if worker.sim.schema_revision not in (1, 3):
                 raise ConfigError(file, f"{key}.sim.schema_revision", "1 or 3", worker.sim.schema_revision)
-    for name in ("prefill_retries", "decode_retries"):
+    if (config.http.tls_cert_file is None) != (config.http.tls_key_file is None):
+        raise ConfigError(file, "http.tls_key_file", "both http.tls_cert_file and http.tls_key_file, or neither")
+    for name in ("prefill_retries", "decode_retries", "migration_limit"):
         if getattr(config.limits, name) < 0:
             raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
 

@@ -13,7 +13,14 @@ import logging
 
 import trio
 
-from orchestrator.decode import ReplayedStream, StreamState, continuation_leg, finish_reason, generation_leg, stream_output
+from orchestrator.decode import (
+    ReplayedStream,
+    StreamState,
+    continuation_leg,
+    finish_reason,
+    generation_leg,
+    stream_output,
+)
 from orchestrator.engine import EngineError
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import HandoffError, check_session

@@ -62,13 +62,15 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
-                 health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0):
+                 health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
+                 tls=None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
         self.health_interval = health_interval
         self.discovery_timeout = discovery_timeout
         self.removal_grace = removal_grace
+        self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
@@ -123,7 +125,7 @@ class WorkerPool:
     async def _run_worker(self, worker: Worker) -> None:
         try:
             with worker.scope:
-                async with EngineClient.open(worker.address, self._loop_thread,
+                async with EngineClient.open(worker.address, self._loop_thread, tls=self.tls,
                                              discovery_timeout=self.discovery_timeout,
                                              name=worker.address.removeprefix("grpc://")) as client:
                     worker.client = client

@@ -55,6 +55,16 @@ def apply_worker_overrides(config: Config, overrides: list[str]) -> Config:
     return attrs.evolve(config, discovery=config_module.DiscoveryConfig(static=static))
 
 
+def worker_tls(config: Config):
+    """The TLS settings of every worker connection (None: plaintext h2c, TensorRT-LLM's default)."""
+    if config.workers_tls is None:
+        return None
+    from orchestrator.engine.client import ChannelTls
+
+    ca, cert, key = config.workers_tls.read(config.base_dir, config.source)
+    return ChannelTls(ca, key, cert, config.workers_tls.server_name)
+
+
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
@@ -88,7 +98,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     async with LoopThread.open() as loop_thread:
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
-                          removal_grace=limits.shutdown_grace_s)
+                          removal_grace=limits.shutdown_grace_s, tls=worker_tls(config))
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
         app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys)
         hc = HypercornConfig()
@@ -99,6 +109,9 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
         hc.keep_alive_timeout = config.http.keep_alive_s
         hc.h11_max_incomplete_size = config.http.max_header_bytes
+        if config.http.tls_cert_file:  # HTTPS
+            hc.certfile = str(config.base_dir / config.http.tls_cert_file)
+            hc.keyfile = str(config.base_dir / config.http.tls_key_file)
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         shutdown = trio.Event()
@@ -153,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         from orchestrator.frontend.auth import load_api_keys
 
         keys = load_api_keys(config.auth, file=str(args.config), base_dir=config.base_dir)
+        worker_tls(config)  # unreadable TLS files are a configuration error, before anything starts
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -27,7 +27,8 @@ def protected(tmp_path, sim_workers, orchestrator_servers):
 @pytest.mark.parametrize("key", ["key-from-file", "key-a", "key-b"])
 def test_every_configured_key_works_with_the_openai_sdk(protected, key):
     client = openai.OpenAI(base_url=protected.url + "/v1", api_key=key, max_retries=0)
-    answer = client.chat.completions.create(model="tiny-chat", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    answer = client.chat.completions.create(model="tiny-chat", max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}])
     assert answer.usage.completion_tokens == 2
 
 

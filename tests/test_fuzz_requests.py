@@ -74,7 +74,8 @@ def broken_bodies() -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.binary(max_size=40).filter(lambda b: not _is_json_object(b)),
         st.builds(lambda depth: ("[" * depth + "]" * depth).encode(), st.integers(5_000, 20_000)),
-        st.builds(lambda n: ('{"model": "tiny-chat", "max_tokens": ' + "9" * n + "}").encode(), st.integers(4_400, 6_000)),
+        st.builds(lambda n: ('{"model": "tiny-chat", "max_tokens": ' + "9" * n + "}").encode(),
+                  st.integers(4_400, 6_000)),
         JSON_VALUES.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode()),
         st.just(b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\\ud800"}]}'),
         st.just(b""),

@@ -18,6 +18,7 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import attrs
 import grpc
 import trio
 
@@ -74,6 +75,22 @@ def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
             worker=worker, rpc="GetServerInfo", code=ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE)
 
 
+@attrs.frozen
+class ChannelTls:
+    """TLS to a worker: the CA that signed its certificate, and ours for mTLS (PEM bytes)."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
 class GenerateStream:
     """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens."""
 
@@ -109,7 +126,7 @@ class GenerateStream:
 
 class EngineClient:
     def __init__(self, address: str, loop_thread: LoopThread, nursery: trio.Nursery, *,
-                 discovery_timeout: float, name: str | None = None):
+                 discovery_timeout: float, name: str | None = None, tls: ChannelTls | None = None):
         self.address = address
         self.name = name or address
         self._loop_thread = loop_thread
@@ -117,19 +134,24 @@ class EngineClient:
         self._inference: openengine_pb2_grpc.InferenceStub | None = None
         self._control: openengine_pb2_grpc.ControlStub | None = None
         self._closed = False
+        self._tls = tls
         self._capabilities = SingleFlightCache(
             self._discover, nursery=nursery, timeout=discovery_timeout, worker=self.name)
 
     @classmethod
     @asynccontextmanager
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
-                   name: str | None = None) -> AsyncIterator["EngineClient"]:
+                   name: str | None = None, tls: ChannelTls | None = None) -> AsyncIterator["EngineClient"]:
         address = address.removeprefix("grpc://")
         async with trio.open_nursery() as nursery:
-            client = cls(address, loop_thread, nursery, discovery_timeout=discovery_timeout, name=name)
+            client = cls(address, loop_thread, nursery, discovery_timeout=discovery_timeout, name=name, tls=tls)
 
             async def connect() -> None:  # grpc.aio objects belong to the loop they are made on
-                client._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                if tls is None:
+                    client._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                else:
+                    client._channel = grpc.aio.secure_channel(address, tls.credentials(), options=[
+                        *_CHANNEL_OPTIONS, *tls.options()])
                 client._inference = openengine_pb2_grpc.InferenceStub(client._channel)
                 client._control = openengine_pb2_grpc.ControlStub(client._channel)
 

@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-grace", type=float, default=30.0)
     p.add_argument("--media-max-bytes", type=int, default=20 * 1024 * 1024, help="per image, fetched or decoded")
     p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: certificate chain (PEM)")
+    p.add_argument("--tls-key", type=Path, default=None, help="serve TLS: private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
     p.add_argument("--etcd", default=None, help="self-register in etcd at this URL (see `orchestrator register`)")
     p.add_argument("--etcd-namespace", default="orchestrator")
     p.add_argument("--etcd-ttl", type=int, default=10, help="lease TTL of the self-registration (seconds)")
@@ -89,6 +92,7 @@ def config_from_args(args: argparse.Namespace):
         supports_abort_cleanup=args.abort_cleanup, supports_multimodal=args.multimodal, image_paths=args.image_paths,
         max_context_length=args.max_context_length, total_kv_blocks=args.total_kv_blocks,
         reported_schema_revision=args.report_schema_revision, minimum_client_revision=args.minimum_client_revision,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,

@@ -31,6 +31,9 @@ class SimConfig:
     total_kv_blocks: int | None = None
     reported_schema_revision: int | None = None  # fault: claim another ServerInfo.schema_revision
     minimum_client_revision: int = 1
+    tls_cert: Path | None = None  # serve TLS with this certificate chain and key (PEM)
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # and require client certificates signed by this CA (mTLS)
     # faults
     error_rate: float = 0.0
     error_phase: str = "any"  # prefill | decode | aggregated | any

@@ -100,7 +100,14 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     openengine_pb2_grpc.add_InferenceServicer_to_server(worker, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(worker, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if config.tls_cert is not None:  # TLS, and mTLS when a client CA is given
+        credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                                                  root_certificates=(config.tls_client_ca.read_bytes()
+                                                                     if config.tls_client_ca else None),
+                                                  require_client_auth=config.tls_client_ca is not None)
+        port = server.add_secure_port(f"{config.host}:{config.port}", credentials)
+    else:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
     await server.start()
