@@ -157,6 +157,9 @@ class HttpConfig:
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)  # the whole request body, or a 408
     keep_alive_s: float = attrs.field(default=15.0, validator=_positive)  # an idle keep-alive connection closes
     max_header_bytes: int = attrs.field(default=16 * 1024, validator=_positive)
+    # One SSE event per token (what aiperf and other token-counting clients measure). True: the tokens
+    # that arrived together go out as one event, fewer writes under load but coarser timing.
+    coalesce_tokens: bool = False
 
 
 @attrs.frozen

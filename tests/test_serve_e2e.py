@@ -55,6 +55,22 @@ def test_streaming_with_the_openai_sdk_equals_non_streaming(disagg):
     assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
 
 
+def test_a_stream_sends_one_event_per_token(agg):
+    """What aiperf and similar clients count: an SSE event per token, not per batch of arrived tokens.
+
+    With logprobs every token has an event of its own (one logprob each); without, a token whose
+    bytes do not complete a character yet has no event and its text rides with the next token's.
+    """
+    with_logprobs = [c for c in _complete(agg, max_tokens=64, seed=5, stream=True, logprobs=True)
+                     if c.choices and c.choices[0].logprobs]
+    assert len(with_logprobs) == 64
+    assert all(len(c.choices[0].logprobs.content) == 1 for c in with_logprobs)
+    plain = [c for c in _complete(agg, max_tokens=64, seed=5, stream=True) if c.choices and c.choices[0].delta.content]
+    assert len(plain) == sum(1 for c in with_logprobs if c.choices[0].delta.content)
+    assert "".join(c.choices[0].delta.content for c in plain) == \
+        "".join(c.choices[0].delta.content or "" for c in with_logprobs)
+
+
 def test_completions_endpoint_streams_and_not(agg):
     client = agg.openai()
     plain = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, seed=4)

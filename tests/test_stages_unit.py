@@ -50,6 +50,8 @@ def decode_tokens(n=3, gap=0.01):
 
 
 class Sink:
+    per_token = False
+
     def __init__(self):
         self.text, self.finished = "", None
 

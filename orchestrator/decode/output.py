@@ -1,8 +1,9 @@
 """The decode stage's output side: engine events -> text deltas for the client.
 
-`stream_output` reads a generation stream batch by batch (every event that has arrived, so
-tokens are coalesced into one chunk under load), detokenizes incrementally, honours stop strings,
-and reports the terminal event. It never decides about workers; the decode stage does.
+`stream_output` reads a generation stream batch by batch (every event that has arrived),
+detokenizes incrementally, honours stop strings, and reports the terminal event. A sink whose
+`per_token` is true gets one delta per token (the default for SSE streams); otherwise a batch is
+one delta (coalesced under load). It never decides about workers; the decode stage does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from orchestrator.engine.events import TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
 
 
+Delta = tuple[str, Sequence[int], Sequence[TokenLogprob]]  # text, its token ids, their logprobs
+
+
 class OutputSink(Protocol):
+    per_token: bool  # one delta per token (given together to `deltas`), or one per batch of arrived tokens
+
     async def delta(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None: ...
+
+    async def deltas(self, items: Sequence[Delta]) -> None:
+        """The per-token deltas of one batch: a sink may send them in one write (they arrived together)."""
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
 
@@ -69,16 +78,39 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
                 state.first_token_at = trio.current_time()
             state.completion_tokens += len(ids)
             state.token_ids.extend(ids)
-            text = detokenizer.add(ids)
-            if detokenizer.stopped_on is not None:
-                state.stopped_on = detokenizer.stopped_on
             if on_chunk is not None:
                 on_chunk()
-            if text or logprobs:
-                await sink.delta(text, ids, logprobs)
+            if getattr(sink, "per_token", False) and len(ids) > 1:
+                await _deliver_per_token(ids, logprobs, sink, detokenizer)
+            else:
+                text = detokenizer.add(ids)
+                if text or logprobs:
+                    await sink.delta(text, ids, logprobs)
+            if detokenizer.stopped_on is not None:
+                state.stopped_on = detokenizer.stopped_on
     tail = detokenizer.finish()
     if tail:
         await sink.delta(tail, (), ())
+
+
+async def _deliver_per_token(ids: list[int], logprobs: list[TokenLogprob], sink: OutputSink,
+                             detokenizer: IncrementalDetokenizer) -> None:
+    """One delta per token (what token-counting clients such as aiperf expect of a stream).
+
+    A token whose bytes do not complete a character yet gives no text; its text goes out with the
+    next token's delta. Tokens after a matched stop string are not delivered.
+    """
+    aligned = len(logprobs) == len(ids)
+    items: list[Delta] = []
+    for index, token in enumerate(ids):
+        text = detokenizer.add((token,))
+        token_logprobs = logprobs[index:index + 1] if aligned else (logprobs if index == 0 else ())
+        if text or token_logprobs:
+            items.append((text, (token,), token_logprobs))
+        if detokenizer.stopped_on is not None:
+            break
+    if items:
+        await sink.deltas(items)
 
 
 def finish_reason(state: StreamState) -> str:

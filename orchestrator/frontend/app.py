@@ -198,7 +198,8 @@ class App:
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
             # them, and a failure before the first byte is still a plain HTTP error with its status.
-            sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text)
+            sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text,
+                                  per_token=not self.config.http.coalesce_tokens)
         else:
             sink = _CollectingSink(kind, api, token_text)
         try:
@@ -222,17 +223,25 @@ class App:
 # ---- output sinks ------------------------------------------------------------------------------
 
 class _StreamingSink:
-    def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text):
+    def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
+        self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
 
     async def delta(self, text, token_ids, logprobs) -> None:
+        await self.response.chunk(self._event(text, logprobs))
+
+    async def deltas(self, items) -> None:
+        # An SSE event per token, one write for the batch: the socket write is the dominant cost.
+        await self.response.chunk(b"".join([self._event(text, logprobs) for text, _, logprobs in items]))
+
+    def _event(self, text, logprobs) -> bytes:
         lp = None
         if self.api.logprobs and logprobs:
             lp = (fmt.chat_logprobs(logprobs, self.token_text) if self.writer.kind == "chat"
                   else fmt.completion_logprobs(logprobs, self.token_text, self.offset))
         self.offset += len(text)
-        await self.response.chunk(self.writer.delta(text, lp))
+        return self.writer.delta(text, lp)
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         data = self.writer.finish(reason)
@@ -242,6 +251,8 @@ class _StreamingSink:
 
 
 class _CollectingSink:
+    per_token = False  # one response at the end: no reason to split batches
+
     def __init__(self, kind: str, api, token_text):
         self.kind, self.api, self.token_text = kind, api, token_text
         self.parts: list[str] = []

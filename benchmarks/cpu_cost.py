@@ -1,0 +1,163 @@
+"""The orchestrator's own CPU per request and per streamed token, aggregated and disaggregated.
+
+    python benchmarks/cpu_cost.py [--requests 256] [--concurrency 16] [--max-tokens 1 64 256]
+
+Simulated workers at zero GPU cost (--time-scale 0). For each mode and each max_tokens, the same
+streamed requests go through `orchestrator serve` and its CPU time (utime + stime from
+/proc/PID/stat) is read before and after; the CPU per request is fitted by least squares as
+a + b * tokens. The SSE events per streamed token are counted on the wire. Then, at concurrency 64,
+streamed tokens/s through the orchestrator against the same streams driven directly over gRPC
+(benchmarks/overhead.py's drivers), measured one after the other against the same workers.
+
+The targets (issue 12) are printed beside the figures: a <= 1.0 ms aggregated / 1.3 ms
+disaggregated, b <= 20 us per token with one event per token, c=64 retained fraction >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from orchestrator.bench.sse_client import Connection
+from orchestrator.engine import EngineClient, LoopThread
+from orchestrator.models import TINY_CHAT
+from orchestrator.processes import OrchestratorServers, SimWorkers
+from orchestrator.testing import write_config
+from orchestrator.tokenizer import ModelTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import PROMPT, Direct, ThroughOrchestrator, run_slots  # noqa: E402
+
+TARGETS = {"aggregated": (1.0, 20.0), "disaggregated": (1.3, 20.0)}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CountingStreams(ThroughOrchestrator):
+    """Streams through the orchestrator, counting SSE content events and streamed tokens."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(url, max_tokens)
+        self.events = 0
+        self.tokens = 0
+
+    async def __call__(self, i: int, j: int, connection: Connection) -> tuple[float, int]:
+        start = time.perf_counter()
+        marks = {"first": None, "tokens": 0}
+
+        def on_data(payload: bytes, at: float) -> None:
+            if b'"content":' in payload and b'"delta"' in payload:
+                self.events += 1
+                if marks["first"] is None:
+                    marks["first"] = at
+            if b'"usage"' in payload and b'"completion_tokens"' in payload:
+                index = payload.index(b'"completion_tokens":') + len(b'"completion_tokens":')
+                marks["tokens"] = int(payload[index:].split(b",", 1)[0].split(b"}", 1)[0])
+
+        await connection.post_stream("/v1/chat/completions", self.body, on_data)
+        self.tokens += marks["tokens"]
+        return (marks["first"] or time.perf_counter()) - start, marks["tokens"]
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y over x."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    return mean_y - slope * mean_x, slope
+
+
+async def cpu_points(url: str, pid: int, args) -> tuple[list[tuple[float, float]], float]:
+    """(tokens per request, CPU seconds per request) for each max_tokens; and SSE events per token."""
+    points, events, tokens = [], 0, 0
+    for max_tokens in args.max_tokens:
+        streams = CountingStreams(url, max_tokens)
+        await run_slots(args.concurrency, 2, streams)  # warm-up
+        streams.events = streams.tokens = 0
+        per_slot = max(1, args.requests // args.concurrency)
+        before = cpu_seconds(pid)
+        await run_slots(args.concurrency, per_slot, streams)
+        spent = cpu_seconds(pid) - before
+        requests = per_slot * args.concurrency
+        points.append((streams.tokens / requests, spent / requests))
+        events, tokens = events + streams.events, tokens + streams.tokens
+    return points, events / max(tokens, 1)
+
+
+async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> tuple[float, float]:
+    """Streamed tokens/s at c=64: direct over gRPC, then through the orchestrator."""
+    async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
+        clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
+                   for role, address in addresses.items()}
+        direct = Direct(clients, prompt_ids, args.retained_max_tokens, mode)
+        through = ThroughOrchestrator(url, args.retained_max_tokens)
+        await run_slots(8, 1, direct)  # warm-up both paths
+        await run_slots(8, 1, through)
+        seconds_a, _, tokens_a = await run_slots(64, args.retained_per_slot, direct)
+        seconds_b, _, tokens_b = await run_slots(64, args.retained_per_slot, through)
+    return tokens_a / seconds_a, tokens_b / seconds_b
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256, help="streams per max_tokens value (default 256)")
+    parser.add_argument("--concurrency", type=int, default=16, help="for the CPU fit (default 16)")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--retained-max-tokens", type=int, default=64, help="for the c=64 comparison (default 64)")
+    parser.add_argument("--retained-per-slot", type=int, default=4, help="streams per slot at c=64 (default 4)")
+    parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
+    parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
+    args = parser.parse_args(argv)
+    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
+    prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+    tmp = Path(tempfile.mkdtemp(prefix="orch-cpu-cost-"))
+    workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
+    rows = []
+    try:
+        for mode in args.modes:
+            roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
+            addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
+            config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
+                                  limits={"health_interval_s": 1.0},
+                                  http={"coalesce_tokens": args.coalesce_tokens})
+            server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+            points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
+            a, b = fit_line(points)
+            direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
+            rows.append((mode, points, a, b, events_per_token, direct, through))
+    finally:
+        servers.close()
+        workers.close()
+    report(rows, args)
+    return 0
+
+
+def report(rows, args) -> None:
+    print(f"orchestrator serve CPU (utime+stime), c={args.concurrency}, max_tokens {args.max_tokens}, "
+          f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
+    print(f"{'mode':14} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
+          f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
+    for mode, points, a, b, events_per_token, direct, through in rows:
+        target_a, target_b = TARGETS[mode]
+        print(f"{mode:14} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} {events_per_token:10.2f} "
+              f"{direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
+        detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
+        print(f"{'':14} per request: {detail}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The decode stage's output: how engine token batches become client deltas.
+
+An SSE stream gets one event per token by default (aiperf and other clients count events as tokens
+and time the gaps between them); `http.coalesce_tokens: true` sends the tokens that arrived together
+as one event. Either way the text is the same, a character split over tokens goes out whole, and
+nothing after a stop string is delivered.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.decode.output import ReplayedStream, StreamState, finish_reason, stream_output
+from orchestrator.engine import Finished, Tokens
+from orchestrator.engine.events import TokenLogprob
+from orchestrator.models import TINY_CHAT
+from orchestrator.openengine.v1.generation_pb2 import FinishReason
+from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+
+TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
+WORDS = tuple(TOKENIZER.encode("the river and the bridge"))  # five tokens, one per word piece
+BRIDGE_EMOJI = tuple(TOKENIZER.encode("🌉"))  # one character, three byte tokens
+DONE = Finished(FinishReason.FINISH_REASON_LENGTH)
+
+
+class RecordingSink:
+    def __init__(self, per_token: bool):
+        self.per_token = per_token
+        self.received: list[tuple[str, tuple[int, ...], tuple]] = []
+        self.writes = 0  # calls, as a streaming sink makes one socket write per call
+
+    async def delta(self, text, token_ids, logprobs):
+        self.writes += 1
+        self.received.append((text, tuple(token_ids), tuple(logprobs)))
+
+    async def deltas(self, items):
+        self.writes += 1
+        self.received.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
+
+    async def finish(self, reason, prompt_tokens, completion_tokens):
+        raise AssertionError("stream_output does not finish the response; the coordinator does")
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _, _ in self.received)
+
+
+async def run(events, *, per_token: bool, stop=()) -> tuple[RecordingSink, StreamState]:
+    sink, state = RecordingSink(per_token), StreamState()
+    await stream_output(ReplayedStream(events), sink, IncrementalDetokenizer(TOKENIZER, stop), state, worker="w")
+    return sink, state
+
+
+async def test_a_batch_of_tokens_goes_out_as_one_delta_per_token():
+    sink, state = await run([Tokens(WORDS), DONE], per_token=True)
+    assert [ids for _, ids, _ in sink.received] == [(token,) for token in WORDS]
+    assert sink.text == "the river and the bridge"
+    assert sink.writes == 1  # they arrived together, so they may leave in one write
+    assert state.completion_tokens == 5 and state.finished == DONE
+
+
+async def test_coalescing_sends_the_batch_as_one_delta_with_the_same_text():
+    sink, _ = await run([Tokens(WORDS), DONE], per_token=False)
+    assert sink.received == [("the river and the bridge", WORDS, ())]
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+async def test_a_character_split_over_tokens_goes_out_whole_with_its_last_byte(per_token):
+    sink, _ = await run([Tokens(WORDS[:1] + BRIDGE_EMOJI + WORDS[1:2]), DONE], per_token=per_token)
+    assert sink.text == "the🌉 river"
+    assert all("\ufffd" not in text and text for text, _, _ in sink.received)
+    if per_token:  # the first two byte tokens give no text yet, so no event of their own
+        assert [ids for _, ids, _ in sink.received] == [WORDS[:1], BRIDGE_EMOJI[2:], WORDS[1:2]]
+
+
+async def test_each_token_carries_its_own_logprob():
+    logprobs = tuple(TokenLogprob(token, -0.5 * i) for i, token in enumerate(WORDS[:3]))
+    sink, _ = await run([Tokens(WORDS[:3], logprobs), DONE], per_token=True)
+    assert [lp for _, _, lp in sink.received] == [(logprob,) for logprob in logprobs]
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+async def test_nothing_after_a_stop_string_is_delivered(per_token):
+    sink, state = await run([Tokens(WORDS), Tokens(WORDS), DONE], per_token=per_token, stop=("and",))
+    assert sink.text == "the river "
+    assert state.stopped_on == "and" and finish_reason(state) == "stop"
+
+
+@pytest.mark.parametrize("per_token, deltas", [(True, 2), (False, 1)])
+async def test_engine_messages_that_arrived_together_merge_only_when_coalescing(per_token, deltas):
+    # ReplayedStream hands over everything as one batch, as a busy stream's next_batch() does.
+    sink, _ = await run([Tokens(WORDS[:1]), Tokens(WORDS[1:2]), DONE], per_token=per_token)
+    assert len(sink.received) == deltas
