@@ -40,18 +40,20 @@ class RequestFlow:
         self._last_chunk: float | None = None
 
     async def run(self) -> None:
+        self.c.metrics.prompt_tokens.labels(self.plan.path).inc(self.plan.prompt_tokens)
         if self.plan.path == "disaggregated":
             await self._split(self.plan.full, *self.plan.workers)
         else:
             await self._whole(self.plan.workers[0], self.plan.full)
             self.c.metrics.stage.labels("decode").observe(trio.current_time() - self.started)
 
-    def _on_chunk(self) -> None:
-        now, metrics, mode = trio.current_time(), self.c.metrics, self.plan.path
+    def _on_chunk(self, tokens: int) -> None:
+        now, metrics, path = trio.current_time(), self.c.metrics, self.plan.path
         if self._last_chunk is None:
-            metrics.ttft.labels(mode).observe(now - self.started)
+            metrics.ttft.labels(path).observe(now - self.started)
+            metrics.observe_tokens(path, None, tokens)
         else:
-            metrics.itl.labels(mode).observe(now - self._last_chunk)
+            metrics.observe_tokens(path, now - self._last_chunk, tokens)
         self._last_chunk = now
 
     async def _whole(self, worker, leg: g.GenerateRequest) -> None:

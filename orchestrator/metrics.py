@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
+                               ProcessCollector, generate_latest)
 
+from orchestrator.engine.errors import ErrorCode
+
+_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (conditional mode picks per request)
+ROUTES = ("chat", "completions")
+OUTCOMES = ("ok", "error", "client_error", "disconnected")
+KV_CLEANUP_WAYS = ("abort_session", "decode_pull", "decode_first_token")
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """Every labelled series exists from start-up at 0, so a rate() or an alert sees the first event."""
+
+    def __init__(self, mode: str = "disaggregated") -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
+        r.register(PLATFORM_COLLECTOR)
+        r.register(GC_COLLECTOR)
         self.requests = Counter("orchestrator_requests", "Requests by route, mode and outcome",
                                 ["route", "mode", "outcome"], registry=r)
         self.ttft = Histogram("orchestrator_time_to_first_token_seconds", "Time to first token", ["mode"],
                               buckets=_LATENCY, registry=r)
-        self.itl = Histogram("orchestrator_inter_token_latency_seconds", "Time between streamed chunks",
-                             ["mode"], buckets=_LATENCY, registry=r)
+        self.itl = Histogram("orchestrator_inter_token_latency_seconds",
+                             "Time between streamed tokens (a gap before k tokens that arrived together counts k "
+                             "times as gap/k)", ["mode"], buckets=_ITL, registry=r)
+        self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens of requests sent to workers, by mode",
+                                     ["mode"], registry=r)
+        self.output_tokens = Counter("orchestrator_output_tokens", "Tokens streamed to clients, by mode", ["mode"],
+                                     registry=r)
         self.stage = Histogram("orchestrator_stage_duration_seconds",
                                "Stage durations: prefill, kv_handoff (prefill ready -> first decode token), decode",
                                ["stage"], buckets=_LATENCY, registry=r)
@@ -29,11 +47,36 @@ class Metrics:
                                    ["way"], registry=r)
         self.migrations = Counter("orchestrator_migrations", "Requests continued on another worker after a worker "
                                   "failed mid-stream (prompt + tokens sent), by mode", ["mode"], registry=r)
-        for mode in ("aggregated", "disaggregated", "local"):
-            self.migrations.labels(mode)
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)
+
+        for path in _PATHS:
+            for family in (self.ttft, self.itl, self.prompt_tokens, self.output_tokens, self.migrations):
+                family.labels(path)
+        for route in ROUTES:
+            for outcome in OUTCOMES:
+                self.requests.labels(route, mode, outcome)
+        for stage in ("prefill", "kv_handoff", "decode"):
+            self.stage.labels(stage)
+        for role in ("prefill", "decode", "aggregated"):
+            self.retries.labels(role)
+        for way in KV_CLEANUP_WAYS:
+            self.kv_cleanups.labels(way)
+        for code in ErrorCode.keys():
+            self.engine_errors.labels(code)
+
+    def observe_tokens(self, path: str, gap: float | None, tokens: int) -> None:
+        """`tokens` arrived together, `gap` seconds after the previous ones (None: the first of the stream)."""
+        self.output_tokens.labels(path).inc(tokens)
+        itl = self.itl.labels(path)
+        if gap is None:  # the first token is the TTFT; the rest of its batch came with it
+            for _ in range(tokens - 1):
+                itl.observe(0.0)
+            return
+        share = gap / tokens
+        for _ in range(tokens):
+            itl.observe(share)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

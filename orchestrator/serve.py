@@ -93,7 +93,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
-    metrics = Metrics()
+    metrics = Metrics(config.mode)
     limits = config.limits
     async with LoopThread.open() as loop_thread:
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,

@@ -156,6 +156,28 @@ def test_models_health_and_metrics(disagg):
         assert name in metrics, name
 
 
+def test_metrics_count_tokens_not_chunks_and_every_series_starts_at_zero(agg):
+    """The ITL histogram has an observation per streamed token after the first, whatever the batching;
+    token counters add up to the usage the client saw; labelled series exist before their first event."""
+    with agg.http() as http:
+        before = http.get("/metrics").text
+        assert _metric(before, 'orchestrator_requests_total{mode="aggregated",outcome="client_error",route="completions"}') == 0
+        assert _metric(before, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED"}') == 0
+        assert _metric(before, "process_cpu_seconds_total") > 0
+        usage = http.post("/v1/chat/completions", json=chat_body(max_tokens=40, stream=True, ignore_eos=True,
+                                                                  stream_options={"include_usage": True}))
+        after = http.get("/metrics").text
+    assert '"completion_tokens":40' in usage.text
+    grew = {name: _metric(after, name) - _metric(before, name) for name in (
+        'orchestrator_output_tokens_total{mode="aggregated"}',
+        'orchestrator_inter_token_latency_seconds_count{mode="aggregated"}',
+        'orchestrator_time_to_first_token_seconds_count{mode="aggregated"}')}
+    assert grew == {'orchestrator_output_tokens_total{mode="aggregated"}': 40,
+                    'orchestrator_inter_token_latency_seconds_count{mode="aggregated"}': 39,
+                    'orchestrator_time_to_first_token_seconds_count{mode="aggregated"}': 1}
+    assert _metric(after, 'orchestrator_prompt_tokens_total{mode="aggregated"}') > 0
+
+
 def _metric(text: str, name: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(name + " "))
     return float(line.rsplit(" ", 1)[1])

@@ -155,7 +155,7 @@ async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_sessio
 async def run_decode(decode, worker, leg, lease=None, migrate=None):
     sink, state = Sink(), StreamState()
     await decode.run(worker, leg, sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
-                     on_chunk=lambda: None, prompt_tokens=3, lease=lease, migrate=migrate)
+                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease, migrate=migrate)
     return sink, state
 
 

@@ -79,7 +79,7 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
             state.completion_tokens += len(ids)
             state.token_ids.extend(ids)
             if on_chunk is not None:
-                on_chunk()
+                on_chunk(len(ids))
             if getattr(sink, "per_token", False) and len(ids) > 1:
                 await _deliver_per_token(ids, logprobs, sink, detokenizer)
             else:

@@ -35,7 +35,7 @@ class DecodeStage:
         self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
-                  on_chunk: Callable[[], None], prompt_tokens: int, lease: KvLease | None = None,
+                  on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
                   migrate: Callable[[EngineError, object], Awaitable[None]] | None = None) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
         `detokenizer` may carry on from an earlier leg of the same request (a migration)."""

@@ -1,0 +1,46 @@
+"""What the orchestrator's metrics measure: tokens, not chunks; every series present from start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.metrics import OUTCOMES, ROUTES, Metrics
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    if value is None:
+        raise LookupError(f"no sample {name}{labels}")
+    return value
+
+
+def test_a_gap_before_tokens_that_arrived_together_counts_once_per_token():
+    metrics = Metrics("aggregated")
+    metrics.observe_tokens("aggregated", None, 3)  # the first batch: TTFT, then two tokens with it
+    metrics.observe_tokens("aggregated", 0.030, 3)  # 30 ms later, three more
+    assert sample(metrics, "orchestrator_output_tokens_total", mode="aggregated") == 6
+    assert sample(metrics, "orchestrator_inter_token_latency_seconds_count", mode="aggregated") == 5
+    assert sample(metrics, "orchestrator_inter_token_latency_seconds_sum", mode="aggregated") == pytest.approx(0.030)
+    # three gaps of 10 ms, two of 0: all at or under the 10 ms bucket, none under 0.5 ms but the zeros
+    assert sample(metrics, "orchestrator_inter_token_latency_seconds_bucket", mode="aggregated", le="0.0005") == 2
+    assert sample(metrics, "orchestrator_inter_token_latency_seconds_bucket", mode="aggregated", le="0.01") == 5
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated", "conditional"])
+def test_every_labelled_series_exists_at_zero_before_its_first_event(mode):
+    metrics = Metrics(mode)
+    for route in ROUTES:
+        for outcome in OUTCOMES:
+            assert sample(metrics, "orchestrator_requests_total", route=route, mode=mode, outcome=outcome) == 0
+    for path in ("aggregated", "disaggregated", "local"):
+        assert sample(metrics, "orchestrator_output_tokens_total", mode=path) == 0
+        assert sample(metrics, "orchestrator_migrations_total", mode=path) == 0
+    assert sample(metrics, "orchestrator_retries_total", role="decode") == 0
+    assert sample(metrics, "orchestrator_kv_cleanups_total", way="abort_session") == 0
+    assert sample(metrics, "orchestrator_engine_errors_total", code="ERROR_CODE_OVERLOADED") == 0
+
+
+def test_the_process_itself_is_measured():
+    metrics = Metrics()
+    assert sample(metrics, "process_cpu_seconds_total") > 0
+    assert sample(metrics, "process_resident_memory_bytes") > 0
