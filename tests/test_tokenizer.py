@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.models import TINY_CHAT
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer, TemplateError
@@ -65,6 +67,15 @@ def test_streamed_text_equals_the_full_decode_and_never_holds_broken_utf8(step):
     pieces, _ = stream(ids, step=step)
     assert "".join(pieces) == TEXT == TOKENIZER.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+
+
+@given(st.lists(st.integers(0, TOKENIZER.tokenizer.get_vocab_size() - 1), max_size=60), st.integers(1, 4))
+@settings(max_examples=200, deadline=None)
+def test_any_token_sequence_streams_to_its_full_decode(ids, step):
+    """Whatever a worker samples (byte pieces that never complete, special tokens), the stream
+    adds up to the one-shot decode; a character left unfinished at the end comes out as U+FFFD."""
+    pieces, _ = stream(ids, step=step)
+    assert "".join(pieces) == TOKENIZER.decode(ids)
 
 
 def test_a_multibyte_character_split_over_tokens_is_released_whole():
