@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import httpx
 import openai
@@ -213,7 +214,7 @@ async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_p
     prefill = sim_workers.start("prefill", *slow)
     decode = sim_workers.start("decode", *slow)
     config = write_config(tmp_path / "cancel.yaml", "disaggregated",
-                          {"prefill": [prefill.address], "decode": [decode.address]})
+                          {"prefill": [prefill.address], "decode": [decode.address]}, http={"keep_alive_s": 1})
     server = orchestrator_servers.start(config)
     rng = random.Random(7)
     outcomes = {"before_first_token": 0, "mid_stream": 0, "completed": 0}
@@ -261,6 +262,23 @@ async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_p
                     break
                 await trio.sleep(0.1)
         assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
+    # No socket is left half-closed: hypercorn closes a connection whose client went away once its
+    # idle keep-alive timer runs out (keep_alive_s, 1 s here), not when it reads the FIN.
+    port = int(server.url.rsplit(":", 1)[1])
+    with trio.move_on_after(10):
+        while sockets_in_close_wait(port):
+            await trio.sleep(0.2)
+    assert sockets_in_close_wait(port) == 0, "sockets still in CLOSE_WAIT 10 s after the last stream"
+
+
+def sockets_in_close_wait(port: int) -> int:
+    """Server-side sockets on 127.0.0.1:`port` whose peer has closed but which are still open (/proc/net/tcp)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "08":  # 08: TCP_CLOSE_WAIT
+            count += 1
+    return count
 
 
 async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_worker(tmp_path, sim_workers,
