@@ -58,6 +58,9 @@ class Sink:
     async def delta(self, text, token_ids, logprobs):
         self.text += text
 
+    def ending(self):
+        pass
+
     async def finish(self, reason, prompt_tokens, completion_tokens):
         self.finished = (reason, completion_tokens)
 

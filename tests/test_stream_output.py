@@ -28,6 +28,7 @@ class RecordingSink:
         self.per_token = per_token
         self.received: list[tuple[str, tuple[int, ...], tuple]] = []
         self.writes = 0  # calls, as a streaming sink makes one socket write per call
+        self.ended_after: int | None = None  # deltas received before ending() was called
 
     async def delta(self, text, token_ids, logprobs):
         self.writes += 1
@@ -36,6 +37,9 @@ class RecordingSink:
     async def deltas(self, items):
         self.writes += 1
         self.received.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
+
+    def ending(self):
+        self.ended_after = len(self.received)
 
     async def finish(self, reason, prompt_tokens, completion_tokens):
         raise AssertionError("stream_output does not finish the response; the coordinator does")
@@ -91,3 +95,22 @@ async def test_engine_messages_that_arrived_together_merge_only_when_coalescing(
     # ReplayedStream hands over everything as one batch, as a busy stream's next_batch() does.
     sink, _ = await run([Tokens(WORDS[:1]), Tokens(WORDS[1:2]), DONE], per_token=per_token)
     assert len(sink.received) == deltas
+
+
+async def test_the_sink_learns_before_the_last_tokens_that_the_engine_has_finished():
+    """So a streaming sink writes them with the finish and [DONE]: a one-token answer is one write."""
+    sink, _ = await run([Tokens(WORDS[:1]), DONE], per_token=True)
+    assert sink.ended_after == 0 and len(sink.received) == 1
+
+
+async def test_a_stream_still_running_is_not_ending():
+    class OneBatchThenFinish:
+        def __init__(self):
+            self.batches = [[Tokens(WORDS[:2])], [DONE]]
+
+        async def next_batch(self):
+            return self.batches.pop(0)
+
+    sink, state = RecordingSink(per_token=True), StreamState()
+    await stream_output(OneBatchThenFinish(), sink, IncrementalDetokenizer(TOKENIZER), state, worker="w")
+    assert sink.ended_after == 2  # the two tokens went out as they came; only then did the engine finish

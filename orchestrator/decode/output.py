@@ -30,6 +30,9 @@ class OutputSink(Protocol):
     async def deltas(self, items: Sequence[Delta]) -> None:
         """The per-token deltas of one batch: a sink may send them in one write (they arrived together)."""
 
+    def ending(self) -> None:
+        """The engine has finished: what is delivered from now on may be written together with the finish."""
+
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
 
 
@@ -73,6 +76,8 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
                 raise event.error
             elif isinstance(event, PrefillReady):
                 raise EngineError("a generation leg answered with prefill_ready", worker=worker, rpc="Generate")
+        if state.finished is not None:
+            sink.ending()  # one write for the last tokens, the finish and [DONE] (max_tokens 1: the only one)
         if ids:
             if state.first_token_at is None:
                 state.first_token_at = trio.current_time()

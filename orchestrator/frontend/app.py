@@ -243,11 +243,14 @@ class _StreamingSink:
         self.offset += len(text)
         return self.writer.delta(text, lp)
 
+    def ending(self) -> None:
+        self.response.ending = True
+
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         data = self.writer.finish(reason)
         if self.api.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens)
-        self.response.tail = data  # sent with `data: [DONE]` in one write
+        self.response.tail += data  # sent with `data: [DONE]` in one write
 
 
 class _CollectingSink:
@@ -263,6 +266,9 @@ class _CollectingSink:
     async def delta(self, text, token_ids, logprobs) -> None:
         self.parts.append(text)
         self.logprobs.extend(logprobs)
+
+    def ending(self) -> None:
+        pass
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
@@ -287,6 +293,7 @@ class _Response:
         self.streaming = False
         self.done = False
         self.tail = b""  # the final chunk(s) of a stream, written together with [DONE]
+        self.ending = False  # the engine has finished: further chunks join the tail
 
     async def start_stream(self) -> None:
         self.streaming = True
@@ -294,6 +301,9 @@ class _Response:
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *self.headers]})
 
     async def chunk(self, data: bytes) -> None:
+        if self.ending:  # the stream's last tokens: they leave with the finish and [DONE]
+            self.tail += data
+            return
         if not self.streaming:
             await self.start_stream()
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
