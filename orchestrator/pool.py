@@ -43,6 +43,7 @@ class Worker:
         self.scope = trio.CancelScope()
         self.idle = trio.Event()
         self.idle.set()
+        self.busy = trio.Event()  # set when a request is leased to it (wakes an idle load poll)
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
@@ -219,7 +220,14 @@ class WorkerPool:
                 else:
                     worker.load_sample = (trio.current_time(), load.running_requests + load.queued_requests)
                     worker.sent_since_load = 0
-            await trio.sleep(interval)
+            if worker.inflight == 0 and worker.load_sample is not None and worker.load_sample[1] == 0:
+                # Nothing running there and nothing sent: poll at the health interval until a request goes
+                # out (idle CPU), then at once, so the picker has a fresh sample while there is traffic.
+                worker.busy = trio.Event()
+                with trio.move_on_after(self.health_interval):
+                    await worker.busy.wait()
+            else:
+                await trio.sleep(interval)
 
     def _notify(self) -> None:
         for role in ROLES:
@@ -256,6 +264,7 @@ class WorkerPool:
     def lease(self, worker: Worker) -> Iterator[Worker]:
         worker.inflight += 1
         worker.idle = trio.Event() if worker.inflight == 1 else worker.idle
+        worker.busy.set()
         try:
             yield worker
         finally:
