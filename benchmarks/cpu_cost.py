@@ -28,13 +28,10 @@ import trio
 
 from orchestrator.bench.sse_client import Connection
 from orchestrator.engine import EngineClient, LoopThread
-from orchestrator.models import TINY_CHAT
 from orchestrator.processes import OrchestratorServers, SimWorkers
-from orchestrator.testing import write_config
-from orchestrator.tokenizer import ModelTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import PROMPT, Direct, ThroughOrchestrator, run_slots  # noqa: E402
+from overhead import Direct, ThroughOrchestrator, chat_prompt_ids, run_slots, start_deployment  # noqa: E402
 
 TARGETS = {"aggregated": (1.0, 20.0), "disaggregated": (1.3, 20.0)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -132,19 +129,14 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long idle CPU is measured (default 5)")
     parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
     args = parser.parse_args(argv)
-    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
-    prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+    prompt_ids = chat_prompt_ids()
     tmp = Path(tempfile.mkdtemp(prefix="orch-cpu-cost-"))
     workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
     rows = []
     try:
         for mode in args.modes:
-            roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
-            addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
-            config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
-                                  limits={"health_interval_s": 1.0},  # the shipped default (tests poll faster)
-                                  http={"coalesce_tokens": args.coalesce_tokens})
-            server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+            addresses, server = start_deployment(workers, servers, tmp, mode,
+                                                 http={"coalesce_tokens": args.coalesce_tokens})
             idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
             points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
             a, b = fit_line(points)

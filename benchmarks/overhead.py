@@ -144,6 +144,20 @@ def report(rows: list[dict]) -> None:
               f"{a50:10.2f} {b50:10.2f} {b50 - a50:9.2f} {b99 - a99:9.2f}")
 
 
+def chat_prompt_ids() -> list[int]:
+    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
+    return tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+
+
+def start_deployment(workers: SimWorkers, servers: OrchestratorServers, tmp: Path, mode: str, **sections):
+    """Zero-cost sim workers for `mode` and an `orchestrator serve` in front: (addresses by role, server)."""
+    roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
+    addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
+    config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
+                          limits={"health_interval_s": 1.0}, **sections)  # the shipped default (tests poll faster)
+    return addresses, servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
@@ -152,18 +166,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
     args = parser.parse_args(argv)
-    tokenizer = ModelTokenizer.from_dir(TINY_CHAT)
-    prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+    prompt_ids = chat_prompt_ids()
     tmp = Path(tempfile.mkdtemp(prefix="orch-overhead-"))
     workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
     rows = []
     try:
         for mode in args.modes:
-            roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
-            addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
-            config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
-                                  limits={"health_interval_s": 1.0})
-            server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+            addresses, server = start_deployment(workers, servers, tmp, mode)
             rows += trio.run(measure, mode, addresses, server.url, prompt_ids, args)
     finally:
         servers.close()
