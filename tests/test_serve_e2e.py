@@ -399,3 +399,25 @@ async def test_a_body_that_never_arrives_whole_is_a_408_and_frees_the_connection
             answer += chunk
     await stream.aclose()
     assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer[:300]
+
+
+async def test_an_idle_least_loaded_worker_is_polled_at_the_health_interval_and_at_once_on_traffic(
+        tmp_path, sim_workers, orchestrator_servers, engine_client):
+    """Idle CPU: with nothing running, a decode worker's load is read once per health interval (1 s), not
+    every load_staleness_ms / 2 (125 ms); a request wakes the poll, so routing under traffic stays fresh."""
+    decode = sim_workers.start("decode", "--time-scale", "1")  # 60 tokens take about half a second
+    prefill = sim_workers.start("prefill", *FAST)
+    config = write_config(tmp_path / "idle.yaml", "disaggregated",
+                          {"prefill": [prefill.address], "decode": [decode.address]},
+                          limits={"health_interval_s": 1.0})
+    server = orchestrator_servers.start(config)
+    async with engine_client(decode.address) as d, httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        await trio.sleep(1.5)  # past start-up
+        before = _load_attr(await d.load(), "load_calls")
+        await trio.sleep(3.0)
+        idle_polls = _load_attr(await d.load(), "load_calls") - before - 1  # less our own read
+        assert 1 <= idle_polls <= 5, idle_polls  # polling every 125 ms would be 24
+        busy_from = _load_attr(await d.load(), "load_calls")
+        assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=60))).status_code == 200
+        during = _load_attr(await d.load(), "load_calls") - busy_from - 1
+        assert during >= 3, during  # at once, then every 125 ms while it ran

@@ -102,6 +102,7 @@ class ControlService:
         return info
 
     async def GetLoad(self, request, context):
+        self.load_calls += 1
         s = self.scheduler
         prefill_tokens, decode_batch = s.last_step
         return server_pb2.LoadInfo(
@@ -116,6 +117,7 @@ class ControlService:
                                 "kv_sessions_pulled": self.sessions.pulled,
                                 "cancelled_by_client": self.cancelled_by_client,
                                 "model_info_calls": self.model_info_calls,
+                                "load_calls": self.load_calls,
                                 "recent_requests": list(self.recent)}),
         )
 

@@ -64,6 +64,7 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
         self.model_info_calls = 0
+        self.load_calls = 0  # GetLoad calls, so tests can see how often a router polls
         self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
         # what recent requests carried, for tests and debugging: {id, kind, media: [...]}
         self.recent: collections.deque[dict] = collections.deque(maxlen=32)
