@@ -69,9 +69,30 @@ class StaticDiscovery:
 
 @attrs.frozen
 class EtcdDiscovery:
-    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)  # https://: TLS (with the system's CAs by default)
     namespace: str = "orchestrator"
     lease_ttl_s: int = attrs.field(default=10, validator=_positive)
+    # TLS to etcd: any of these turns it on. ca_file verifies etcd; cert_file + key_file are ours (mTLS).
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def tls_files(self, base_dir: Path, file: str):
+        """The PEM bytes (ca, cert, key), or None for plaintext unless the endpoints say https://."""
+        if self.ca_file is None and self.cert_file is None and self.key_file is None:
+            return None
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError(file, "discovery.etcd", "both cert_file and key_file, or neither")
+        out = []
+        for key in ("ca_file", "cert_file", "key_file"):
+            name = getattr(self, key)
+            path = None if name is None else Path(name) if Path(name).is_absolute() else base_dir / name
+            try:
+                out.append(None if path is None else path.read_bytes())
+            except OSError as exc:
+                raise ConfigError(file, f"discovery.etcd.{key}", f"a readable PEM file ({exc.strerror})",
+                                  name) from exc
+        return tuple(out)
 
 
 @attrs.frozen

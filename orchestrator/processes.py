@@ -132,18 +132,28 @@ class SimWorkers:
             worker.process.stop()
 
 
-def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_port: int) -> list[str]:
-    """A single-member etcd on loopback ports (tests and `orchestrator launch` start it the same way)."""
-    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-    return [binary, "--name", name, "--data-dir", data_dir,
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
-            "--log-level", "warn", "--logger", "zap"]
+def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_port: int,
+                 tls: tuple[str, str, str] | None = None) -> list[str]:
+    """A single-member etcd on loopback ports (tests and `orchestrator launch` start it the same way).
+
+    `tls` (cert, key, client CA files): clients connect over TLS and must present a certificate.
+    """
+    scheme = "https" if tls else "http"
+    client, peer = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    command = [binary, "--name", name, "--data-dir", data_dir,
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
+               "--log-level", "warn", "--logger", "zap"]
+    if tls:
+        cert, key, client_ca = tls
+        command += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", client_ca, "--client-cert-auth"]
+    return command
 
 
 class EtcdServer:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, tls: tuple[str, str, str] | None = None):
+        self.tls = tls  # (cert, key, client CA): TLS with client certificates required
         binary = shutil.which("etcd")
         if binary is None:
             raise ProcessFailed("etcd is not on PATH: install Debian's etcd-server (see .ci/run)")
@@ -155,7 +165,7 @@ class EtcdServer:
         for attempt in range(5):
             self.data_dir = tempfile.mkdtemp(prefix="orch-etcd-")
             self.client_port, self.peer_port = free_port(), free_port()
-            self.url = f"http://127.0.0.1:{self.client_port}"
+            self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
             try:
                 self.start()
                 return
@@ -168,7 +178,7 @@ class EtcdServer:
     def start(self) -> None:
         self._log = open(Path(self._log_dir) / f"etcd-{self.client_port}.log", "ab")
         self.process = subprocess.Popen(
-            etcd_command(self._binary, "orch-test", self.data_dir, self.client_port, self.peer_port),
+            etcd_command(self._binary, "orch-test", self.data_dir, self.client_port, self.peer_port, self.tls),
             stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

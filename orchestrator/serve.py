@@ -69,8 +69,12 @@ def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
 
+        from orchestrator.discovery.registration import EtcdTls
+
         etcd = config.discovery.etcd
-        return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name, loop_thread=loop_thread)
+        files = etcd.tls_files(config.base_dir, config.source)
+        return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name, loop_thread=loop_thread,
+                            tls=None if files is None else EtcdTls(*files))
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static

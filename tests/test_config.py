@@ -116,3 +116,22 @@ def test_config_errors_name_file_key_and_expectation(tmp_path, text, key, words)
 def test_a_missing_file_is_a_config_error():
     with pytest.raises(ConfigError, match="readable YAML file"):
         config_module.load("/no/such/config.yaml")
+
+
+@pytest.mark.parametrize("etcd, key, words", [
+    ("{cert_file: client.pem}", "discovery.etcd", "both cert_file and key_file"),
+    ("{ca_file: no-such-ca.pem}", "discovery.etcd.ca_file", "a readable PEM file"),
+])
+def test_etcd_tls_files_are_named_when_they_cannot_be_used(tmp_path, etcd, key, words):
+    path = write(tmp_path, f"discovery:\n  etcd: {etcd}\n")
+    config = config_module.load(path)
+    with pytest.raises(ConfigError) as info:
+        config.discovery.etcd.tls_files(config.base_dir, config.source)
+    assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
+
+
+def test_etcd_tls_files_are_read_relative_to_the_config(tmp_path):
+    (tmp_path / "ca.pem").write_bytes(b"CA")
+    path = write(tmp_path, "discovery:\n  etcd: {endpoints: ['https://etcd:2379'], ca_file: ca.pem}\n")
+    config = config_module.load(path)
+    assert config.discovery.etcd.tls_files(config.base_dir, config.source) == (b"CA", None, None)

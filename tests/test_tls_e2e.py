@@ -1,4 +1,4 @@
-"""TLS and mTLS to the workers, and HTTPS on the frontend, with certificates made for the test (openssl)."""
+"""TLS and mTLS to the workers and to etcd, and HTTPS on the frontend, with certificates made for the test (openssl)."""
 
 import shutil
 import ssl
@@ -7,8 +7,10 @@ import subprocess
 import httpx
 import openai
 import pytest
+import trio
 
-from orchestrator.testing import write_config
+from orchestrator.processes import ProcessFailed
+from orchestrator.testing import EtcdServer, ManagedProcess, python_command, write_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 FAST = ("--time-scale", "0")
@@ -67,3 +69,45 @@ def test_a_worker_that_wants_a_client_certificate_refuses_a_connection_without_o
         response = http.post("/v1/chat/completions", json={"model": "tiny-chat", "max_tokens": 2,
                                                           "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 503
+
+
+@pytest.mark.etcd
+async def test_discovery_through_an_etcd_that_requires_client_certificates(tmp_path, pki, sim_workers,
+                                                                            orchestrator_servers):
+    """etcd serves TLS only and wants a client certificate (--client-cert-auth): the register sidecar
+    and the orchestrator both connect with theirs (`--etcd-ca/--etcd-cert/--etcd-key`, and
+    `discovery.etcd.ca_file/cert_file/key_file`), and the worker it announced serves."""
+    etcd = EtcdServer(tmp_path, tls=(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem")))
+    sidecar = None
+    try:
+        assert etcd.url.startswith("https://")
+        worker = sim_workers.start("aggregated", *FAST)
+        # Without a client certificate etcd refuses the TLS handshake: that sidecar never registers.
+        refused = ManagedProcess("register-refused", python_command(
+            "register", "--etcd", etcd.url, "--worker", worker.address, "--role", "aggregated", "--namespace", "tls",
+            "--etcd-ca", str(pki / "ca.pem")), log_dir=tmp_path)
+        try:
+            with pytest.raises(ProcessFailed):
+                refused.wait_ready(4)
+        finally:
+            refused.stop()
+        sidecar = ManagedProcess("register", python_command(
+            "register", "--etcd", etcd.url, "--worker", worker.address, "--role", "aggregated", "--namespace", "tls",
+            "--etcd-ca", str(pki / "ca.pem"), "--etcd-cert", str(pki / "client.pem"),
+            "--etcd-key", str(pki / "client.key")), log_dir=tmp_path)
+        assert sidecar.wait_ready(30).startswith("tls/workers/tiny-chat/aggregated/")
+        config = write_config(tmp_path / "etcd-tls.yaml", "aggregated", etcd={
+            "endpoints": [etcd.url], "namespace": "tls", "ca_file": str(pki / "ca.pem"),
+            "cert_file": str(pki / "client.pem"), "key_file": str(pki / "client.key")})
+        server = orchestrator_servers.start(config)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            with trio.fail_after(15):
+                while (await http.get("/health")).status_code != 200:
+                    await trio.sleep(0.1)
+            answer = await http.post("/v1/chat/completions", json={
+                "model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+        etcd.close()

@@ -17,7 +17,7 @@ import logging
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.registration import new_client
+from orchestrator.discovery.registration import EtcdTls, new_client
 from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine.loop_thread import LoopThread
 from orchestrator.log import RateLimitedLog, cause_chain
@@ -31,10 +31,11 @@ class WatchBroken(Exception):
 
 class EtcdRegistry(WorkerRegistry):
     def __init__(self, endpoints: tuple[str, ...], namespace: str, *, model: str, loop_thread: LoopThread,
-                 max_backoff: float = 2.0, probe_interval_s: float = 2.0):
+                 max_backoff: float = 2.0, probe_interval_s: float = 2.0, tls: EtcdTls | None = None):
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
         self.endpoints = endpoints
+        self.tls = tls
         self.prefix = keys.workers_prefix(namespace, model)
         self.model = model
         self._loop_thread = loop_thread
@@ -63,7 +64,7 @@ class EtcdRegistry(WorkerRegistry):
 
     async def _session(self, endpoint: str, publish: Publish) -> None:
         loop_thread = self._loop_thread
-        client = new_client(endpoint, timeout=3.0)
+        client = new_client(endpoint, timeout=3.0, tls=self.tls)
         prefix = self.prefix.encode()
         inbox = loop_thread.new_inbox()
         holder: dict = {}

@@ -29,7 +29,10 @@ HEALTH_POLL_S = 0.25
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("register", help="announce a worker in etcd (sidecar beside a TRT-LLM worker)",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
+    p.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379 (https://: TLS)")
+    p.add_argument("--etcd-ca", default=None, metavar="PEM", help="CA that signed etcd's certificate (TLS)")
+    p.add_argument("--etcd-cert", default=None, metavar="PEM", help="our client certificate for etcd (mTLS)")
+    p.add_argument("--etcd-key", default=None, metavar="PEM", help="the key of --etcd-cert")
     p.add_argument("--worker", required=True, help="the worker's gRPC address, grpc://HOST:PORT")
     p.add_argument("--advertise", default=None, help="address to publish (default: --worker)")
     p.add_argument("--role", required=True, choices=keys.ROLES)
@@ -38,6 +41,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl", type=int, default=10, help="lease TTL in seconds (keep-alive every TTL/3)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.set_defaults(run=run)
+
+
+def etcd_tls(args: argparse.Namespace):
+    """TLS to etcd from the --etcd-* flags (None: plaintext, unless --etcd says https://)."""
+    from orchestrator.discovery.registration import EtcdTls
+
+    if args.etcd_ca is None and args.etcd_cert is None and args.etcd_key is None:
+        return None
+    if (args.etcd_cert is None) != (args.etcd_key is None):
+        raise SystemExit("orchestrator register: --etcd-cert and --etcd-key go together")
+    try:
+        return EtcdTls.from_files(args.etcd_ca, args.etcd_cert, args.etcd_key)
+    except OSError as exc:
+        raise SystemExit(f"orchestrator register: cannot read {exc.filename}: {exc.strerror}") from exc
 
 
 class RegistrationError(Exception):
@@ -68,7 +85,7 @@ async def register(args: argparse.Namespace) -> int:
         key = keys.worker_key(args.namespace, model, args.role, instance_id)
         healthy = {"now": True}
         registration = Registration(args.etcd, key, keys.worker_value(spec, schema_revision=caps.schema_revision),
-                                    ttl=args.ttl, is_healthy=lambda: healthy["now"])
+                                    ttl=args.ttl, is_healthy=lambda: healthy["now"], tls=etcd_tls(args))
 
         async def watch_health() -> None:
             while True:

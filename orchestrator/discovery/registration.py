@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
+
+import attrs
+import grpc
 
 import aetcd
 
@@ -33,15 +37,62 @@ def parse_etcd_url(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 2379
 
 
-def new_client(url: str, timeout: float = 3.0) -> aetcd.Client:
+@attrs.frozen
+class EtcdTls:
+    """TLS to etcd (PEM bytes): the CA that signed etcd's certificate (None: the system's), ours for mTLS."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @classmethod
+    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> "EtcdTls":
+        def read(name: str | None) -> bytes | None:
+            return None if name is None else Path(name).read_bytes()
+        return cls(read(ca_file), read(cert_file), read(key_file))
+
+
+class _TlsEtcdClient(aetcd.Client):
+    """aetcd opens plaintext channels only; this one opens a TLS channel and sets up the same stubs.
+
+    Mirrors aetcd 1.x `Client.connect` (no etcd user auth: use client certificates instead); the TLS
+    discovery test runs it against a real etcd that requires client certificates.
+    """
+
+    def __init__(self, *, tls: EtcdTls, **kwargs):
+        super().__init__(**kwargs)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        from aetcd import rpc, watcher
+
+        credentials = grpc.ssl_channel_credentials(self._tls.ca, self._tls.key, self._tls.cert)
+        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", credentials, options=self._options.items())
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+        self._connected.set()
+
+
+def new_client(url: str, timeout: float = 3.0, tls: EtcdTls | None = None) -> aetcd.Client:
+    """A client for one etcd endpoint; TLS when `tls` is given or the URL is https://."""
     host, port = parse_etcd_url(url)
-    return aetcd.Client(host=host, port=port, timeout=timeout)
+    if tls is None and url.startswith("https://"):
+        tls = EtcdTls()
+    if tls is None:
+        return aetcd.Client(host=host, port=port, timeout=timeout)
+    return _TlsEtcdClient(host=host, port=port, timeout=timeout, tls=tls)
 
 
 class Registration:
     def __init__(self, etcd_url: str, key: str, value: bytes, *, ttl: int = 10,
-                 is_healthy: Callable[[], bool] = lambda: True):
+                 is_healthy: Callable[[], bool] = lambda: True, tls: EtcdTls | None = None):
         self.etcd_url = etcd_url
+        self.tls = tls
         self.key = key.encode()
         self.value = value
         self.ttl = ttl
@@ -58,7 +109,7 @@ class Registration:
         try:
             while True:
                 try:
-                    self._client = new_client(self.etcd_url)
+                    self._client = new_client(self.etcd_url, tls=self.tls)
                     await self._client.connect()
                     await self._serve(self._client)
                 except asyncio.CancelledError:
