@@ -90,12 +90,14 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
 
     from orchestrator.coordinator import Coordinator
     from orchestrator.engine import LoopThread
+    from orchestrator.frontend import hypercorn_fix
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
     from orchestrator.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
 
+    hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     metrics = Metrics(config.mode)
     limits = config.limits
