@@ -90,7 +90,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
 
     from orchestrator.coordinator import Coordinator
     from orchestrator.engine import LoopThread
-    from orchestrator.frontend import hypercorn_fix
+    from orchestrator.frontend import hypercorn_fix, memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
@@ -98,6 +98,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.tokenizer import ModelTokenizer
 
     hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
+    memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     metrics = Metrics(config.mode)
     limits = config.limits

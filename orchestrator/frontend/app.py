@@ -27,6 +27,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
+from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
@@ -63,6 +64,7 @@ class App:
         self.api_keys = api_keys or ApiKeys([])
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
+        self.trim_due = False  # a big body was read: give its memory back once its request is done
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
                                         max_image_bytes=limits.max_image_bytes,
@@ -98,6 +100,9 @@ class App:
             await send_json(send, error.status, error.body())
             return
         await handler(scope, receive, send)
+        if self.trim_due:  # a big body was read: its memory is free now that the handler has returned
+            self.trim_due = False
+            await trio.to_thread.run_sync(release_free_memory)
 
     def _needs_key(self, path: str) -> bool:
         if not self.api_keys.enabled:
@@ -155,7 +160,8 @@ class App:
             if self.draining:
                 raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
-                body = await read_json(receive, self.config.limits.max_request_bytes)
+                body, size = await read_json(receive, self.config.limits.max_request_bytes)
+                self.trim_due |= size >= BIG_BODY_BYTES
             api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
@@ -337,7 +343,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_json(receive: Receive, limit: int) -> Any:
+async def read_json(receive: Receive, limit: int) -> tuple[Any, int]:
+    """The JSON body and its size in bytes."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -365,7 +372,7 @@ async def read_json(receive: Receive, limit: int) -> Any:
         raise ApiError(400, f"the request body is not usable JSON: {exc}") from None
     if _ESCAPED_SURROGATE.search(raw):
         _refuse_lone_surrogates(body)
-    return body
+    return body, len(raw)
 
 
 # JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"); such a string has no UTF-8 form, so no engine
