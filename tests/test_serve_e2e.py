@@ -421,3 +421,36 @@ async def test_an_idle_least_loaded_worker_is_polled_at_the_health_interval_and_
         assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=60))).status_code == 200
         during = _load_attr(await d.load(), "load_calls") - busy_from - 1
         assert during >= 3, during  # at once, then every 125 ms while it ran
+
+
+async def test_1000_cancelled_streams_leave_no_socket_half_closed(tmp_path, sim_workers, orchestrator_servers,
+                                                                  engine_client):
+    """Clients that hang up at random moments (before the headers, mid-stream): every connection is closed
+    on the server side within a moment of the client's FIN, and the worker is left with nothing running."""
+    worker = sim_workers.start("aggregated", "--time-scale", "0.2")
+    server = orchestrator_servers.start(write_config(tmp_path / "hangups.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    port = int(server.url.rsplit(":", 1)[1])
+    rng = random.Random(1)
+
+    async def one():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            with trio.move_on_after(rng.uniform(0.0, 0.3)):
+                async with http.stream("POST", "/v1/chat/completions",
+                                       json=chat_body(max_tokens=200, stream=True)) as response:
+                    async for _ in response.aiter_bytes():
+                        pass
+
+    for _ in range(10):
+        async with trio.open_nursery() as nursery:
+            for _ in range(100):
+                nursery.start_soon(one)
+    with trio.move_on_after(3):
+        while sockets_in_close_wait(port):
+            await trio.sleep(0.1)
+    assert sockets_in_close_wait(port) == 0, "sockets still in CLOSE_WAIT 3 s after 1,000 hang-ups"
+    async with engine_client(worker.address) as client:
+        from orchestrator.testing import wait_for_load
+
+        await wait_for_load(client, lambda load: load.running_requests == 0 and load.queued_requests == 0,
+                            timeout=10)
