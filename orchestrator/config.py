@@ -81,18 +81,7 @@ class EtcdDiscovery:
         """The PEM bytes (ca, cert, key), or None for plaintext unless the endpoints say https://."""
         if self.ca_file is None and self.cert_file is None and self.key_file is None:
             return None
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ConfigError(file, "discovery.etcd", "both cert_file and key_file, or neither")
-        out = []
-        for key in ("ca_file", "cert_file", "key_file"):
-            name = getattr(self, key)
-            path = None if name is None else Path(name) if Path(name).is_absolute() else base_dir / name
-            try:
-                out.append(None if path is None else path.read_bytes())
-            except OSError as exc:
-                raise ConfigError(file, f"discovery.etcd.{key}", f"a readable PEM file ({exc.strerror})",
-                                  name) from exc
-        return tuple(out)
+        return _read_pem_files(self, "discovery.etcd", base_dir, file)
 
 
 @attrs.frozen
@@ -141,20 +130,25 @@ class TlsFiles:
     server_name: str | None = None  # the name to check in the workers' certificates, if not their address
 
     def read(self, base_dir: Path, file: str) -> tuple[bytes | None, bytes | None, bytes | None]:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ConfigError(file, "workers_tls", "both cert_file and key_file, or neither")
-        out = []
-        for key in ("ca_file", "cert_file", "key_file"):
-            name = getattr(self, key)
-            if name is None:
-                out.append(None)
-                continue
-            path = Path(name) if Path(name).is_absolute() else base_dir / name
-            try:
-                out.append(path.read_bytes())
-            except OSError as exc:
-                raise ConfigError(file, f"workers_tls.{key}", f"a readable PEM file ({exc.strerror})", name) from exc
-        return tuple(out)
+        return _read_pem_files(self, "workers_tls", base_dir, file)
+
+
+def _read_pem_files(section, name: str, base_dir: Path, file: str) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """`section`'s ca_file, cert_file and key_file read (None where unset); paths relative to the config."""
+    if (section.cert_file is None) != (section.key_file is None):
+        raise ConfigError(file, name, "both cert_file and key_file, or neither")
+    out = []
+    for key in ("ca_file", "cert_file", "key_file"):
+        value = getattr(section, key)
+        if value is None:
+            out.append(None)
+            continue
+        path = Path(value) if Path(value).is_absolute() else base_dir / value
+        try:
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise ConfigError(file, f"{name}.{key}", f"a readable PEM file ({exc.strerror})", value) from exc
+    return tuple(out)
 
 
 @attrs.frozen
