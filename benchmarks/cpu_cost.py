@@ -26,7 +26,6 @@ from pathlib import Path
 
 import trio
 
-from orchestrator.bench.sse_client import Connection
 from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.processes import OrchestratorServers, SimWorkers
 
@@ -41,32 +40,6 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (its threads included), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-class CountingStreams(ThroughOrchestrator):
-    """Streams through the orchestrator, counting SSE content events and streamed tokens."""
-
-    def __init__(self, url: str, max_tokens: int):
-        super().__init__(url, max_tokens)
-        self.events = 0
-        self.tokens = 0
-
-    async def __call__(self, i: int, j: int, connection: Connection) -> tuple[float, int]:
-        start = time.perf_counter()
-        marks = {"first": None, "tokens": 0}
-
-        def on_data(payload: bytes, at: float) -> None:
-            if b'"content":' in payload and b'"delta"' in payload:
-                self.events += 1
-                if marks["first"] is None:
-                    marks["first"] = at
-            if b'"usage"' in payload and b'"completion_tokens"' in payload:
-                index = payload.index(b'"completion_tokens":') + len(b'"completion_tokens":')
-                marks["tokens"] = int(payload[index:].split(b",", 1)[0].split(b"}", 1)[0])
-
-        await connection.post_stream("/v1/chat/completions", self.body, on_data)
-        self.tokens += marks["tokens"]
-        return (marks["first"] or time.perf_counter()) - start, marks["tokens"]
 
 
 def idle_cpu_ms_per_s(pid: int, seconds: float) -> float:
@@ -91,7 +64,7 @@ async def cpu_points(url: str, pid: int, args) -> tuple[list[tuple[float, float]
     """(tokens per request, CPU seconds per request) for each max_tokens; and SSE events per token."""
     points, events, tokens = [], 0, 0
     for max_tokens in args.max_tokens:
-        streams = CountingStreams(url, max_tokens)
+        streams = ThroughOrchestrator(url, max_tokens)
         await run_slots(args.concurrency, 2, streams)  # warm-up
         streams.events = streams.tokens = 0
         per_slot = max(1, args.requests // args.concurrency)

@@ -89,11 +89,15 @@ class Direct:
 
 
 class ThroughOrchestrator:
+    """Streams through `orchestrator serve`; counts the SSE content events and streamed tokens it saw."""
+
     def __init__(self, url: str, max_tokens: int):
         self.url = url
         self.body = {"model": "tiny-chat", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                      "stream_options": {"include_usage": True},
                      "messages": [{"role": "user", "content": PROMPT}]}
+        self.events = 0
+        self.tokens = 0
 
     async def open_slot(self) -> Connection:
         return Connection(self.url)
@@ -106,12 +110,15 @@ class ThroughOrchestrator:
         marks = {"first": None, "tokens": 0}
 
         def on_data(payload: bytes, at: float) -> None:
-            if payload.startswith(b'{"id"') and b'"content":' in payload and marks["first"] is None:
-                marks["first"] = at
+            if payload.startswith(b'{"id"') and b'"content":' in payload:
+                self.events += 1
+                if marks["first"] is None:
+                    marks["first"] = at
             if b'"usage"' in payload:
                 marks["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
 
         await connection.post_stream("/v1/chat/completions", self.body, on_data)
+        self.tokens += marks["tokens"]
         return marks["first"] - start, marks["tokens"]
 
 
