@@ -6,6 +6,7 @@ from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, CollectorRegist
                                ProcessCollector, generate_latest)
 
 from orchestrator.engine.errors import ErrorCode
+from orchestrator.roles import ROLES
 
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (conditional mode picks per request)
@@ -52,14 +53,16 @@ class Metrics:
                                        "finished them: EOS or a stop)", registry=r)
 
         for path in _PATHS:
-            for family in (self.ttft, self.itl, self.prompt_tokens, self.output_tokens, self.migrations):
+            for family in (self.ttft, self.itl, self.prompt_tokens, self.migrations):
                 family.labels(path)
+        # The per-chunk series, looked up once: a labels() call takes a lock and a dict lookup per token batch.
+        self._token_series = {path: (self.output_tokens.labels(path), self.itl.labels(path)) for path in _PATHS}
         for route in ROUTES:
             for outcome in OUTCOMES:
                 self.requests.labels(route, mode, outcome)
         for stage in ("prefill", "kv_handoff", "decode"):
             self.stage.labels(stage)
-        for role in ("prefill", "decode", "aggregated"):
+        for role in ROLES:
             self.retries.labels(role)
         for way in KV_CLEANUP_WAYS:
             self.kv_cleanups.labels(way)
@@ -68,8 +71,8 @@ class Metrics:
 
     def observe_tokens(self, path: str, gap: float | None, tokens: int) -> None:
         """`tokens` arrived together, `gap` seconds after the previous ones (None: the first of the stream)."""
-        self.output_tokens.labels(path).inc(tokens)
-        itl = self.itl.labels(path)
+        output_tokens, itl = self._token_series[path]
+        output_tokens.inc(tokens)
         if gap is None:  # the first token is the TTFT; the rest of its batch came with it
             for _ in range(tokens - 1):
                 itl.observe(0.0)

@@ -85,7 +85,7 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
             state.token_ids.extend(ids)
             if on_chunk is not None:
                 on_chunk(len(ids))
-            if getattr(sink, "per_token", False) and len(ids) > 1:
+            if sink.per_token and len(ids) > 1:
                 await _deliver_per_token(ids, logprobs, sink, detokenizer)
             else:
                 text = detokenizer.add(ids)

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+import aetcd
 import attrs
 import grpc
-
-import aetcd
 
 from orchestrator.log import RateLimitedLog, cause_chain
 
