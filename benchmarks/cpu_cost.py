@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long idle CPU is measured (default 5)")
     parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
+    parser.add_argument("--servers", nargs="+", default=["native", "hypercorn"], choices=["native", "hypercorn"],
+                        help="the HTTP servers to measure side by side (http.server; default both)")
     args = parser.parse_args(argv)
     prompt_ids = chat_prompt_ids()
     tmp = Path(tempfile.mkdtemp(prefix="orch-cpu-cost-"))
@@ -108,13 +110,16 @@ def main(argv=None) -> int:
     rows = []
     try:
         for mode in args.modes:
-            addresses, server = start_deployment(workers, servers, tmp, mode,
-                                                 http={"coalesce_tokens": args.coalesce_tokens})
-            idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
-            points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
-            a, b = fit_line(points)
-            direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
-            rows.append((mode, points, a, b, events_per_token, direct, through, idle))
+            for http_server in args.servers:
+                addresses, server = start_deployment(workers, servers, tmp, mode, http={
+                    "coalesce_tokens": args.coalesce_tokens, "server": http_server})
+                idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
+                points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
+                a, b = fit_line(points)
+                direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
+                rows.append((mode, http_server, points, a, b, events_per_token, direct, through, idle))
+                server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
+                workers.close()
     finally:
         servers.close()
         workers.close()
@@ -125,14 +130,20 @@ def main(argv=None) -> int:
 def report(rows, args) -> None:
     print(f"orchestrator serve CPU (utime+stime), c={args.concurrency}, max_tokens {args.max_tokens}, "
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
-    print(f"{'mode':14} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
+    print(f"{'mode':14} {'server':9} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
-    for mode, points, a, b, events_per_token, direct, through, idle in rows:
+    for mode, http_server, points, a, b, events_per_token, direct, through, idle in rows:
         target_a, target_b = TARGETS[mode]
-        print(f"{mode:14} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} {events_per_token:10.2f} "
-              f"{direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
+        print(f"{mode:14} {http_server:9} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
+              f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
-        print(f"{'':14} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        print(f"{'':24} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+    for mode in dict.fromkeys(row[0] for row in rows):
+        by_server = {row[1]: row for row in rows if row[0] == mode}
+        if {"native", "hypercorn"} <= set(by_server):
+            native, hyper = by_server["native"], by_server["hypercorn"]
+            print(f"{mode}: native/hypercorn  a {native[3] / hyper[3]:.2f}x, b {native[4] / hyper[4]:.2f}x, "
+                  f"c=64 tok/s {native[7] / hyper[7]:.2f}x")
 
 
 if __name__ == "__main__":

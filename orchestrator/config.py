@@ -162,10 +162,15 @@ class AuthConfig:
     protect_metrics: bool = False  # /metrics needs a key too
 
 
+HTTP_SERVERS = ("native", "hypercorn")
+
+
 @attrs.frozen
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # native: frontend/http_server.py (httptools on trio); hypercorn: hypercorn's trio worker, for comparison
+    server: str = "native"
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
     tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
     tls_key_file: str | None = None
@@ -331,6 +336,8 @@ def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
 def _check(config: Config, file: str, check_paths: bool = True) -> None:
     if config.mode not in MODES:
         raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
+    if config.http.server not in HTTP_SERVERS:
+        raise ConfigError(file, "http.server", " or ".join(HTTP_SERVERS), config.http.server)
     for role in ROLES:
         policy = getattr(config.routing, role)
         if policy not in POLICIES:

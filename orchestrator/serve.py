@@ -85,19 +85,15 @@ def make_registry(config: Config, loop_thread):
 async def serve(config: Config, *, host: str, port: int, ready_line: bool = True, handle_signals: bool = True,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels."""
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve as hypercorn_serve
-
     from orchestrator.coordinator import Coordinator
     from orchestrator.engine import LoopThread
-    from orchestrator.frontend import hypercorn_fix, memory
+    from orchestrator.frontend import memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
     from orchestrator.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
 
-    hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     metrics = Metrics(config.mode)
@@ -108,19 +104,6 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config))
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
         app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys)
-        hc = HypercornConfig()
-        hc.bind = [f"{host}:{port}"]
-        hc.backlog = config.http.backlog  # hypercorn's default of 100 resets a burst of connections
-        hc.graceful_timeout = limits.shutdown_grace_s
-        # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
-        # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
-        hc.keep_alive_timeout = config.http.keep_alive_s
-        hc.h11_max_incomplete_size = config.http.max_header_bytes
-        if config.http.tls_cert_file:  # HTTPS
-            hc.certfile = str(config.base_dir / config.http.tls_cert_file)
-            hc.keyfile = str(config.base_dir / config.http.tls_key_file)
-        hc.accesslog = None
-        hc.errorlog = logging.getLogger("hypercorn.error")
         shutdown = trio.Event()
         # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
         startup = trio.CancelScope()
@@ -130,8 +113,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             url = None
             with startup:
                 await nursery.start(pool.run, make_registry(config, loop_thread))
-                binds = await nursery.start(partial(hypercorn_serve, app, hc, shutdown_trigger=shutdown.wait))
-                url = binds[0]
+                url = await nursery.start(serve_http, app, config, host, port, shutdown)
                 log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
                 with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
                     while not all(pool.ready_count(role) for role in config.needed_roles):
@@ -147,13 +129,67 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                 print(f"ready {url}", flush=True)
             task_status.started(url)
             await shutdown.wait()
-            # hypercorn stops accepting, lets in-flight requests finish for graceful_timeout, then
+            # The HTTP server stops accepting, lets in-flight requests finish for the shutdown grace, then
             # cancels them (their nurseries abort the engine work); then the pool goes.
             with trio.move_on_after(limits.shutdown_grace_s + 5):
                 while app.inflight > 0:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     log.info("stopped")
+
+
+async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The HTTP server `http.server` names, serving `app` until `shutdown`; started with its URL."""
+    http = config.http
+    if http.server == "hypercorn":
+        await _serve_hypercorn(app, config, host, port, shutdown, task_status)
+        return
+    from orchestrator.frontend.http_server import ServerLimits, open_listener
+    from orchestrator.frontend.http_server import serve_http as serve_native
+
+    ssl_context = None
+    if http.tls_cert_file:  # HTTPS
+        import ssl
+
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(config.base_dir / http.tls_cert_file, config.base_dir / http.tls_key_file)
+        ssl_context.set_alpn_protocols(["http/1.1"])
+    limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
+                          backlog=http.backlog, grace_s=config.limits.shutdown_grace_s)
+    listener = await open_listener(host, port, backlog=http.backlog)
+    await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
+                       task_status=task_status)
+
+
+async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: trio.Event, task_status) -> None:
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from orchestrator.frontend import hypercorn_fix
+
+    hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
+    http = config.http
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{port}"]
+    hc.backlog = http.backlog  # hypercorn's default of 100 resets a burst of connections
+    hc.graceful_timeout = config.limits.shutdown_grace_s
+    # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
+    # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
+    hc.keep_alive_timeout = http.keep_alive_s
+    hc.h11_max_incomplete_size = http.max_header_bytes
+    if http.tls_cert_file:  # HTTPS
+        hc.certfile = str(config.base_dir / http.tls_cert_file)
+        hc.keyfile = str(config.base_dir / http.tls_key_file)
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+
+    async def started(task_status=trio.TASK_STATUS_IGNORED):
+        await hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(started)
+        task_status.started(binds[0])
 
 
 async def _on_signal(app, shutdown: trio.Event, startup: trio.CancelScope) -> None:

@@ -263,7 +263,7 @@ async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_p
                 await trio.sleep(0.1)
         assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
     # No socket is left half-closed: a connection the client closed is closed when its FIN is read, not
-    # when the keep-alive timer (15 s) runs out (orchestrator/frontend/hypercorn_fix.py).
+    # when the keep-alive timer (15 s) runs out.
     port = int(server.url.rsplit(":", 1)[1])
     with trio.move_on_after(2):
         while sockets_in_close_wait(port):
@@ -423,13 +423,16 @@ async def test_an_idle_least_loaded_worker_is_polled_at_the_health_interval_and_
         assert during >= 3, during  # at once, then every 125 ms while it ran
 
 
+@pytest.mark.parametrize("http_server", ["native", "hypercorn"])
 async def test_1000_cancelled_streams_leave_no_socket_half_closed(tmp_path, sim_workers, orchestrator_servers,
-                                                                  engine_client):
+                                                                  engine_client, http_server):
     """Clients that hang up at random moments (before the headers, mid-stream): every connection is closed
-    on the server side within a moment of the client's FIN, and the worker is left with nothing running."""
+    on the server side within a moment of the client's FIN, and the worker is left with nothing running.
+    Both HTTP servers: hypercorn needs orchestrator/frontend/hypercorn_fix.py for it."""
     worker = sim_workers.start("aggregated", "--time-scale", "0.2")
     server = orchestrator_servers.start(write_config(tmp_path / "hangups.yaml", "aggregated",
-                                                     {"aggregated": [worker.address]}))
+                                                     {"aggregated": [worker.address]},
+                                                     http={"server": http_server}))
     port = int(server.url.rsplit(":", 1)[1])
     rng = random.Random(1)
 

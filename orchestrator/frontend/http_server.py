@@ -1,0 +1,422 @@
+"""The native HTTP/1.1 server: trio sockets, httptools' C parser, the ASGI application on top.
+
+Why not hypercorn (still selectable with `http.server: hypercorn`): its per-event machinery cost about
+0.3 ms per response write and most of a millisecond per request (benchmarks/cpu_cost.py measures both
+servers side by side). This server does only what the OpenAI API needs from HTTP/1.1:
+
+- keep-alive, with `http.keep_alive_s` as the idle limit and as the deadline for a whole request head;
+  pipelined requests are answered in order; `Expect: 100-continue` is honoured.
+- a request head of at most `http.max_header_bytes` (else 431); a malformed request gets 400.
+- a response head goes out with the first body bytes, in one write; a body without content-length is
+  chunked, its last chunk and terminator in one write.
+- disconnect detection: one reader task per connection; when the client closes, the application's
+  `receive()` returns `http.disconnect` (the request's nursery then cancels the engine work).
+- graceful drain: on shutdown, stop accepting, close idle connections, let in-flight requests finish
+  for `grace_s`, then cancel them.
+- TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
+  for several frontend processes on one port.
+
+The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn too.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket as stdlib_socket
+import ssl
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+import attrs
+import httptools
+import trio
+
+from orchestrator.frontend import http_wire as wire
+
+log = logging.getLogger(__name__)
+Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+_READ_SIZE = 64 * 1024
+_BODY_BUFFER = 1 << 20  # request body bytes read ahead of the application before reading pauses
+_PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before reading pauses
+
+
+@attrs.frozen
+class ServerLimits:
+    keep_alive_s: float = 15.0
+    max_header_bytes: int = 16 * 1024
+    backlog: int = 1024
+    grace_s: float = 10.0
+
+
+async def open_listener(host: str, port: int, *, backlog: int, reuse_port: bool = False) -> trio.SocketListener:
+    """A listening TCP socket on host:port (port 0: a free port). SO_REUSEPORT lets several processes
+    listen on the same port, the kernel spreading connections across them."""
+    family = stdlib_socket.AF_INET6 if ":" in host else stdlib_socket.AF_INET
+    sock = trio.socket.socket(family, stdlib_socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEPORT, 1)
+        await sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
+
+
+async def serve_http(app: Application, listener: trio.SocketListener, *, limits: ServerLimits,
+                     shutdown: trio.Event, ssl_context: ssl.SSLContext | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on `listener` until `shutdown` is set, then drain (see the module docstring)."""
+    server = _Server(app, limits, ssl_context)
+    host, port = listener.socket.getsockname()[:2]
+    scheme = "https" if ssl_context else "http"
+    url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+    accepting = trio.CancelScope()
+    async with trio.open_nursery() as connections:
+        connections.start_soon(_accept, listener, server, connections, accepting)
+        task_status.started(url)
+        await shutdown.wait()
+        accepting.cancel()
+        await listener.aclose()
+        server.drain()
+        with trio.move_on_after(limits.grace_s):
+            await server.idle.wait()
+        connections.cancel_scope.cancel()
+
+
+async def _accept(listener: trio.SocketListener, server: "_Server", connections: trio.Nursery,
+                  accepting: trio.CancelScope) -> None:
+    with accepting:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # out of file descriptors: wait for some to close instead of spinning
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                    raise
+                log.error("accepting a connection failed: %s; pausing accepts for 0.1 s", exc)
+                await trio.sleep(0.1)
+                continue
+            connections.start_soon(server.connection, stream)
+
+
+class _Server:
+    def __init__(self, app: Application, limits: ServerLimits, ssl_context: ssl.SSLContext | None):
+        self.app, self.limits, self.ssl_context = app, limits, ssl_context
+        self.scheme = "https" if ssl_context else "http"
+        self.draining = False
+        self.open: set[_Connection] = set()
+        self.idle = trio.Event()  # set once draining and no connection is left
+        self.failure_count = 0
+
+    def drain(self) -> None:
+        self.draining = True
+        for connection in list(self.open):
+            connection.notify()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.draining and not self.open:
+            self.idle.set()
+
+    async def connection(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()[:2]
+            local = stream.socket.getsockname()[:2]
+        except OSError:  # reset before we looked
+            await trio.aclose_forcefully(stream)
+            return
+        transport: trio.abc.Stream = stream
+        if self.ssl_context is not None:
+            transport = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
+        connection = _Connection(self, transport, peer, local)
+        self.open.add(connection)
+        try:
+            if self.ssl_context is not None:
+                with trio.move_on_after(self.limits.keep_alive_s) as handshake:
+                    await transport.do_handshake()
+                if handshake.cancelled_caught:
+                    connection.broken = True
+                    return
+            await connection.serve()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            pass  # the client went away (or never finished its TLS handshake)
+        except Exception:
+            log.exception("HTTP connection from %s:%s failed", *peer)
+        finally:
+            self.open.discard(connection)
+            self._check_idle()
+            await _close(transport, forcefully=connection.broken)
+
+
+async def _close(stream: trio.abc.Stream, *, forcefully: bool) -> None:
+    """Close a connection; a TLS one sends its close_notify unless it is broken (at most 1 s)."""
+    with trio.CancelScope(shield=True):
+        if forcefully:
+            await trio.aclose_forcefully(stream)
+            return
+        with trio.move_on_after(1) as closing:
+            try:
+                await stream.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
+        if closing.cancelled_caught:
+            await trio.aclose_forcefully(stream)
+
+
+class _Request:
+    """One parsed request: its head, its body as it arrives, whether all of it has arrived."""
+
+    __slots__ = ("method", "target", "headers", "http_version", "keep_alive", "expect_continue", "body",
+                 "complete")
+
+    def __init__(self, method: str, target: bytes, headers: list, http_version: str, keep_alive: bool):
+        self.method, self.target, self.headers = method, target, headers
+        self.http_version, self.keep_alive = http_version, keep_alive
+        self.expect_continue = any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
+        self.body: list[bytes] = []
+        self.complete = False
+
+
+class _Connection:
+    """One client connection: a reader task feeding the parser, requests answered one at a time."""
+
+    def __init__(self, server: _Server, stream: trio.abc.Stream, peer, local):
+        self.server, self.stream, self.peer, self.local = server, stream, peer, local
+        self.parser = httptools.HttpRequestParser(self)
+        self.parsed: deque[_Request] = deque()  # heads complete, not yet answered (the first is being answered)
+        self.incoming: _Request | None = None  # the request the parser is filling
+        self.head_bytes = 0  # bytes of the request head being read
+        self.in_head = False
+        self.buffered = 0  # body bytes parsed and not yet taken by the application
+        self.eof = False  # the client closed its side (or the connection broke)
+        self.broken = False  # a write failed: close without ceremony
+        self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
+        self.upgrade_ignored = False  # no request can follow on this connection
+        self._changed = trio.Event()
+        self._header_parts: list[tuple[bytes, bytes]] = []
+        self._target = b""
+        self._head_size = 0
+
+    # ---- the reader side --------------------------------------------------------------------------
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+    async def read(self) -> None:
+        try:
+            while self.bad_request is None:
+                while self.buffered > _BODY_BUFFER or len(self.parsed) > _PIPELINE_DEPTH:
+                    await self.changed()  # the application has not caught up: stop reading (backpressure)
+                data = await self.stream.receive_some(_READ_SIZE)
+                if not data:
+                    break
+                if self.in_head or self.incoming is None:
+                    self.head_bytes += len(data)
+                try:
+                    self.parser.feed_data(data)
+                except httptools.HttpParserUpgrade:
+                    # An Upgrade request (h2c, websocket) is answered as plain HTTP/1.1, and the connection
+                    # closes after it: what follows is not HTTP/1.1. Reading goes on only to see the client go.
+                    self.upgrade_ignored = True
+                    self.notify()
+                    while await self.stream.receive_some(_READ_SIZE):
+                        pass
+                    break
+                except httptools.HttpParserError as exc:
+                    self.bad_request = (400, f"the request is not valid HTTP/1.1: {exc}", "bad_request")
+                if self.in_head and self.head_bytes > self.server.limits.max_header_bytes:
+                    self._refuse_head()  # still arriving and already too large: read no more of it
+                self.notify()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            pass
+        finally:
+            self.eof = True
+            self.notify()
+
+    # httptools callbacks
+    def _refuse_head(self) -> None:
+        self.bad_request = (431, f"the request head is larger than {self.server.limits.max_header_bytes} bytes",
+                            "request_header_fields_too_large")
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self._target = b""
+        self._header_parts = []
+        self._head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_parts.append((name.lower(), value))
+        self._head_size += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        request = _Request(parser.get_method().decode("ascii", "replace"), self._target, self._header_parts,
+                           parser.get_http_version(), parser.should_keep_alive())
+        self.in_head = False
+        self.head_bytes = 0
+        self.incoming = request  # the parser may go on into its body; that is what a refused one takes too
+        if self._head_size > self.server.limits.max_header_bytes:  # arrived whole in one read, too large
+            self._refuse_head()
+            return
+        self.parsed.append(request)
+
+    def on_body(self, body: bytes) -> None:
+        self.incoming.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.incoming.complete = True
+        self.incoming = None
+
+    # ---- the answering side -----------------------------------------------------------------------
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.read)
+            try:
+                while (request := await self._next_request()) is not None:
+                    if not await self._answer(request):
+                        break
+                    self.parsed.popleft()
+                    self.notify()  # reading may resume
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _next_request(self) -> _Request | None:
+        """The next request whose head is complete; None when the connection should close."""
+        with trio.move_on_after(self.server.limits.keep_alive_s):
+            while True:
+                if self.parsed:
+                    return self.parsed[0]
+                if self.bad_request is not None:
+                    await self.write(wire.error_response(*self.bad_request))
+                    return None
+                if self.eof or (self.server.draining and not self.in_head):
+                    return None
+                await self.changed()
+        return None  # idle (or a head still incomplete) for keep_alive_s
+
+    async def _answer(self, request: _Request) -> bool:
+        """Run the application for one request; whether the connection can take another."""
+        path, raw_path, query = wire.split_target(request.target)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "http_version": request.http_version, "method": request.method, "scheme": self.server.scheme,
+                 "path": path, "raw_path": raw_path, "query_string": query, "root_path": "",
+                 "headers": request.headers, "client": self.peer, "server": self.local}
+        exchange = _Exchange(self, request)
+        try:
+            await self.server.app(scope, exchange.receive, exchange.send)
+        except Exception:
+            log.exception("the application failed on %s %s", request.method, path)
+            if not exchange.head_sent:
+                await exchange.send_error(500, "internal error", "internal_error")
+            return False
+        if not exchange.finished:
+            if exchange.head_sent:  # a response cut short cannot be completed: the client sees it end
+                return False
+            await exchange.send_error(500, "the application sent no response", "internal_error")
+            return False
+        return exchange.keep_alive
+
+    async def write(self, data: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            self.broken = True  # the client is gone; receive() reports the disconnect
+            self.eof = True
+            self.notify()
+
+
+class _Exchange:
+    """The ASGI receive/send pair of one request."""
+
+    __slots__ = ("connection", "request", "started", "head_sent", "finished", "status", "headers", "chunked",
+                 "close", "body_done", "continue_sent")
+
+    def __init__(self, connection: _Connection, request: _Request):
+        self.connection, self.request = connection, request
+        self.started = self.head_sent = self.finished = self.body_done = self.continue_sent = False
+        self.status = 200
+        self.headers: list = []
+        self.chunked = self.close = False
+
+    @property
+    def keep_alive(self) -> bool:
+        return not self.close and not self.connection.eof and not self.connection.upgrade_ignored
+
+    async def receive(self) -> dict[str, Any]:
+        request, connection = self.request, self.connection
+        while True:
+            if request.body:
+                body = b"".join(request.body) if len(request.body) > 1 else request.body[0]
+                request.body.clear()
+                connection.buffered -= len(body)
+                connection.notify()
+                self.body_done = request.complete
+                return {"type": "http.request", "body": body, "more_body": not request.complete}
+            if request.complete and not self.body_done:
+                self.body_done = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            if connection.eof or self.finished:
+                return {"type": "http.disconnect"}
+            if request.expect_continue and not self.continue_sent and not self.started:
+                self.continue_sent = True  # the client waits for this before it sends the body
+                await connection.write(wire.CONTINUE)
+                continue
+            await connection.changed()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            self.started = True
+            self.status = message["status"]
+            self.headers = list(message.get("headers", ()))
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        if not self.started:
+            raise RuntimeError("http.response.body sent before http.response.start")
+        if self.finished:
+            return
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        data = b""
+        if not self.head_sent:  # the head goes out with the first body bytes
+            data = self._head()
+            self.head_sent = True
+        if self.chunked:
+            data += wire.frame_chunk(body) + (b"" if more else wire.LAST_CHUNK)
+        else:
+            data += body
+        if not more:
+            self.finished = True
+        await self.connection.write(data)
+
+    def _head(self) -> bytes:
+        request, connection = self.request, self.connection
+        has_length = wire.has_content_length(self.headers)
+        self.chunked = not has_length and request.http_version == "1.1"
+        # close after this response: the client asked to, an unread body is left on the connection, a
+        # HTTP/1.0 body without length ends with the connection, or the server is draining
+        self.close = (not request.keep_alive or not request.complete or (not has_length and not self.chunked)
+                      or connection.server.draining)
+        return wire.render_head(self.status, self.headers, chunked=self.chunked, close=self.close)
+
+    async def send_error(self, status: int, message: str, code: str) -> None:
+        self.started = self.head_sent = self.finished = True
+        self.close = True
+        await self.connection.write(wire.error_response(status, message, code))

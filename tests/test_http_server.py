@@ -1,0 +1,398 @@
+"""The native HTTP/1.1 server (orchestrator/frontend/http_server.py) on a real socket, with small ASGI apps.
+
+Clients are raw trio streams read back with h11 (an independent parser) where the bytes matter, and
+httpx where a real client's behaviour matters (keep-alive reuse). The orchestrator's own routes run on
+this server in every end-to-end test; these tests pin the HTTP rules themselves.
+"""
+
+import json
+from contextlib import asynccontextmanager
+from functools import partial
+
+import h11
+import httpx
+import pytest
+import trio
+
+from orchestrator.frontend.http_server import ServerLimits, open_listener, serve_http
+
+
+@asynccontextmanager
+async def running(app, **limits):
+    listener = await open_listener("127.0.0.1", 0, backlog=64)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(serve_http, app, listener, limits=ServerLimits(**limits),
+                                          shutdown=shutdown))
+        server = Server(url, shutdown, int(url.rsplit(":", 1)[1]))
+        yield server
+        nursery.cancel_scope.cancel()
+
+
+class Server:
+    def __init__(self, url, shutdown, port):
+        self.url, self.shutdown, self.port = url, shutdown, port
+
+    async def connect(self) -> trio.SocketStream:
+        return await trio.open_tcp_stream("127.0.0.1", self.port)
+
+
+async def read_until_closed(stream, timeout=5.0) -> bytes:
+    data = b""
+    with trio.fail_after(timeout):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    return data
+
+
+def parse_responses(data: bytes, requests: int = 1) -> list[tuple[h11.Response, bytes]]:
+    """Responses (head, whole body) read back by h11, for `requests` GETs sent on one connection."""
+    client = h11.Connection(h11.CLIENT)
+    out = []
+    for _ in range(requests):
+        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        client.receive_data(data)
+        data = b""
+        response, body = None, b""
+        while True:
+            event = client.next_event()
+            if isinstance(event, h11.Response):
+                response = event
+            elif isinstance(event, h11.Data):
+                body += bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise AssertionError(f"incomplete response: {event}")
+        out.append((response, body))
+        if client.our_state is h11.DONE and client.their_state is h11.DONE:
+            client.start_next_cycle()
+    return out
+
+
+async def echo(scope, receive, send):
+    """Replies with the method, path, query and the body it read, as JSON."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    data = json.dumps({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
+                       "body_bytes": len(body), "client_port": scope["client"][1]}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def head(method="GET", target="/", headers=(), body=b"") -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", "host: test", *headers]
+    if body:
+        lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def test_a_streamed_response_is_chunked_and_reads_back_whole():
+    async def stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(5):
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async with running(stream) as server:
+        client = await server.connect()
+        await client.send_all(head(headers=["connection: close"]))
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 200
+    headers = dict(response.headers)
+    assert headers[b"transfer-encoding"] == b"chunked" and headers[b"connection"] == b"close"
+    assert body == b"".join(b"data: %d\n\n" % i for i in range(5)) + b"data: [DONE]\n\n"
+
+
+async def test_keep_alive_serves_many_requests_on_one_connection_with_httpx():
+    async with running(echo) as server:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            replies = [(await http.post("/v1/x?n=%d" % i, content=b"a" * i)).json() for i in range(1, 6)]
+    assert [r["body_bytes"] for r in replies] == [1, 2, 3, 4, 5]
+    assert [r["query"] for r in replies] == [f"n={i}" for i in range(1, 6)]
+    assert len({r["client_port"] for r in replies}) == 1  # one connection, reused
+
+
+async def test_pipelined_requests_are_answered_in_order():
+    async with running(echo) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/first") + head("POST", "/second", body=b"xyz")
+                              + head(target="/third", headers=["connection: close"]))
+        replies = parse_responses(await read_until_closed(client), requests=3)
+    assert [json.loads(body)["path"] for _, body in replies] == ["/first", "/second", "/third"]
+    assert json.loads(replies[1][1])["body_bytes"] == 3
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent():
+    async with running(echo) as server:
+        client = await server.connect()
+        await client.send_all(b"POST /up HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n")
+        with trio.fail_after(5):
+            interim = await client.receive_some(100)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        await client.send_all(b"hello")
+        data = b""
+        with trio.fail_after(5):
+            while not data.endswith(b"}"):
+                data += await client.receive_some(65536)
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["body_bytes"] == 5
+
+
+async def test_a_chunked_request_body_reaches_the_app_decoded():
+    async with running(echo) as server:
+        client = await server.connect()
+        await client.send_all(b"POST /c HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+                              b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n")
+        [(_, body)] = parse_responses(await read_until_closed(client))
+    assert json.loads(body)["body_bytes"] == 7
+
+
+async def test_a_big_body_arrives_intact_though_the_app_reads_it_slowly():
+    """Reading pauses when the app falls behind (backpressure); nothing is lost."""
+    async def slow_sum(scope, receive, send):
+        total = 0
+        while True:
+            message = await receive()
+            total += len(message.get("body", b""))
+            await trio.sleep(0.001)
+            if not message.get("more_body"):
+                break
+        data = str(total).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(data))]})
+        await send({"type": "http.response.body", "body": data})
+
+    async with running(slow_sum) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            reply = await http.post("/", content=b"z" * (6 << 20))
+    assert reply.text == str(6 << 20)
+
+
+async def test_a_head_larger_than_the_limit_is_a_431_in_the_openai_format():
+    async with running(echo, max_header_bytes=1024) as server:
+        client = await server.connect()
+        await client.send_all(head(headers=[f"x-big: {'a' * 2000}"]))
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 431
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+
+
+async def test_a_head_sent_byte_by_byte_past_the_limit_is_refused_too():
+    async with running(echo, max_header_bytes=512) as server:
+        client = await server.connect()
+        await client.send_all(b"GET / HTTP/1.1\r\nhost: t\r\nx-slow: ")
+        with trio.fail_after(5):
+            for _ in range(600):
+                try:
+                    await client.send_all(b"a")
+                except trio.BrokenResourceError:
+                    break
+        [(response, _)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 431
+
+
+async def test_bytes_that_are_not_http_get_a_400_and_the_connection_closes():
+    async with running(echo) as server:
+        client = await server.connect()
+        await client.send_all(b"\x16\x03\x01 this is not HTTP\r\n\r\n")
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 400
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+async def test_the_app_learns_of_a_client_disconnect_mid_response():
+    seen = trio.Event()
+
+    async def waits_for_disconnect(scope, receive, send):
+        await receive()  # the (empty) body
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        with trio.fail_after(5):
+            message = await receive()
+        assert message == {"type": "http.disconnect"}
+        seen.set()
+
+    async with running(waits_for_disconnect) as server:
+        client = await server.connect()
+        await client.send_all(head())
+        with trio.fail_after(5):
+            assert b"first" in await client.receive_some(65536)
+        await client.aclose()
+        with trio.fail_after(5):
+            await seen.wait()
+
+
+async def test_an_idle_keep_alive_connection_and_an_unfinished_head_are_closed_after_keep_alive_s():
+    async with running(echo, keep_alive_s=0.3) as server:
+        idle = await server.connect()
+        await idle.send_all(head())
+        slow = await server.connect()
+        await slow.send_all(b"GET / HTTP/1.1\r\nhost:")  # never finished
+        start = trio.current_time()
+        reply = await read_until_closed(idle)
+        assert await read_until_closed(slow) == b""
+        elapsed = trio.current_time() - start
+    assert parse_responses(reply)[0][0].status_code == 200
+    assert 0.2 < elapsed < 3
+
+
+async def test_drain_closes_idle_connections_at_once_and_lets_in_flight_responses_finish():
+    release = trio.Event()
+    started = trio.Event()
+
+    async def slow(scope, receive, send):
+        await receive()
+        if scope["path"] == "/slow":
+            started.set()
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with running(slow, keep_alive_s=60, grace_s=10) as server:
+        idle = await server.connect()
+        await idle.send_all(head())
+        with trio.fail_after(5):
+            await idle.receive_some(65536)  # answered; now idle on keep-alive
+        busy = await server.connect()
+        await busy.send_all(head(target="/slow"))
+        await started.wait()
+        server.shutdown.set()
+        assert await read_until_closed(idle, timeout=2) == b""  # closed at once, not after 60 s
+        with pytest.raises(OSError):
+            await trio.open_tcp_stream("127.0.0.1", server.port)  # no longer accepting
+        release.set()
+        [(response, body)] = parse_responses(await read_until_closed(busy))
+    assert (response.status_code, body) == (200, b"ok")
+    assert dict(response.headers)[b"connection"] == b"close"
+
+
+async def test_drain_cancels_what_is_still_running_when_the_grace_ends():
+    cancelled = trio.Event()
+
+    async def never_ends(scope, receive, send):
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+
+    listener = await open_listener("127.0.0.1", 0, backlog=8)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(serve_http, never_ends, listener, limits=ServerLimits(grace_s=0.3),
+                                          shutdown=shutdown))
+        client = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        await client.send_all(head())
+        await trio.sleep(0.1)
+        shutdown.set()
+        with trio.fail_after(5):
+            await cancelled.wait()
+    # the nursery exited: serve_http returned on its own after the grace
+
+
+async def test_an_app_failure_before_the_response_is_a_500_and_after_it_the_connection_ends():
+    async def fails(scope, receive, send):
+        if scope["path"] == "/late":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"partial", "more_body": True})
+        raise RuntimeError("boom")
+
+    async with running(fails) as server:
+        early = await server.connect()
+        await early.send_all(head())
+        [(response, body)] = parse_responses(await read_until_closed(early))
+        assert response.status_code == 500 and json.loads(body)["error"]["code"] == "internal_error"
+        late = await server.connect()
+        await late.send_all(head(target="/late"))
+        data = await read_until_closed(late)
+    assert b"partial" in data and not data.endswith(b"0\r\n\r\n")  # no terminator: the client sees it cut
+
+
+async def test_a_response_header_with_a_line_break_is_never_written():
+    async def injects(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"x-request-id", b"a\r\nset-cookie: evil=1"), (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(injects) as server:
+        client = await server.connect()
+        await client.send_all(head())
+        data = await read_until_closed(client)
+    assert b"set-cookie" not in data
+    assert parse_responses(data)[0][0].status_code == 500
+
+
+async def test_http_1_0_gets_an_unchunked_body_and_a_closed_connection():
+    async def unsized(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two"})
+
+    async with running(unsized) as server:
+        client = await server.connect()
+        await client.send_all(b"GET / HTTP/1.0\r\n\r\n")
+        data = await read_until_closed(client)
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"chunked" not in data
+    assert data.endswith(b"\r\n\r\none two")
+
+
+async def test_a_response_that_leaves_the_body_unread_closes_the_connection():
+    async def refuses(scope, receive, send):  # answers (as a 401 would) without reading the body
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(refuses) as server:
+        client = await server.connect()
+        await client.send_all(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\n" + b"a" * 10)
+        data = await read_until_closed(client)
+    response = parse_responses(data)[0][0]
+    assert response.status_code == 401 and dict(response.headers)[b"connection"] == b"close"
+
+
+async def test_an_upgrade_request_is_answered_as_http_1_1_and_the_connection_then_closes():
+    async with running(echo) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/up", headers=["connection: Upgrade, HTTP2-Settings", "upgrade: h2c",
+                                                          "http2-settings: AAMAAABkAAQAAP__"]))
+        data = b""
+        with trio.fail_after(5):
+            while not data.endswith(b"}"):
+                data += await client.receive_some(65536)
+        rest = await read_until_closed(client)  # what follows an upgrade is not HTTP/1.1: no second request
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["path"] == "/up"
+    assert rest == b""
+
+
+async def test_the_scope_has_a_decoded_path_and_lower_case_header_names():
+    scopes = []
+
+    async def records(scope, receive, send):
+        scopes.append(scope)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(records) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/a%20b?q=1", headers=["X-Request-Id: abc", "connection: close"]))
+        await read_until_closed(client)
+    [scope] = scopes
+    assert (scope["path"], scope["raw_path"], scope["query_string"]) == ("/a b", b"/a%20b", b"q=1")
+    assert (b"x-request-id", b"abc") in scope["headers"]
+    assert scope["method"] == "GET" and scope["http_version"] == "1.1" and scope["scheme"] == "http"
+
+
+async def test_two_listeners_can_share_a_port_with_reuse_port():
+    first = await open_listener("127.0.0.1", 0, backlog=8, reuse_port=True)
+    port = first.socket.getsockname()[1]
+    second = await open_listener("127.0.0.1", port, backlog=8, reuse_port=True)
+    try:
+        with pytest.raises(OSError):
+            await open_listener("127.0.0.1", port, backlog=8)  # without it: address in use
+    finally:
+        await first.aclose()
+        await second.aclose()
