@@ -156,7 +156,7 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
         ssl_context.load_cert_chain(config.base_dir / http.tls_cert_file, config.base_dir / http.tls_key_file)
         ssl_context.set_alpn_protocols(["http/1.1"])
     limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
-                          backlog=http.backlog, grace_s=config.limits.shutdown_grace_s)
+                          grace_s=config.limits.shutdown_grace_s)
     listener = await open_listener(host, port, backlog=http.backlog)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)

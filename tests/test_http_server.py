@@ -9,11 +9,11 @@ import json
 from contextlib import asynccontextmanager
 from functools import partial
 
-import h11
 import httpx
 import pytest
 import trio
 
+from h11_helpers import read_back_responses as parse_responses
 from orchestrator.frontend.http_server import ServerLimits, open_listener, serve_http
 
 
@@ -43,32 +43,6 @@ async def read_until_closed(stream, timeout=5.0) -> bytes:
         while chunk := await stream.receive_some(65536):
             data += chunk
     return data
-
-
-def parse_responses(data: bytes, requests: int = 1) -> list[tuple[h11.Response, bytes]]:
-    """Responses (head, whole body) read back by h11, for `requests` GETs sent on one connection."""
-    client = h11.Connection(h11.CLIENT)
-    out = []
-    for _ in range(requests):
-        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-        client.send(h11.EndOfMessage())
-        client.receive_data(data)
-        data = b""
-        response, body = None, b""
-        while True:
-            event = client.next_event()
-            if isinstance(event, h11.Response):
-                response = event
-            elif isinstance(event, h11.Data):
-                body += bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            else:
-                raise AssertionError(f"incomplete response: {event}")
-        out.append((response, body))
-        if client.our_state is h11.DONE and client.their_state is h11.DONE:
-            client.start_next_cycle()
-    return out
 
 
 async def echo(scope, receive, send):

@@ -6,28 +6,15 @@ hide behind the parser that wrote it.
 
 import json
 
-import h11
 import pytest
 
+from h11_helpers import read_back_responses
 from orchestrator.frontend import http_wire as wire
 
 
-def _read_back(data: bytes) -> tuple[h11.Response, bytes]:
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-    client.send(h11.EndOfMessage())
-    client.receive_data(data)
-    response, body = None, b""
-    while True:
-        event = client.next_event()
-        if isinstance(event, h11.Response):
-            response = event
-        elif isinstance(event, h11.Data):
-            body += bytes(event.data)
-        elif isinstance(event, h11.EndOfMessage):
-            return response, body
-        elif event is h11.NEED_DATA:
-            raise AssertionError("the response is incomplete")
+def _read_back(data: bytes):
+    [(response, body)] = read_back_responses(data)
+    return response, body
 
 
 def test_a_chunked_response_reads_back_whole():

@@ -21,7 +21,6 @@ The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn 
 
 from __future__ import annotations
 
-import errno
 import logging
 import socket as stdlib_socket
 import ssl
@@ -46,7 +45,6 @@ _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before re
 class ServerLimits:
     keep_alive_s: float = 15.0
     max_header_bytes: int = 16 * 1024
-    backlog: int = 1024
     grace_s: float = 10.0
 
 
@@ -76,8 +74,13 @@ async def serve_http(app: Application, listener: trio.SocketListener, *, limits:
     scheme = "https" if ssl_context else "http"
     url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     accepting = trio.CancelScope()
+
+    async def accept(connections: trio.Nursery) -> None:
+        with accepting:  # trio pauses accepting while out of file descriptors, instead of spinning
+            await trio.serve_listeners(server.connection, [listener], handler_nursery=connections)
+
     async with trio.open_nursery() as connections:
-        connections.start_soon(_accept, listener, server, connections, accepting)
+        connections.start_soon(accept, connections)
         task_status.started(url)
         await shutdown.wait()
         accepting.cancel()
@@ -88,21 +91,6 @@ async def serve_http(app: Application, listener: trio.SocketListener, *, limits:
         connections.cancel_scope.cancel()
 
 
-async def _accept(listener: trio.SocketListener, server: "_Server", connections: trio.Nursery,
-                  accepting: trio.CancelScope) -> None:
-    with accepting:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # out of file descriptors: wait for some to close instead of spinning
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-                    raise
-                log.error("accepting a connection failed: %s; pausing accepts for 0.1 s", exc)
-                await trio.sleep(0.1)
-                continue
-            connections.start_soon(server.connection, stream)
-
-
 class _Server:
     def __init__(self, app: Application, limits: ServerLimits, ssl_context: ssl.SSLContext | None):
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
@@ -110,7 +98,6 @@ class _Server:
         self.draining = False
         self.open: set[_Connection] = set()
         self.idle = trio.Event()  # set once draining and no connection is left
-        self.failure_count = 0
 
     def drain(self) -> None:
         self.draining = True

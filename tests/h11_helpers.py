@@ -1,0 +1,33 @@
+"""Reading HTTP/1.1 responses back with h11, an independent parser, in the native server's tests."""
+
+from __future__ import annotations
+
+import h11
+
+
+def read_back_responses(data: bytes, requests: int = 1) -> list[tuple[h11.Response, bytes]]:
+    """The responses (head, whole body) in `data`, for `requests` GETs sent on one connection.
+
+    Raises AssertionError when a response is incomplete (cut short, or its framing is wrong)."""
+    client = h11.Connection(h11.CLIENT)
+    out = []
+    for _ in range(requests):
+        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        client.receive_data(data)
+        data = b""
+        response, body = None, b""
+        while True:
+            event = client.next_event()
+            if isinstance(event, h11.Response):
+                response = event
+            elif isinstance(event, h11.Data):
+                body += bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise AssertionError(f"incomplete response: {event}")
+        out.append((response, body))
+        if client.our_state is h11.DONE and client.their_state is h11.DONE:
+            client.start_next_cycle()
+    return out
