@@ -5,8 +5,9 @@
 Simulated workers at zero GPU cost (--time-scale 0). For each mode and each max_tokens, the same
 streamed requests go through `orchestrator serve` and its CPU time (utime + stime from
 /proc/PID/stat) is read before and after; the CPU per request is fitted by least squares as
-a + b * tokens. The SSE events per streamed token are counted on the wire. Then, at concurrency 64,
-streamed tokens/s through the orchestrator against the same streams driven directly over gRPC
+a + b * tokens, and so is the CPU of our gRPC client reading the same streams alone (the floor any
+Python gRPC consumer pays). The SSE events per streamed token are counted on the wire. Then, at
+concurrency 64, streamed tokens/s through the orchestrator against the same streams driven directly over gRPC
 (benchmarks/overhead.py's drivers), measured one after the other against the same workers.
 
 The targets (issue 12) are printed beside the figures: a <= 1.0 ms aggregated / 1.3 ms
@@ -77,6 +78,27 @@ async def cpu_points(url: str, pid: int, args) -> tuple[list[tuple[float, float]
     return points, events / max(tokens, 1)
 
 
+async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args) -> list[tuple[float, float]]:
+    """The floor: the same streams read by our engine client alone, in this process, no HTTP at all.
+
+    (tokens per request, CPU seconds per request) as this process's CPU time (all its threads: the
+    grpc.aio loop thread and grpc's poller included). What any Python gRPC consumer pays per message.
+    """
+    points = []
+    async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
+        clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
+                   for role, address in addresses.items()}
+        for max_tokens in args.max_tokens:
+            direct = Direct(clients, prompt_ids, max_tokens, mode)
+            await run_slots(args.concurrency, 2, direct)  # warm-up
+            per_slot = max(1, args.requests // args.concurrency)
+            before = time.process_time()
+            _, _, tokens = await run_slots(args.concurrency, per_slot, direct)
+            requests = per_slot * args.concurrency
+            points.append((tokens / requests, (time.process_time() - before) / requests))
+    return points
+
+
 async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> tuple[float, float]:
     """Streamed tokens/s at c=64: direct over gRPC, then through the orchestrator."""
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
@@ -116,8 +138,9 @@ def main(argv=None) -> int:
                 idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
                 points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
                 a, b = fit_line(points)
+                floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args))
                 direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
-                rows.append((mode, http_server, points, a, b, events_per_token, direct, through, idle))
+                rows.append((mode, http_server, points, a, b, events_per_token, direct, through, idle, floor))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
     finally:
@@ -132,12 +155,14 @@ def report(rows, args) -> None:
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
     print(f"{'mode':14} {'server':9} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
-    for mode, http_server, points, a, b, events_per_token, direct, through, idle in rows:
+    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor in rows:
         target_a, target_b = TARGETS[mode]
         print(f"{mode:14} {http_server:9} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
         print(f"{'':24} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        print(f"{'':24} floor, our gRPC client alone (no HTTP): a {floor[0] * 1e3:.2f} ms, b {floor[1] * 1e6:.1f} us/tok; "
+              f"HTTP + OpenAI layer on top: a {(a - floor[0]) * 1e3:.2f} ms, b {(b - floor[1]) * 1e6:.1f} us/tok")
     for mode in dict.fromkeys(row[0] for row in rows):
         by_server = {row[1]: row for row in rows if row[0] == mode}
         if {"native", "hypercorn"} <= set(by_server):
