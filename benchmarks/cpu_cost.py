@@ -37,10 +37,23 @@ TARGETS = {"aggregated": (1.0, 20.0), "disaggregated": (1.3, 20.0)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (its threads included), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """utime + stime of a process (its threads included) and of its children (the other frontend
+    processes with http.processes > 1), from /proc."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = _stat(int(entry.name))
+            except OSError:
+                continue
+            if int(entry.name) == pid or int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
 
 
 def idle_cpu_ms_per_s(pid: int, seconds: float) -> float:
@@ -125,22 +138,27 @@ def main(argv=None) -> int:
     parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
     parser.add_argument("--servers", nargs="+", default=["native", "hypercorn"], choices=["native", "hypercorn"],
                         help="the HTTP servers to measure side by side (http.server; default both)")
+    parser.add_argument("--processes", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+                        help="frontend process counts for the native server (http.processes; default 1 and "
+                             "one per core); hypercorn runs one")
     args = parser.parse_args(argv)
     prompt_ids = chat_prompt_ids()
     tmp = Path(tempfile.mkdtemp(prefix="orch-cpu-cost-"))
     workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
     rows = []
     try:
+        variants = [(name, n) for name in args.servers for n in (args.processes if name == "native" else [1])]
         for mode in args.modes:
-            for http_server in args.servers:
+            for http_server, processes in variants:
                 addresses, server = start_deployment(workers, servers, tmp, mode, http={
-                    "coalesce_tokens": args.coalesce_tokens, "server": http_server})
+                    "coalesce_tokens": args.coalesce_tokens, "server": http_server, "processes": processes})
                 idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
                 points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
                 a, b = fit_line(points)
                 floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args))
                 direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
-                rows.append((mode, http_server, points, a, b, events_per_token, direct, through, idle, floor))
+                rows.append((mode, f"{http_server} x{processes}", points, a, b, events_per_token, direct, through, idle,
+                             floor))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
     finally:
@@ -153,22 +171,26 @@ def main(argv=None) -> int:
 def report(rows, args) -> None:
     print(f"orchestrator serve CPU (utime+stime), c={args.concurrency}, max_tokens {args.max_tokens}, "
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
-    print(f"{'mode':14} {'server':9} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
+    print(f"{'mode':14} {'server':12} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
     for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor in rows:
         target_a, target_b = TARGETS[mode]
-        print(f"{mode:14} {http_server:9} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
+        print(f"{mode:14} {http_server:12} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
-        print(f"{'':24} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
-        print(f"{'':24} floor, our gRPC client alone (no HTTP): a {floor[0] * 1e3:.2f} ms, b {floor[1] * 1e6:.1f} us/tok; "
+        print(f"{'':27} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        print(f"{'':27} floor, our gRPC client alone (no HTTP): a {floor[0] * 1e3:.2f} ms, b {floor[1] * 1e6:.1f} us/tok; "
               f"HTTP + OpenAI layer on top: a {(a - floor[0]) * 1e3:.2f} ms, b {(b - floor[1]) * 1e6:.1f} us/tok")
     for mode in dict.fromkeys(row[0] for row in rows):
         by_server = {row[1]: row for row in rows if row[0] == mode}
-        if {"native", "hypercorn"} <= set(by_server):
-            native, hyper = by_server["native"], by_server["hypercorn"]
+        if {"native x1", "hypercorn x1"} <= set(by_server):
+            native, hyper = by_server["native x1"], by_server["hypercorn x1"]
             print(f"{mode}: native/hypercorn  a {native[3] / hyper[3]:.2f}x, b {native[4] / hyper[4]:.2f}x, "
                   f"c=64 tok/s {native[7] / hyper[7]:.2f}x")
+        for label, row in by_server.items():
+            if label.startswith("native x") and label != "native x1" and "native x1" in by_server:
+                print(f"{mode}: {label}/native x1  c=64 tok/s {row[7] / by_server['native x1'][7]:.2f}x, "
+                      f"a {row[3] / by_server['native x1'][3]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ class HttpConfig:
     port: int = 8000
     # native: frontend/http_server.py (httptools on trio); hypercorn: hypercorn's trio worker, for comparison
     server: str = "native"
+    # Frontend processes behind the one port, each with its own trio loop and pool view (the kernel spreads
+    # connections with SO_REUSEPORT). One per core uses every core; needs the native server.
+    processes: int = attrs.field(default=1, validator=_positive)
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
     tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
     tls_key_file: str | None = None
@@ -338,6 +341,9 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
         raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
     if config.http.server not in HTTP_SERVERS:
         raise ConfigError(file, "http.server", " or ".join(HTTP_SERVERS), config.http.server)
+    if config.http.processes > 1 and config.http.server != "native":
+        raise ConfigError(file, "http.processes", "1 with http.server hypercorn (several frontend processes need "
+                          "http.server native)", config.http.processes)
     for role in ROLES:
         policy = getattr(config.routing, role)
         if policy not in POLICIES:

@@ -1,9 +1,22 @@
-"""Prometheus metrics of one orchestrator process (its own registry, so tests can run several)."""
+"""Prometheus metrics of one orchestrator (its own registry, so tests can run several).
+
+With several frontend processes (`http.processes`), prometheus_client's multiprocess mode keeps every
+process's values in files under one directory (PROMETHEUS_MULTIPROC_DIR, set by the first process
+before prometheus_client is imported), and /metrics in any process renders the sum: counters and
+histograms summed over every process that ever ran, in-flight summed over live ones, process CPU
+and memory summed over live ones (FrontendProcesses).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
                                ProcessCollector, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.roles import ROLES
@@ -19,11 +32,18 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class Metrics:
     """Every labelled series exists from start-up at 0, so a rate() or an alert sees the first event."""
 
-    def __init__(self, mode: str = "disaggregated") -> None:
+    def __init__(self, mode: str = "disaggregated", *, multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
-        r.register(PLATFORM_COLLECTOR)
-        r.register(GC_COLLECTOR)
+        if multiprocess_dir is None:
+            ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
+            r.register(PLATFORM_COLLECTOR)
+            r.register(GC_COLLECTOR)
+            self._rendered = r
+        else:  # the metrics below write to files; what is rendered is every process's files, summed
+            self._rendered = CollectorRegistry()
+            MultiProcessCollector(self._rendered, path=multiprocess_dir)
+            self._rendered.register(FrontendProcesses(multiprocess_dir))
+            self._rendered.register(PLATFORM_COLLECTOR)
         self.requests = Counter("orchestrator_requests", "Requests by route, mode and outcome",
                                 ["route", "mode", "outcome"], registry=r)
         self.ttft = Histogram("orchestrator_time_to_first_token_seconds", "Time to first token", ["mode"],
@@ -38,9 +58,11 @@ class Metrics:
         self.stage = Histogram("orchestrator_stage_duration_seconds",
                                "Stage durations: prefill, kv_handoff (prefill ready -> first decode token), decode",
                                ["stage"], buckets=_LATENCY, registry=r)
-        self.inflight = Gauge("orchestrator_requests_in_flight", "Requests being served (queue depth)", registry=r)
+        self.inflight = Gauge("orchestrator_requests_in_flight", "Requests being served (queue depth)", registry=r,
+                              multiprocess_mode="livesum")
+        # Every frontend process keeps its own view of the same pool: the latest one written is the answer.
         self.workers = Gauge("orchestrator_workers", "Workers in the pool by role and state", ["role", "state"],
-                             registry=r)
+                             registry=r, multiprocess_mode="livemostrecent")
         self.engine_errors = Counter("orchestrator_engine_errors", "Engine errors by code", ["code"], registry=r)
         self.retries = Counter("orchestrator_retries", "Legs retried on another worker of the same role, by role",
                                ["role"], registry=r)
@@ -82,4 +104,41 @@ class Metrics:
             itl.observe(share)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)
+
+
+_LIVE_FILE = re.compile(r"gauge_livesum_(\d+)\.db")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class FrontendProcesses:
+    """CPU and memory of every live frontend process, summed (what ProcessCollector reports for one).
+
+    A process is live while its `livesum` gauge file exists: every process writes one (in-flight), and
+    the first process removes a child's with `mark_process_dead` when the child exits.
+    """
+
+    def __init__(self, multiprocess_dir: str) -> None:
+        self.dir = Path(multiprocess_dir)
+
+    def live_pids(self) -> list[int]:
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _LIVE_FILE.fullmatch(p.name)))
+
+    def collect(self):
+        cpu = rss = 0.0
+        count = 0
+        for pid in self.live_pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended between the listing and now
+                continue
+            count += 1
+            cpu += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+            rss += int(fields[21]) * _PAGE_SIZE
+        yield CounterMetricFamily("process_cpu_seconds", "User and system CPU of the frontend processes, summed",
+                                  value=cpu)
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of the frontend processes, summed",
+                                value=rss)
+        yield GaugeMetricFamily("orchestrator_frontend_processes", "Live frontend processes behind the port",
+                                value=count)

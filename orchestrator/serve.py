@@ -5,17 +5,25 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
+import shutil
 import signal
+import sys
+import tempfile
+import urllib.parse
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import attrs
 import trio
 
 from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
+from orchestrator.frontend.multiprocess import FrontendChildren, FrontendProcess, ParentWatch
 
 log = logging.getLogger("orchestrator.serve")
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode reads it at import
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="replace the static worker list of ROLE (repeatable); used by `orchestrator launch`")
     p.add_argument("--etcd-endpoint", action="append", default=[], metavar="URL",
                    help="replace discovery.etcd.endpoints (repeatable); used by `orchestrator launch`")
+    # Set by frontend 0 on the copies it starts (http.processes); not for operators.
+    p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
@@ -83,8 +93,13 @@ def make_registry(config: Config, loop_thread):
 
 
 async def serve(config: Config, *, host: str, port: int, ready_line: bool = True, handle_signals: bool = True,
+                frontend: FrontendProcess = FrontendProcess(), child_argv: Callable[[int, int], list[str]] | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels."""
+    """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels.
+
+    With `frontend.count` > 1 this is one of several frontend processes on the port (see
+    orchestrator/frontend/multiprocess.py); frontend 0 starts the others with `child_argv(index, port)`.
+    """
     from orchestrator.coordinator import Coordinator
     from orchestrator.engine import LoopThread
     from orchestrator.frontend import memory
@@ -96,15 +111,17 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
-    metrics = Metrics(config.mode)
+    several = frontend.count > 1
+    metrics = Metrics(config.mode, multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
     limits = config.limits
     async with LoopThread.open() as loop_thread:
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config))
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
-        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys)
+        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend)
         shutdown = trio.Event()
+        children = None
         # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
         startup = trio.CancelScope()
         async with trio.open_nursery() as nursery:
@@ -113,8 +130,20 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             url = None
             with startup:
                 await nursery.start(pool.run, make_registry(config, loop_thread))
-                url = await nursery.start(serve_http, app, config, host, port, shutdown)
-                log.info("serving %s mode on %s (model %s)", config.mode, url, config.model.name)
+                url = await nursery.start(serve_http, app, config, host, port, shutdown, several)
+                log.info("serving %s mode on %s (model %s)%s", config.mode, url, config.model.name,
+                         f", frontend process {frontend.index} of {frontend.count}" if several else "")
+                if several and frontend.is_first and child_argv is not None:
+                    from prometheus_client.multiprocess import mark_process_dead
+
+                    bound_port = urllib.parse.urlsplit(url).port
+                    children = FrontendChildren(
+                        frontend.count, lambda index: child_argv(index, bound_port),
+                        ready_timeout=limits.worker_startup_timeout_s + 60, stop_timeout=limits.shutdown_grace_s + 10,
+                        on_exit=lambda pid: mark_process_dead(pid, os.environ[METRICS_DIR_ENV]))
+                    await nursery.start(children.run, shutdown)
+                elif not frontend.is_first:
+                    nursery.start_soon(ParentWatch(partial(_drain, app, shutdown)).run)
                 with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
                     while not all(pool.ready_count(role) for role in config.needed_roles):
                         await pool.changed.wait()
@@ -130,17 +159,21 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             task_status.started(url)
             await shutdown.wait()
             # The HTTP server stops accepting, lets in-flight requests finish for the shutdown grace, then
-            # cancels them (their nurseries abort the engine work); then the pool goes.
+            # cancels them (their nurseries abort the engine work); then the pool goes. The other frontend
+            # processes drain at the same time (SIGTERM from FrontendChildren).
             with trio.move_on_after(limits.shutdown_grace_s + 5):
                 while app.inflight > 0:
                     await trio.sleep(0.05)
+            if children is not None:
+                await children.stopped.wait()
             nursery.cancel_scope.cancel()
     log.info("stopped")
 
 
-async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event,
+async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event, reuse_port: bool = False,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The HTTP server `http.server` names, serving `app` until `shutdown`; started with its URL."""
+    """The HTTP server `http.server` names, serving `app` until `shutdown`; started with its URL.
+    `reuse_port`: the port is shared with the other frontend processes (SO_REUSEPORT)."""
     http = config.http
     if http.server == "hypercorn":
         await _serve_hypercorn(app, config, host, port, shutdown, task_status)
@@ -157,7 +190,7 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
         ssl_context.set_alpn_protocols(["http/1.1"])
     limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
                           grace_s=config.limits.shutdown_grace_s)
-    listener = await open_listener(host, port, backlog=http.backlog)
+    listener = await open_listener(host, port, backlog=http.backlog, reuse_port=reuse_port)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)
 
@@ -196,10 +229,14 @@ async def _on_signal(app, shutdown: trio.Event, startup: trio.CancelScope) -> No
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("%s: draining (grace %.0f s)", signal.Signals(signum).name, app.config.limits.shutdown_grace_s)
-            app.draining = True
-            shutdown.set()
+            _drain(app, shutdown)
             startup.cancel()  # a no-op once start-up is over
             return
+
+
+def _drain(app, shutdown: trio.Event) -> None:
+    app.draining = True
+    shutdown.set()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,8 +255,29 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no API keys are configured (auth: in %s) and the API listens on %s: anyone who can reach "
                     "the port can use it", args.config, host)
     port = config.http.port if args.port is None else args.port
+    count = config.http.processes
+    frontend = FrontendProcess(index=args.frontend_index, count=count)
+    metrics_dir = None
+    if count > 1 and frontend.is_first:
+        # Before prometheus_client is first imported (inside serve): it picks file-backed values then.
+        # The children inherit the variable, so every process writes under the same directory.
+        if "prometheus_client" in sys.modules:
+            raise RuntimeError("prometheus_client was imported before the metrics directory was set")
+        metrics_dir = tempfile.mkdtemp(prefix="orch-metrics-")
+        os.environ[METRICS_DIR_ENV] = metrics_dir
+    elif count > 1 and METRICS_DIR_ENV not in os.environ:
+        log.error("--frontend-index is for the frontend processes `orchestrator serve` starts itself")
+        return 2
+
+    def child_argv(index: int, bound_port: int) -> list[str]:
+        overrides = [a for w in args.worker for a in ("--worker", w)]
+        overrides += [a for e in args.etcd_endpoint for a in ("--etcd-endpoint", e)]
+        return [sys.executable, "-m", "orchestrator", "--log-level", args.log_level, "serve", "-c",
+                str(args.config), "--host", host, "--port", str(bound_port), "--frontend-index", str(index),
+                *overrides]
+
     try:
-        trio.run(partial(serve, config, host=host, port=port))
+        trio.run(partial(serve, config, host=host, port=port, frontend=frontend, child_argv=child_argv))
     except (OSError, BaseExceptionGroup) as exc:
         busy = _address_in_use(exc)
         if busy is None:
@@ -227,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s:%d: %s; choose another with --port or http.port in %s", host, port,
                   busy.strerror or busy, args.config)
         return 2
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 

@@ -103,6 +103,8 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
      "llama3-8b-h100"),
     ("launch:\n  workers:\n    - sim: {}\n", "launch.workers[0].role", "required"),
     ("http:\n  port: '8000'\n", "http.port", "an integer"),
+    ("http:\n  processes: 0\n", "http.processes", "> 0"),
+    ("http:\n  processes: 2\n  server: hypercorn\n", "http.processes", "need http.server native"),
     ("- a list\n", "(top level)", "a mapping"),
     ("mode: [unclosed\n", "(syntax)", "valid YAML"),
 ])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.metrics import OUTCOMES, ROUTES, Metrics
+import os
+
+from orchestrator.metrics import OUTCOMES, ROUTES, FrontendProcesses, Metrics
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:
@@ -44,3 +46,16 @@ def test_the_process_itself_is_measured():
     metrics = Metrics()
     assert sample(metrics, "process_cpu_seconds_total") > 0
     assert sample(metrics, "process_resident_memory_bytes") > 0
+
+
+def test_frontend_process_metrics_sum_the_live_processes_of_the_multiprocess_directory(tmp_path):
+    """A process is live while its livesum gauge file exists; a file whose process is gone counts nothing."""
+    gone = 4194305  # above Linux's largest pid_max: no such process
+    for pid in (os.getpid(), gone):
+        (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+    (tmp_path / "counter_12.db").write_bytes(b"")  # counters of a dead process stay (they are totals)
+    collector = FrontendProcesses(str(tmp_path))
+    assert collector.live_pids() == [os.getpid(), gone]
+    values = {family.name: family.samples[0].value for family in collector.collect()}
+    assert values["orchestrator_frontend_processes"] == 1
+    assert values["process_cpu_seconds"] > 0 and values["process_resident_memory_bytes"] > 10e6

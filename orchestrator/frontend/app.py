@@ -29,6 +29,7 @@ from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
 
@@ -55,8 +56,9 @@ def new_request_id(given: str | None) -> str:
 
 class App:
     def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, frontend: FrontendProcess = FrontendProcess()):
         self.config = config
+        self.frontend = frontend  # which of the frontend processes behind the port this is
         self.coordinator = coordinator
         self.pool = pool
         self.metrics = metrics
@@ -130,6 +132,7 @@ class App:
         # configured, else only to callers with a key.
         if not self.api_keys.enabled or self.api_keys.allows(_header(scope, b"authorization")):
             body["workers"] = self.pool.snapshot()
+            body["frontend"] = self.frontend.describe()
             if not self.pool.registry_healthy:
                 body["registry"] = self.pool.registry_detail
         await send_json(send, 200 if ready else 503, body)

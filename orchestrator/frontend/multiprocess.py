@@ -1,0 +1,156 @@
+"""Several frontend processes behind one port (`http.processes: N`), so that every core serves.
+
+The process the operator started is frontend 0. It binds the port with SO_REUSEPORT (resolving port
+0 to a real port), then starts N-1 copies of itself (`orchestrator serve ... --frontend-index I`)
+that bind the same port the same way; the kernel spreads new connections across the N listening
+sockets. Each process has its own trio loop, HTTP server, coordinator and pool, and each polls the
+workers itself: least-loaded routing scores workers by what they report (GetLoad) plus what this
+process sent since, so the processes share the workers' own view of their load.
+
+Frontend 0 owns its children (a nursery task per child):
+- it prints its `ready` line once every child has printed its own;
+- a child that exits while we are not stopping is restarted after a pause (1 s, doubling up to 30 s
+  while it keeps failing before it is ready);
+- SIGTERM/SIGINT (or a cancelled scope) sends SIGTERM to every child, which drains like frontend 0
+  does, and waits for them;
+- a child whose parent is gone (frontend 0 was killed) drains and exits by itself (ParentWatch).
+Metrics are summed across the processes (orchestrator/metrics.py, prometheus multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Callable
+
+import attrs
+import trio
+
+from orchestrator.launch import Child
+
+log = logging.getLogger("orchestrator.frontend")
+
+_RESTART_PAUSE_S = (1.0, 30.0)  # first pause, longest pause
+_HEALTHY_AFTER_S = 60.0  # a child up this long resets the pause
+
+
+@attrs.frozen
+class FrontendProcess:
+    """Which frontend this process is: `index` of `count` (0 is the one that starts the others)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    def describe(self) -> dict:
+        return {"index": self.index, "processes": self.count, "pid": os.getpid()}
+
+
+class FrontendChildren:
+    """Frontends 1..count-1, started, kept running and stopped by frontend 0."""
+
+    def __init__(self, count: int, argv_for: Callable[[int], list[str]], *, ready_timeout: float,
+                 stop_timeout: float, on_exit: Callable[[int], None]):
+        self.count = count
+        self.argv_for = argv_for
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.on_exit = on_exit  # called with the pid of every child that exited (its metrics are dead)
+        self.current: dict[int, Child] = {}
+        self.restarts = 0
+        self.stopped = trio.Event()  # set once every child has stopped after shutdown
+        self._stopping = False
+        self._signalled: set[int] = set()  # pids sent SIGTERM once (a second one would kill a draining child)
+
+    async def run(self, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Start every child; started once each has printed `ready` (or the ready timeout passed);
+        returns after `shutdown` once every child has stopped."""
+        first_ready = {index: trio.Event() for index in range(1, self.count)}
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, ready in first_ready.items():
+                    nursery.start_soon(self._keep, index, ready)
+                with trio.move_on_after(self.ready_timeout):
+                    for ready in first_ready.values():
+                        await ready.wait()
+                late = [index for index, ready in first_ready.items() if not ready.is_set()]
+                if late:
+                    log.error("frontend processes %s not ready after %.0f s; serving without them until they are",
+                              late, self.ready_timeout)
+                task_status.started()
+                await shutdown.wait()
+                await self._stop_all()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_all()
+            self.stopped.set()
+
+    async def _keep(self, index: int, first_ready: trio.Event) -> None:
+        pause = _RESTART_PAUSE_S[0]
+        while not self._stopping:
+            child = Child(f"frontend-{index}", self.argv_for(index))
+            self.current[index] = child
+            started_at = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(child.run)
+                nursery.start_soon(_set_when_ready, child, first_ready)
+            pid = child.process.pid if child.process is not None else None
+            if pid is not None:
+                self.on_exit(pid)
+            if self._stopping:
+                return
+            if trio.current_time() - started_at >= _HEALTHY_AFTER_S:
+                pause = _RESTART_PAUSE_S[0]
+            log.error("frontend process %d (pid %s) exited with code %s; restarting it in %.0f s\n%s", index, pid,
+                      child.returncode, pause, child.describe_failure())
+            await trio.sleep(pause)
+            pause = min(pause * 2, _RESTART_PAUSE_S[1])
+            self.restarts += 1
+
+    async def _stop_all(self) -> None:
+        self._stopping = True
+        async with trio.open_nursery() as nursery:
+            for index, child in self.current.items():
+                nursery.start_soon(self._stop, index, child)
+
+    async def _stop(self, index: int, child: Child) -> None:
+        # Waits on the process itself: after a cancellation Child.run is gone and cannot tell us it ended.
+        process = child.process
+        if process is None or process.returncode is not None:
+            return
+        if process.pid not in self._signalled:
+            self._signalled.add(process.pid)
+            process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.stop_timeout):
+            await process.wait()
+            return
+        log.warning("frontend process %d (pid %d) did not stop within %.0f s; killing it", index, process.pid,
+                    self.stop_timeout)
+        process.kill()
+        await process.wait()
+
+
+async def _set_when_ready(child: Child, event: trio.Event) -> None:
+    await child.ready.wait()  # also set when the child exits
+    if child.ready_url is not None:
+        event.set()
+
+
+class ParentWatch:
+    """In a child frontend: calls `on_gone` once the process that started us is no longer our parent."""
+
+    def __init__(self, on_gone: Callable[[], None], interval: float = 1.0):
+        self.parent = os.getppid()
+        self.on_gone = on_gone
+        self.interval = interval
+
+    async def run(self) -> None:
+        while os.getppid() == self.parent:
+            await trio.sleep(self.interval)
+        log.warning("frontend 0 (pid %d) is gone: draining", self.parent)
+        self.on_gone()
