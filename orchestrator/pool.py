@@ -43,7 +43,9 @@ class Worker:
         self.scope = trio.CancelScope()
         self.idle = trio.Event()
         self.idle.set()
-        self.busy = trio.Event()  # set when a request is leased to it (wakes an idle load poll)
+        # Wakes an idle load poll (while idle, the health monitor reads the load in its own round trip):
+        # set when a request is leased to the worker, or when a sample shows it busy.
+        self.load_poll_due = trio.Event()
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
@@ -141,10 +143,17 @@ class WorkerPool:
 
     async def _monitor(self, worker: Worker) -> None:
         client = worker.client
+        polls_load = self._policy_names[worker.role] == "least_loaded"
         while True:
             previous = worker.state
             try:
-                state = await client.health(timeout=max(1.0, self.health_interval * 2))
+                timeout = max(1.0, self.health_interval * 2)
+                if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
+                    state, load = await client.health_and_load(timeout=timeout)
+                    if not isinstance(load, EngineError):
+                        self._on_load(worker, load)
+                else:
+                    state = await client.health(timeout=timeout)
             except EngineError as exc:
                 self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
             else:
@@ -209,23 +218,32 @@ class WorkerPool:
                 worker.log("worker %s %s still %s: %s", worker.role, worker.address, state, detail)
         worker.state, worker.detail = state, detail
 
+    @staticmethod
+    def _idle_load(worker: Worker) -> bool:
+        """Nothing running there (last sample) and nothing of ours in flight."""
+        return worker.inflight == 0 and worker.load_sample is not None and worker.load_sample[1] == 0
+
+    @staticmethod
+    def _on_load(worker: Worker, load) -> None:
+        worker.load_sample = (trio.current_time(), load.running_requests + load.queued_requests)
+        worker.sent_since_load = 0
+        if worker.load_sample[1]:
+            worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again
+
     async def _poll_load(self, worker: Worker) -> None:
         interval = max(0.02, self.staleness_s / 2)
         while True:
             if worker.state is WorkerState.READY:
                 try:
-                    load = await worker.client.load(timeout=max(1.0, interval * 4))
+                    self._on_load(worker, await worker.client.load(timeout=max(1.0, interval * 4)))
                 except EngineError:
                     pass
-                else:
-                    worker.load_sample = (trio.current_time(), load.running_requests + load.queued_requests)
-                    worker.sent_since_load = 0
-            if worker.inflight == 0 and worker.load_sample is not None and worker.load_sample[1] == 0:
-                # Nothing running there and nothing sent: poll at the health interval until a request goes
-                # out (idle CPU), then at once, so the picker has a fresh sample while there is traffic.
-                worker.busy = trio.Event()
-                with trio.move_on_after(self.health_interval):
-                    await worker.busy.wait()
+            if self._idle_load(worker):
+                # Idle: the health monitor reads the load with each health check (same round trip) until a
+                # request goes out, which wakes this poll at once, so the picker has fresh samples while there
+                # is traffic; and a busy sample from the monitor (another orchestrator's traffic) wakes it too.
+                worker.load_poll_due = trio.Event()
+                await worker.load_poll_due.wait()
             else:
                 await trio.sleep(interval)
 
@@ -264,7 +282,7 @@ class WorkerPool:
     def lease(self, worker: Worker) -> Iterator[Worker]:
         worker.inflight += 1
         worker.idle = trio.Event() if worker.inflight == 1 else worker.idle
-        worker.busy.set()
+        worker.load_poll_due.set()
         try:
             yield worker
         finally:

@@ -196,3 +196,41 @@ async def test_closed_client_refuses_calls(sim_workers, engine_client):
         pass
     with pytest.raises(ClientClosed):
         await client.health()
+
+
+async def test_health_and_load_share_one_round_trip_and_report_the_load(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address) as client:
+        state, load = await client.health_and_load(timeout=5)
+        assert state == lifecycle_pb2.HEALTH_STATE_READY and load.running_requests == 0
+        async with client.generate(request("busy", max_tokens=2000)) as stream:
+            await stream.__anext__()
+            state, load = await client.health_and_load(timeout=5)
+            assert state == lifecycle_pb2.HEALTH_STATE_READY and load.running_requests == 1
+
+
+async def test_health_and_load_returns_a_failed_get_load_and_raises_a_failed_health(engine_client):
+    """A worker without GetLoad (UNIMPLEMENTED) is still healthy; an unreachable one is a Health error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.openengine.v1 import openengine_pb2_grpc
+
+    class HealthOnly(openengine_pb2_grpc.ControlServicer):
+        def Health(self, request, context):
+            return lifecycle_pb2.HealthResponse(state=lifecycle_pb2.HEALTH_STATE_READY)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    openengine_pb2_grpc.add_ControlServicer_to_server(HealthOnly(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        async with engine_client(f"grpc://127.0.0.1:{port}") as client:
+            state, load = await client.health_and_load(timeout=5)
+        assert state == lifecycle_pb2.HEALTH_STATE_READY
+        assert isinstance(load, EngineError) and load.rpc == "GetLoad" and f"127.0.0.1:{port}" in str(load)
+    finally:
+        server.stop(grace=None)
+    async with engine_client(f"grpc://127.0.0.1:{free_port()}") as client:
+        with pytest.raises(WorkerUnavailable) as info:
+            await client.health_and_load(timeout=2)
+    assert info.value.rpc == "Health"

@@ -403,7 +403,7 @@ async def test_a_body_that_never_arrives_whole_is_a_408_and_frees_the_connection
 
 async def test_an_idle_least_loaded_worker_is_polled_at_the_health_interval_and_at_once_on_traffic(
         tmp_path, sim_workers, orchestrator_servers, engine_client):
-    """Idle CPU: with nothing running, a decode worker's load is read once per health interval (1 s), not
+    """Idle CPU: with nothing running, a decode worker's load is read right after each health check (1 s), not
     every load_staleness_ms / 2 (125 ms); a request wakes the poll, so routing under traffic stays fresh."""
     decode = sim_workers.start("decode", "--time-scale", "1")  # 60 tokens take about half a second
     prefill = sim_workers.start("prefill", *FAST)

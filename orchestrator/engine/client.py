@@ -214,6 +214,29 @@ class EngineClient:
     async def load(self, *, timeout: float | None = 5.0) -> server_pb2.LoadInfo:
         return await self._unary("GetLoad", server_pb2.GetLoadRequest(), timeout)
 
+    async def health_and_load(self, *, timeout: float | None = 5.0) -> tuple[int, server_pb2.LoadInfo | EngineError]:
+        """Health and GetLoad side by side in one hop to the loop thread and back: an idle pool's poll
+        wakes each thread once instead of twice. Raises what health() raises; a failed GetLoad is
+        returned in place of the load."""
+        self._check_open("Health")
+        control = self._control
+
+        async def both():
+            return await asyncio.gather(
+                control.Health(lifecycle_pb2.HealthRequest(), timeout=timeout),
+                control.GetLoad(server_pb2.GetLoadRequest(), timeout=timeout), return_exceptions=True)
+
+        health, load = await self._loop_thread.run(both)
+        if isinstance(health, grpc.aio.AioRpcError):
+            raise from_rpc_error(health, worker=self.name, rpc="Health") from None
+        if isinstance(health, BaseException):
+            raise health
+        if isinstance(load, grpc.aio.AioRpcError):
+            load = from_rpc_error(load, worker=self.name, rpc="GetLoad")
+        elif isinstance(load, BaseException):
+            raise load
+        return health.state, load
+
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
                     timeout: float | None = 5.0) -> lifecycle_pb2.AbortResponse:
         if (request_id is None) == (kv_session is None):
