@@ -39,6 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="replace discovery.etcd.endpoints (repeatable); used by `orchestrator launch`")
     # Set by frontend 0 on the copies it starts (http.processes); not for operators.
     p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--frontend-parent", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
@@ -142,8 +143,8 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                         ready_timeout=limits.worker_startup_timeout_s + 60, stop_timeout=limits.shutdown_grace_s + 10,
                         on_exit=lambda pid: mark_process_dead(pid, os.environ[METRICS_DIR_ENV]))
                     await nursery.start(children.run, shutdown)
-                elif not frontend.is_first:
-                    nursery.start_soon(ParentWatch(partial(_drain, app, shutdown)).run)
+                elif frontend.parent_pid is not None:
+                    nursery.start_soon(ParentWatch(frontend.parent_pid, partial(_drain, app, shutdown)).run)
                 with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
                     while not all(pool.ready_count(role) for role in config.needed_roles):
                         await pool.changed.wait()
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
                     "the port can use it", args.config, host)
     port = config.http.port if args.port is None else args.port
     count = config.http.processes
-    frontend = FrontendProcess(index=args.frontend_index, count=count)
+    frontend = FrontendProcess(index=args.frontend_index, count=count, parent_pid=args.frontend_parent)
     metrics_dir = None
     if count > 1 and frontend.is_first:
         # Before prometheus_client is first imported (inside serve): it picks file-backed values then.
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError("prometheus_client was imported before the metrics directory was set")
         metrics_dir = tempfile.mkdtemp(prefix="orch-metrics-")
         os.environ[METRICS_DIR_ENV] = metrics_dir
-    elif count > 1 and METRICS_DIR_ENV not in os.environ:
+    elif count > 1 and (METRICS_DIR_ENV not in os.environ or args.frontend_parent is None):
         log.error("--frontend-index is for the frontend processes `orchestrator serve` starts itself")
         return 2
 
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         overrides += [a for e in args.etcd_endpoint for a in ("--etcd-endpoint", e)]
         return [sys.executable, "-m", "orchestrator", "--log-level", args.log_level, "serve", "-c",
                 str(args.config), "--host", host, "--port", str(bound_port), "--frontend-index", str(index),
-                *overrides]
+                "--frontend-parent", str(os.getpid()), *overrides]
 
     try:
         trio.run(partial(serve, config, host=host, port=port, frontend=frontend, child_argv=child_argv))

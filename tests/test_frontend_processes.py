@@ -94,12 +94,20 @@ async def test_a_child_that_ignores_sigterm_is_killed_after_the_stop_timeout():
 
 async def test_parent_watch_fires_only_when_the_parent_changes(monkeypatch):
     gone = trio.Event()
-    watch = ParentWatch(gone.set, interval=0.01)
+    watch = ParentWatch(os.getppid(), gone.set, interval=0.01)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch.run)
         await trio.sleep(0.05)
         assert not gone.is_set()
         monkeypatch.setattr(os, "getppid", lambda: 1)  # what an orphan sees
+        with trio.fail_after(2):
+            await gone.wait()
+
+
+async def test_parent_watch_fires_when_the_parent_was_gone_before_it_started():
+    gone = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ParentWatch(os.getppid() + 1, gone.set, interval=0.01).run)
         with trio.fail_after(2):
             await gone.wait()
 

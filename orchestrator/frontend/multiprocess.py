@@ -41,6 +41,7 @@ class FrontendProcess:
 
     index: int = 0
     count: int = 1
+    parent_pid: int | None = None  # a child: the pid of frontend 0, which started it
 
     @property
     def is_first(self) -> bool:
@@ -142,10 +143,11 @@ async def _set_when_ready(child: Child, event: trio.Event) -> None:
 
 
 class ParentWatch:
-    """In a child frontend: calls `on_gone` once the process that started us is no longer our parent."""
+    """In a child frontend: calls `on_gone` once `parent` (frontend 0) is no longer our parent, also when
+    it was gone before we looked (the pid comes from the command line, not from getppid at start-up)."""
 
-    def __init__(self, on_gone: Callable[[], None], interval: float = 1.0):
-        self.parent = os.getppid()
+    def __init__(self, parent: int, on_gone: Callable[[], None], interval: float = 1.0):
+        self.parent = parent
         self.on_gone = on_gone
         self.interval = interval
 
