@@ -10,7 +10,7 @@ process sent since, so the processes share the workers' own view of their load.
 Frontend 0 owns its children (a nursery task per child):
 - it prints its `ready` line once every child has printed its own;
 - a child that exits while we are not stopping is restarted after a pause (1 s, doubling up to 30 s
-  while it keeps failing before it is ready);
+  while it keeps dying within a minute of its start);
 - SIGTERM/SIGINT (or a cancelled scope) sends SIGTERM to every child, which drains like frontend 0
   does, and waits for them;
 - a child whose parent is gone (frontend 0 was killed) drains and exits by itself (ParentWatch).
