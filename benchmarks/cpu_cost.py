@@ -91,7 +91,8 @@ async def cpu_points(url: str, pid: int, args) -> tuple[list[tuple[float, float]
     return points, events / max(tokens, 1)
 
 
-async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args) -> list[tuple[float, float]]:
+async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args,
+                        stream_transport: str = "grpcio") -> list[tuple[float, float]]:
     """The floor: the same streams read by our engine client alone, in this process, no HTTP at all.
 
     (tokens per request, CPU seconds per request) as this process's CPU time (all its threads: the
@@ -99,7 +100,8 @@ async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args) 
     """
     points = []
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
-        clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
+        clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread,
+                                                                           stream_transport=stream_transport))
                    for role, address in addresses.items()}
         for max_tokens in args.max_tokens:
             direct = Direct(clients, prompt_ids, max_tokens, mode)
@@ -113,7 +115,8 @@ async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args) 
 
 
 async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> tuple[float, float]:
-    """Streamed tokens/s at c=64: direct over gRPC, then through the orchestrator."""
+    """Streamed tokens/s at c=64: direct over gRPC (grpcio, the reference for every variant), then through
+    the orchestrator."""
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
         clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
                    for role, address in addresses.items()}
@@ -141,24 +144,30 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                         help="frontend process counts for the native server (http.processes; default 1 and "
                              "one per core); hypercorn runs one")
+    parser.add_argument("--stream-transports", nargs="+", default=["grpcio", "h2"], choices=["grpcio", "h2"],
+                        help="Generate transports (stream_transport) measured with one native process; the "
+                             "other variants use grpcio")
     args = parser.parse_args(argv)
     prompt_ids = chat_prompt_ids()
     tmp = Path(tempfile.mkdtemp(prefix="orch-cpu-cost-"))
     workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
     rows = []
     try:
-        variants = [(name, n) for name in args.servers for n in (args.processes if name == "native" else [1])]
+        variants = [(name, n, "grpcio") for name in args.servers for n in (args.processes if name == "native" else [1])]
+        if "native" in args.servers and 1 in args.processes:
+            variants[1:1] = [("native", 1, t) for t in args.stream_transports if t != "grpcio"]
         for mode in args.modes:
-            for http_server, processes in variants:
+            for http_server, processes, transport in variants:
                 addresses, server = start_deployment(workers, servers, tmp, mode, http={
-                    "coalesce_tokens": args.coalesce_tokens, "server": http_server, "processes": processes})
+                    "coalesce_tokens": args.coalesce_tokens, "server": http_server, "processes": processes},
+                    stream_transport=transport)
                 idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
                 points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
                 a, b = fit_line(points)
-                floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args))
+                floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args, transport))
                 direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
-                rows.append((mode, f"{http_server} x{processes}", points, a, b, events_per_token, direct, through, idle,
-                             floor))
+                label = f"{http_server} x{processes}" + (f" {transport}" if transport != "grpcio" else "")
+                rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
     finally:
@@ -171,15 +180,15 @@ def main(argv=None) -> int:
 def report(rows, args) -> None:
     print(f"orchestrator serve CPU (utime+stime), c={args.concurrency}, max_tokens {args.max_tokens}, "
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
-    print(f"{'mode':14} {'server':12} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
+    print(f"{'mode':14} {'server':15} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
     for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor in rows:
         target_a, target_b = TARGETS[mode]
-        print(f"{mode:14} {http_server:12} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
+        print(f"{mode:14} {http_server:15} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
-        print(f"{'':27} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
-        print(f"{'':27} floor, our gRPC client alone (no HTTP): a {floor[0] * 1e3:.2f} ms, b {floor[1] * 1e6:.1f} us/tok; "
+        print(f"{'':30} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        print(f"{'':30} floor, our engine client alone (same transport, no HTTP): a {floor[0] * 1e3:.2f} ms, b {floor[1] * 1e6:.1f} us/tok; "
               f"HTTP + OpenAI layer on top: a {(a - floor[0]) * 1e3:.2f} ms, b {(b - floor[1]) * 1e6:.1f} us/tok")
     for mode in dict.fromkeys(row[0] for row in rows):
         by_server = {row[1]: row for row in rows if row[0] == mode}
@@ -189,8 +198,9 @@ def report(rows, args) -> None:
                   f"c=64 tok/s {native[7] / hyper[7]:.2f}x")
         for label, row in by_server.items():
             if label.startswith("native x") and label != "native x1" and "native x1" in by_server:
-                print(f"{mode}: {label}/native x1  c=64 tok/s {row[7] / by_server['native x1'][7]:.2f}x, "
-                      f"a {row[3] / by_server['native x1'][3]:.2f}x")
+                base = by_server["native x1"]
+                print(f"{mode}: {label}/native x1  a {row[3] / base[3]:.2f}x, b {row[4] / base[4]:.2f}x, "
+                      f"c=64 tok/s {row[7] / base[7]:.2f}x")
 
 
 if __name__ == "__main__":

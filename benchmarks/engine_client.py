@@ -6,9 +6,10 @@ Against one local OpenEngine test server (a separate process that answers Health
 streams pre-built tokens as fast as gRPC takes them), it measures
   - sequential unary latency (Control.Health), and
   - streaming messages/s (N concurrent Generate streams of M tokens)
-for (a) orchestrator.engine.EngineClient from trio, (b) plain grpc.aio on uvloop, and, for the
-record of why (a) is built as it is, (c) grpc.aio called through trio-asyncio on trio's thread.
-Prints the figures and the ratios a/b.
+for (a) orchestrator.engine.EngineClient from trio, with its Generate streams on our HTTP/2 client
+(h2, the default) and on grpcio, (b) plain grpc.aio on uvloop, and, for the record of why (a) is
+built as it is, (c) grpc.aio called through trio-asyncio on trio's thread. Prints the figures
+(stream messages/s, and this process's CPU per streamed message) and the ratios a/b.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _request(i: int) -> g.GenerateRequest:
 
 
 # ---- (b) plain grpc.aio on uvloop ------------------------------------------------------------------
-def bench_plain(address: str, streams: int, unary: int) -> tuple[float, float]:
+def bench_plain(address: str, streams: int, unary: int) -> tuple[float, float, float]:
     import uvloop
 
     async def main():
@@ -81,21 +82,22 @@ def bench_plain(address: str, streams: int, unary: int) -> tuple[float, float]:
                     n += 1
                 return n
 
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             counts = await asyncio.gather(*(one(i) for i in range(streams)))
-            return unary_ms, sum(counts) / (time.perf_counter() - start)
+            return unary_ms, sum(counts) / (time.perf_counter() - start), (time.process_time() - cpu) / sum(counts)
 
     return uvloop.run(main())
 
 
 # ---- (a) our trio client ---------------------------------------------------------------------------
-def bench_ours(address: str, streams: int, unary: int) -> tuple[float, float]:
+def bench_ours(address: str, streams: int, unary: int, stream_transport: str) -> tuple[float, float, float]:
     import trio
 
     from orchestrator.engine import EngineClient, LoopThread
 
     async def main():
-        async with LoopThread.open() as loop_thread, EngineClient.open(address, loop_thread) as client:
+        async with LoopThread.open() as loop_thread, \
+                EngineClient.open(address, loop_thread, stream_transport=stream_transport) as client:
             await client.health()
             start = time.perf_counter()
             for _ in range(unary):
@@ -109,17 +111,17 @@ def bench_ours(address: str, streams: int, unary: int) -> tuple[float, float]:
                     while batch := await stream.next_batch():
                         total += len(batch)
 
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             async with trio.open_nursery() as nursery:
                 for i in range(streams):
                     nursery.start_soon(one, i)
-            return unary_ms, total / (time.perf_counter() - start)
+            return unary_ms, total / (time.perf_counter() - start), (time.process_time() - cpu) / total
 
     return trio.run(main)
 
 
 # ---- (c) grpc.aio through trio-asyncio on trio's own thread ----------------------------------------
-def bench_trio_asyncio(address: str, streams: int, unary: int) -> tuple[float, float]:
+def bench_trio_asyncio(address: str, streams: int, unary: int) -> tuple[float, float, float]:
     import trio
     import trio_asyncio
 
@@ -140,13 +142,13 @@ def bench_trio_asyncio(address: str, streams: int, unary: int) -> tuple[float, f
                 async for _ in trio_asyncio.aio_as_trio(inference.Generate(_request(i))):
                     total += 1
 
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             async with trio.open_nursery() as nursery:
                 for i in range(streams):
                     nursery.start_soon(one, i)
-            rate = total / (time.perf_counter() - start)
+            rate, cpu = total / (time.perf_counter() - start), (time.process_time() - cpu) / total
             await trio_asyncio.aio_as_trio(channel.close)()
-            return unary_ms, rate
+            return unary_ms, rate, cpu
 
     return trio.run(main)
 
@@ -176,21 +178,26 @@ def main(argv=None) -> int:
     server.start()
     address = f"127.0.0.1:{ports.get(timeout=30)}"
     try:
-        clients = {"ours (trio, uvloop thread)": bench_ours, "plain grpc.aio on uvloop": bench_plain}
+        clients = {"ours, h2 streams on trio": (bench_ours, "h2"),
+                   "ours, grpcio streams (uvloop)": (bench_ours, "grpcio"),
+                   "plain grpc.aio on uvloop": (bench_plain,)}
         if not args.skip_trio_asyncio:
-            clients["grpc.aio via trio-asyncio"] = bench_trio_asyncio
+            clients["grpc.aio via trio-asyncio"] = (bench_trio_asyncio,)
         results = {}
-        for name, fn in clients.items():
-            rounds = [_in_process(fn, address, args.streams, args.unary) for _ in range(args.rounds)]
-            results[name] = (statistics.median(r[0] for r in rounds), max(r[1] for r in rounds))
+        for name, (fn, *extra) in clients.items():
+            rounds = [_in_process(fn, address, args.streams, args.unary, *extra) for _ in range(args.rounds)]
+            results[name] = (statistics.median(r[0] for r in rounds), max(r[1] for r in rounds),
+                             min(r[2] for r in rounds))
         print(f"server: {address}, {args.streams} concurrent streams x {args.tokens} tokens, "
               f"{args.unary} sequential Health calls, best of {args.rounds}")
-        print(f"{'client':32} {'Health latency ms':>18} {'stream msgs/s':>14}")
-        for name, (unary_ms, rate) in results.items():
-            print(f"{name:32} {unary_ms:18.3f} {rate:14.0f}")
-        ours, plain = results["ours (trio, uvloop thread)"], results["plain grpc.aio on uvloop"]
-        print(f"ratio ours/plain: streaming {ours[1] / plain[1]:.2f} (target >= 0.8), "
-              f"unary latency {ours[0] / plain[0]:.2f}x")
+        print(f"{'client':32} {'Health latency ms':>18} {'stream msgs/s':>14} {'CPU us/msg':>11}")
+        for name, (unary_ms, rate, cpu) in results.items():
+            print(f"{name:32} {unary_ms:18.3f} {rate:14.0f} {cpu * 1e6:11.1f}")
+        plain = results["plain grpc.aio on uvloop"]
+        for name in ("ours, h2 streams on trio", "ours, grpcio streams (uvloop)"):
+            ours = results[name]
+            print(f"ratio {name}/plain: streaming {ours[1] / plain[1]:.2f} (target >= 0.8), CPU per message "
+                  f"{ours[2] / plain[2]:.2f}x, unary latency {ours[0] / plain[0]:.2f}x")
         if "grpc.aio via trio-asyncio" in results:
             ta = results["grpc.aio via trio-asyncio"]
             print(f"ratio trio-asyncio/plain: streaming {ta[1] / plain[1]:.2f}, unary latency {ta[0] / plain[0]:.2f}x")

@@ -163,6 +163,7 @@ class AuthConfig:
 
 
 HTTP_SERVERS = ("native", "hypercorn")
+STREAM_TRANSPORTS = ("grpcio", "h2")  # as orchestrator/engine/client.py has them
 
 
 @attrs.frozen
@@ -228,6 +229,8 @@ class Config:
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
     workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
+    # How Generate streams reach the workers: grpcio, or h2 (our HTTP/2 client on trio, engine/h2_streams.py)
+    stream_transport: str = "h2"
     launch: LaunchConfig = LaunchConfig()
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
@@ -341,6 +344,8 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
         raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
     if config.http.server not in HTTP_SERVERS:
         raise ConfigError(file, "http.server", " or ".join(HTTP_SERVERS), config.http.server)
+    if config.stream_transport not in STREAM_TRANSPORTS:
+        raise ConfigError(file, "stream_transport", " or ".join(STREAM_TRANSPORTS), config.stream_transport)
     if config.http.processes > 1 and config.http.server != "native":
         raise ConfigError(file, "http.processes", "1 with http.server hypercorn (several frontend processes need "
                           "http.server native)", config.http.processes)

@@ -66,7 +66,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None):
+                 tls=None, stream_transport: str = "h2"):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -74,6 +74,7 @@ class WorkerPool:
         self.discovery_timeout = discovery_timeout
         self.removal_grace = removal_grace
         self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
+        self.stream_transport = stream_transport  # how Generate streams travel (EngineClient.open)
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
@@ -129,6 +130,7 @@ class WorkerPool:
         try:
             with worker.scope:
                 async with EngineClient.open(worker.address, self._loop_thread, tls=self.tls,
+                                             stream_transport=self.stream_transport,
                                              discovery_timeout=self.discovery_timeout,
                                              name=worker.address.removeprefix("grpc://")) as client:
                     worker.client = client

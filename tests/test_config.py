@@ -104,6 +104,7 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
     ("launch:\n  workers:\n    - sim: {}\n", "launch.workers[0].role", "required"),
     ("http:\n  port: '8000'\n", "http.port", "an integer"),
     ("http:\n  processes: 0\n", "http.processes", "> 0"),
+    ("stream_transport: grpc\n", "stream_transport", "grpcio or h2"),
     ("http:\n  processes: 2\n  server: hypercorn\n", "http.processes", "need http.server native"),
     ("- a list\n", "(top level)", "a mapping"),
     ("mode: [unclosed\n", "(syntax)", "valid YAML"),
@@ -137,3 +138,9 @@ def test_etcd_tls_files_are_read_relative_to_the_config(tmp_path):
     path = write(tmp_path, "discovery:\n  etcd: {endpoints: ['https://etcd:2379'], ca_file: ca.pem}\n")
     config = config_module.load(path)
     assert config.discovery.etcd.tls_files(config.base_dir, config.source) == (b"CA", None, None)
+
+
+def test_the_config_knows_the_stream_transports_the_engine_client_has():
+    from orchestrator.engine.client import STREAM_TRANSPORTS
+
+    assert config_module.STREAM_TRANSPORTS == STREAM_TRANSPORTS

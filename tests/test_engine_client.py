@@ -21,6 +21,19 @@ from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.testing import free_port, wait_for_load
 
 
+@pytest.fixture(params=["grpcio", "h2"])
+def engine_client(request, engine_client):
+    """Every test here runs on both Generate transports: grpcio, and our HTTP/2 streams on trio."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def open_client(address, **kwargs):
+        async with engine_client(address, stream_transport=request.param, **kwargs) as client:
+            yield client
+
+    return open_client
+
+
 def request(rid, max_tokens=8, **extra):
     req = g.GenerateRequest(request_id=rid, model="tiny-chat", token_ids=g.TokenIds(ids=[5, 6, 7, 8, 9]),
                             stopping=g.StoppingOptions(max_tokens=max_tokens))

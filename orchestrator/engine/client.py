@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import tempfile
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
 import attrs
@@ -32,6 +35,7 @@ from orchestrator.engine.errors import (
     WorkerNotReady,
     from_rpc_error,
 )
+from orchestrator.engine.h2_streams import H2Channel
 from orchestrator.engine.loop_thread import LoopThread, StreamInbox
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import (
@@ -90,6 +94,25 @@ class ChannelTls:
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust and identity for our own HTTP/2 streams (ALPN h2)."""
+        context = ssl.create_default_context(
+            cadata=self.root_certificates.decode() if self.root_certificates else None)
+        if self.certificate_chain and self.private_key:
+            # ssl loads a certificate and key from files only: a private temporary directory, removed at once
+            with tempfile.TemporaryDirectory(prefix="orch-tls-") as directory:
+                cert, key = Path(directory, "cert.pem"), Path(directory, "key.pem")
+                cert.write_bytes(self.certificate_chain)
+                key.touch(mode=0o600)
+                key.write_bytes(self.private_key)
+                context.load_cert_chain(cert, key)
+        context.set_alpn_protocols(["h2"])
+        return context
+
+
+STREAM_TRANSPORTS = ("grpcio", "h2")
+_GENERATE_PATH = "/openengine.v1.Inference/Generate"
+
 
 class GenerateStream:
     """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens."""
@@ -125,6 +148,9 @@ class GenerateStream:
 
 
 class EngineClient:
+    """One worker's OpenEngine client. Generate streams go over grpcio (default) or, with
+    `stream_transport="h2"`, over our own HTTP/2 connection on trio (engine/h2_streams.py)."""
+
     def __init__(self, address: str, loop_thread: LoopThread, nursery: trio.Nursery, *,
                  discovery_timeout: float, name: str | None = None, tls: ChannelTls | None = None):
         self.address = address
@@ -135,16 +161,24 @@ class EngineClient:
         self._control: openengine_pb2_grpc.ControlStub | None = None
         self._closed = False
         self._tls = tls
+        self._h2: H2Channel | None = None
         self._capabilities = SingleFlightCache(
             self._discover, nursery=nursery, timeout=discovery_timeout, worker=self.name)
 
     @classmethod
     @asynccontextmanager
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
-                   name: str | None = None, tls: ChannelTls | None = None) -> AsyncIterator["EngineClient"]:
+                   name: str | None = None, tls: ChannelTls | None = None,
+                   stream_transport: str = "h2") -> AsyncIterator["EngineClient"]:
+        if stream_transport not in STREAM_TRANSPORTS:
+            raise ValueError(f"stream_transport: expected one of {STREAM_TRANSPORTS}, got {stream_transport!r}")
         address = address.removeprefix("grpc://")
         async with trio.open_nursery() as nursery:
             client = cls(address, loop_thread, nursery, discovery_timeout=discovery_timeout, name=name, tls=tls)
+            if stream_transport == "h2":
+                client._h2 = H2Channel(address, worker=client.name, nursery=nursery,
+                                       ssl_context=None if tls is None else tls.ssl_context(),
+                                       server_name=None if tls is None else tls.server_name)
 
             async def connect() -> None:  # grpc.aio objects belong to the loop they are made on
                 if tls is None:
@@ -161,6 +195,8 @@ class EngineClient:
             finally:
                 client._closed = True
                 client._capabilities.close()
+                if client._h2 is not None:
+                    client._h2.close()
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
                     channel = client._channel
@@ -170,6 +206,11 @@ class EngineClient:
     @asynccontextmanager
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[GenerateStream]:
         self._check_open("Generate")
+        if self._h2 is not None:
+            async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(),
+                                       generation_pb2.GenerateResponse.FromString) as inbox:
+                yield GenerateStream(inbox, self.name)
+            return
         inbox = self._loop_thread.new_inbox()
         holder: dict[str, grpc.aio.UnaryStreamCall] = {}
         worker = self.name

@@ -87,9 +87,23 @@ class ClientClosed(EngineError):
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, *, worker: str, rpc: str) -> EngineError:
-    status = exc.code()
+    error = from_grpc_status(exc.code(), exc.details(), worker=worker, rpc=rpc)
+    error.__cause__ = exc
+    return error
+
+
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def grpc_status_from_number(number: int) -> grpc.StatusCode:
+    """The StatusCode a `grpc-status` trailer names (an unknown number is UNKNOWN, as gRPC says)."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def from_grpc_status(status: grpc.StatusCode, details: str | None, *, worker: str, rpc: str) -> EngineError:
+    """A failed call's gRPC status and message as our error: one mapping for every transport."""
     code, retryable = _STATUS_MAP.get(status, (ErrorCode.ERROR_CODE_INTERNAL, False))
-    details = exc.details() or status.name
+    details = details or status.name
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         # The worker's gRPC message limit, not its load: the same request will never fit (big data: images).
         code, retryable = ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False
@@ -99,10 +113,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, *, worker: str, rpc: str) -> Engin
         if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         else EngineError
     )
-    error = kind(details, worker=worker, rpc=rpc, code=code,
-                 retryable=retryable, grpc_status=status)
-    error.__cause__ = exc
-    return error
+    return kind(details, worker=worker, rpc=rpc, code=code, retryable=retryable, grpc_status=status)
 
 
 def from_engine_error(proto: error_pb2.EngineError, *, worker: str, rpc: str) -> EngineError:

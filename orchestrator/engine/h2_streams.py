@@ -1,0 +1,434 @@
+"""Server-streaming gRPC calls (Generate) over our own HTTP/2 connection on trio, with h2.
+
+Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
+asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
+(benchmarks/cpu_cost.py prints the floor). Here the bytes arrive on trio's own thread: h2 parses the
+frames, we cut the gRPC length-prefixed messages and decode them (about 14 µs a message). Unary
+control RPCs (Health, GetLoad, ServerInfo, Abort, ...) stay on grpcio: they are few.
+
+One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
+stream of that worker is multiplexed on it. What is kept from gRPC over HTTP/2:
+- the request: HEADERS (`:path /package.Service/Method`, `content-type: application/grpc`,
+  `te: trailers`), one length-prefixed uncompressed message, END_STREAM; sent within the peer's flow
+  control windows (a 20 MB request with images waits for WINDOW_UPDATEs);
+- the response: messages cut from DATA frames whatever their split, flow-control credit returned as
+  they are read, `grpc-status` / `grpc-message` from the trailers (or a trailers-only response)
+  mapped by errors.from_grpc_status, exactly as for grpcio;
+- leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
+  the server sees as a cancelled RPC;
+- a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams
+  the server will not process and sends new streams to a new connection;
+- the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot.
+Plaintext (h2c, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import ssl
+import urllib.parse
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+
+from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
+
+log = logging.getLogger("orchestrator.engine")
+
+_WINDOW = 16 * 1024 * 1024  # our receive window, per stream and for the connection: no stall on long streams
+_READ_SIZE = 256 * 1024
+# While streams are open, a PING every KEEPALIVE_S that must be answered within KEEPALIVE_TIMEOUT_S: a worker
+# host that vanished (no FIN, no RST) fails its streams in seconds, as grpcio's keepalive does with our options.
+KEEPALIVE_S = 30.0
+KEEPALIVE_TIMEOUT_S = 10.0
+_HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
+
+
+class H2Stream:
+    """The messages of one call as they arrive; read with get_batch() (the StreamInbox interface)."""
+
+    __slots__ = ("id", "rpc", "decode", "_items", "_buffer", "_reader", "_closed", "_error", "_status", "_message",
+                 "_outbound", "_offset")
+
+    def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
+        self.id = 0
+        self.rpc = rpc
+        self.decode = decode
+        self._items: collections.deque = collections.deque()
+        self._buffer = bytearray()
+        self._reader: trio.lowlevel.Task | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._status: int | None = None
+        self._message = ""
+        self._outbound = memoryview(_prefix(request) + request)
+        self._offset = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def get_batch(self) -> list[Any]:
+        """Everything decoded so far (at least one message); [] once the call ended well; raises the
+        call's error after its messages were read."""
+        items = self._items
+        if items or self._closed:
+            await trio.lowlevel.checkpoint()
+        else:
+            while not items and not self._closed:
+                self._reader = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
+        batch = list(items)
+        items.clear()
+        if not batch and self._error is not None:
+            raise self._error
+        return batch
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._reader = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wake(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            trio.lowlevel.reschedule(reader)
+
+    def _close(self, error: BaseException | None) -> None:
+        if not self._closed:
+            self._closed, self._error = True, error
+            self._wake()
+
+
+def _prefix(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big")
+
+
+class H2Channel:
+    """The HTTP/2 connection to one worker for its streaming calls; lives in `nursery`."""
+
+    def __init__(self, address: str, *, worker: str, nursery: trio.Nursery, ssl_context: ssl.SSLContext | None = None,
+                 server_name: str | None = None):
+        host, _, port = address.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.authority = address
+        self.worker = worker
+        self._nursery = nursery
+        self._ssl_context = ssl_context
+        self._server_name = server_name or self.host
+        self._connection: _Connection | None = None
+        self._connecting = trio.Lock()
+        self._closed = False
+
+    async def _current(self, rpc: str) -> "_Connection":
+        async with self._connecting:
+            if self._closed:
+                raise EngineError("engine client closed", worker=self.worker, rpc=rpc)
+            if self._connection is None or not self._connection.usable:
+                self._connection = await self._connect(rpc)
+            return self._connection
+
+    async def _connect(self, rpc: str) -> "_Connection":
+        try:
+            transport: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
+            if self._ssl_context is not None:
+                transport = trio.SSLStream(transport, self._ssl_context, server_hostname=self._server_name)
+                await transport.do_handshake()
+                if transport.selected_alpn_protocol() != "h2":
+                    await trio.aclose_forcefully(transport)
+                    raise unavailable(f"the TLS handshake with {self.authority} did not select h2 (ALPN)",
+                                      worker=self.worker, rpc=rpc)
+        except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
+            raise unavailable(f"cannot connect to {self.authority}: {exc}", worker=self.worker, rpc=rpc) from exc
+        connection = _Connection(transport, self, "https" if self._ssl_context else "http")
+        await self._nursery.start(connection.run)
+        return connection
+
+    @asynccontextmanager
+    async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any]) -> AsyncIterator[H2Stream]:
+        """Start the call `path` with one request message; leaving early cancels it (RST_STREAM)."""
+        rpc = path.rsplit("/", 1)[-1]
+        connection = await self._current(rpc)
+        stream = H2Stream(rpc, decode, request)
+        await connection.start(stream, path)
+        try:
+            yield stream
+        finally:
+            connection.finish(stream)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._connection is not None:
+            self._connection.close()
+
+
+class _Connection:
+    def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
+        self.transport = transport
+        self.channel = channel
+        self.scheme = scheme
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
+        self.h2 = h2.connection.H2Connection(config)
+        self.streams: dict[int, H2Stream] = {}
+        self.sending: list[H2Stream] = []  # request bodies not yet wholly within the peer's windows
+        self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
+        self._outgoing = bytearray()  # what h2 produced and the writer has not sent yet
+        self._dirty = trio.Event()  # set when _outgoing has bytes
+        self._slot_freed = trio.Event()
+        self._ping_answered = trio.Event()
+        self._unacked: dict[int, int] = {}  # flow-controlled bytes read per stream in this receive
+        self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
+        self._scope = trio.CancelScope()
+
+    # ---- the two tasks: reader and writer -----------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
+        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW, h2.settings.SettingCodes.ENABLE_PUSH: 0})
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(_WINDOW - 65535)
+        self._kick()
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._until_failure, self._write)
+                    nursery.start_soon(self._until_failure, self._keepalive)
+                    task_status.started()
+                    await self._until_failure(self._read)
+        finally:
+            self.usable = False
+            self._fail_all(self._failure)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.transport)
+
+    async def _until_failure(self, part: Callable[[], Any]) -> None:
+        """Run one of the connection's tasks; the first to fail records why and ends the others."""
+        try:
+            await part()
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
+                h2.exceptions.ProtocolError) as exc:
+            self._failure = self._failure or exc
+        except Exception as exc:  # a bug here must fail this worker's streams, not the whole client
+            log.exception("HTTP/2 connection to %s failed", self.channel.authority)
+            self._failure = self._failure or exc
+        self._scope.cancel()
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.transport.receive_some(_READ_SIZE)
+            if not data:
+                raise trio.BrokenResourceError("the worker closed the connection")
+            for event in self.h2.receive_data(data):
+                self._on(event)
+            # Flow-control credit once per stream and receive, not per frame (h2 sends WINDOW_UPDATE as due).
+            for stream_id, size in self._unacked.items():
+                self.h2.acknowledge_received_data(size, stream_id)
+            self._unacked.clear()
+            self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body
+
+    async def _keepalive(self) -> None:
+        while True:
+            await trio.sleep(KEEPALIVE_S)
+            if not self.streams:
+                continue
+            self._ping_answered = trio.Event()
+            self.h2.ping(os.urandom(8))
+            self._kick()
+            with trio.move_on_after(KEEPALIVE_TIMEOUT_S):
+                await self._ping_answered.wait()
+                continue
+            raise trio.BrokenResourceError(f"no answer to a keepalive ping within {KEEPALIVE_TIMEOUT_S:g} s")
+
+    def _kick(self) -> None:
+        """Hand what h2 has to send (and request bodies the windows now allow) to the writer."""
+        self._send_bodies()
+        data = self.h2.data_to_send()
+        if data:
+            self._outgoing += data
+            self._dirty.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            data, self._outgoing = bytes(self._outgoing), bytearray()
+            await self.transport.send_all(data)
+
+    # ---- streams ---------------------------------------------------------------------------------
+    async def start(self, stream: H2Stream, path: str) -> None:
+        while self.h2.open_outbound_streams >= self.h2.remote_settings.max_concurrent_streams:
+            await self._slot_freed.wait()
+        if not self.usable:
+            raise self._unavailable(stream.rpc, "the connection closed before the call started")
+        stream.id = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(stream.id, [
+            (b":method", b"POST"), (b":scheme", self.scheme.encode()), (b":path", path.encode()),
+            (b":authority", self.channel.authority.encode()), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"), (b"user-agent", b"orchestrator-h2")])
+        self.streams[stream.id] = stream
+        self.sending.append(stream)
+        self._kick()
+
+    def finish(self, stream: H2Stream) -> None:
+        """The caller is done with `stream`: a call still running is cancelled."""
+        if not stream.closed:
+            self._cancel(stream)
+        stream._close(stream._error)
+        self._forget(stream)
+
+    def _cancel(self, stream: H2Stream) -> None:
+        if stream.id in self.streams and self.usable:
+            try:
+                self.h2.reset_stream(stream.id, h2.errors.ErrorCodes.CANCEL)
+            except h2.exceptions.ProtocolError:  # it ended meanwhile
+                pass
+            self._kick()
+
+    def close(self) -> None:
+        self.usable = False
+        self._scope.cancel()
+
+    def _forget(self, stream: H2Stream) -> None:
+        self.streams.pop(stream.id, None)
+        if stream in self.sending:
+            self.sending.remove(stream)
+        self._slot_freed.set()
+        self._slot_freed = trio.Event()
+
+    def _send_bodies(self) -> None:
+        for stream in list(self.sending):
+            body = stream._outbound
+            while stream._offset < len(body):
+                room = min(self.h2.local_flow_control_window(stream.id), self.h2.max_outbound_frame_size)
+                if room <= 0:
+                    break
+                end = min(len(body), stream._offset + room)
+                self.h2.send_data(stream.id, body[stream._offset:end].tobytes(), end_stream=end == len(body))
+                stream._offset = end
+            if stream._offset == len(body):
+                self.sending.remove(stream)
+
+    # ---- what the worker sent --------------------------------------------------------------------
+    def _on(self, event: h2.events.Event) -> None:
+        stream = self.streams.get(getattr(event, "stream_id", None) or 0)
+        if isinstance(event, h2.events.DataReceived):
+            self._unacked[event.stream_id] = self._unacked.get(event.stream_id, 0) + event.flow_controlled_length
+            if stream is not None:
+                self._on_data(stream, event.data)
+        elif isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+            if stream is not None:
+                self._on_headers(stream, event.headers)
+        elif isinstance(event, h2.events.StreamEnded):
+            if stream is not None:
+                self._on_end(stream)
+        elif isinstance(event, h2.events.StreamReset):
+            if stream is not None:
+                stream._close(self._reset_error(stream, event.error_code))
+                self._forget(stream)
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.usable = False
+            last = event.last_stream_id if event.last_stream_id is not None else 0
+            for stream in [s for s in self.streams.values() if s.id > last]:
+                stream._close(self._unavailable(stream.rpc, "the worker is going away (GOAWAY) and did not start "
+                                                            "this call"))
+                self._forget(stream)
+        elif isinstance(event, h2.events.PingAckReceived):
+            self._ping_answered.set()
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._slot_freed.set()
+            self._slot_freed = trio.Event()
+
+    def _on_data(self, stream: H2Stream, data: bytes) -> None:
+        buffer = stream._buffer
+        if not buffer and len(data) >= _HEADER and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5:
+            self._deliver(stream, data[5:])  # the usual case: one whole message in one frame
+            return
+        buffer += data
+        while len(buffer) >= _HEADER:
+            if buffer[0] != 0:
+                stream._close(EngineError("the worker sent a compressed message (none was negotiated)",
+                                          worker=self.channel.worker, rpc=stream.rpc))
+                return
+            length = int.from_bytes(buffer[1:5], "big")
+            if len(buffer) < _HEADER + length:
+                break
+            payload = bytes(buffer[_HEADER:_HEADER + length])
+            del buffer[:_HEADER + length]
+            if not self._deliver(stream, payload):
+                return
+
+    def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
+        try:
+            stream._items.append(stream.decode(payload))
+        except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
+            error = EngineError(f"the worker sent a message that does not decode: {exc}", worker=self.channel.worker,
+                                rpc=stream.rpc)
+            self._cancel(stream)
+            stream._close(error)
+            self._forget(stream)
+            return False
+        stream._wake()
+        return True
+
+    def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
+        for name, value in headers:
+            if name == b":status" and value != b"200":
+                stream._status = _HTTP_TO_GRPC.get(value, grpc.StatusCode.UNKNOWN).value[0]
+                stream._message = f"HTTP status {value.decode(errors='replace')} from the worker"
+            elif name == b"grpc-status":
+                stream._status = int(value)
+            elif name == b"grpc-message":
+                stream._message = urllib.parse.unquote(value.decode(errors="replace"))
+
+    def _on_end(self, stream: H2Stream) -> None:
+        if stream._buffer:
+            error = EngineError("the stream ended inside a message", worker=self.channel.worker, rpc=stream.rpc)
+        elif stream._status is None:
+            error = EngineError("the stream ended without a grpc-status", worker=self.channel.worker, rpc=stream.rpc)
+        elif stream._status == 0:
+            error = None
+        else:
+            error = from_grpc_status(grpc_status_from_number(stream._status), stream._message,
+                                     worker=self.channel.worker, rpc=stream.rpc)
+        stream._close(error)
+        self._forget(stream)
+
+    def _reset_error(self, stream: H2Stream, code: int) -> EngineError:
+        # gRPC's mapping of HTTP/2 error codes: REFUSED_STREAM is safe to retry; CANCEL is a cancelled call.
+        if code == h2.errors.ErrorCodes.REFUSED_STREAM:
+            return self._unavailable(stream.rpc, "the worker refused the stream (REFUSED_STREAM)")
+        status = grpc.StatusCode.CANCELLED if code == h2.errors.ErrorCodes.CANCEL else grpc.StatusCode.INTERNAL
+        return from_grpc_status(status, f"the worker reset the stream ({h2.errors.ErrorCodes(code).name})",
+                                worker=self.channel.worker, rpc=stream.rpc)
+
+    def _unavailable(self, rpc: str, why: str) -> EngineError:
+        return unavailable(f"{why} ({self.channel.authority})", worker=self.channel.worker, rpc=rpc)
+
+    def _fail_all(self, cause: BaseException | None) -> None:
+        why = f"the connection to the worker was lost: {cause}" if cause else "the connection to the worker closed"
+        for stream in list(self.streams.values()):
+            error = self._unavailable(stream.rpc, why)
+            error.__cause__ = cause
+            stream._close(error)
+            self._forget(stream)
+
+
+def unavailable(why: str, *, worker: str, rpc: str) -> EngineError:
+    """What grpcio reports for a worker it cannot reach (WorkerUnavailable, retryable)."""
+    return from_grpc_status(grpc.StatusCode.UNAVAILABLE, why, worker=worker, rpc=rpc)
+
+
+# gRPC's mapping of HTTP statuses from a server that is not a gRPC server (or a proxy in front of one).
+_HTTP_TO_GRPC = {b"400": grpc.StatusCode.INTERNAL, b"401": grpc.StatusCode.UNAUTHENTICATED,
+                 b"403": grpc.StatusCode.PERMISSION_DENIED, b"404": grpc.StatusCode.UNIMPLEMENTED,
+                 b"429": grpc.StatusCode.UNAVAILABLE, b"502": grpc.StatusCode.UNAVAILABLE,
+                 b"503": grpc.StatusCode.UNAVAILABLE, b"504": grpc.StatusCode.UNAVAILABLE}

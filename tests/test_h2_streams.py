@@ -1,0 +1,192 @@
+"""Generate over our own HTTP/2 client (engine/h2_streams.py): the wire rules it keeps, and the same
+behaviour as grpcio against real simulated workers (tests/test_engine_client.py runs on both too)."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+import trio
+
+from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
+from orchestrator.engine.h2_streams import H2Stream, _Connection
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.testing import wait_for_load
+
+
+def request(rid, max_tokens=8, ids=(5, 6, 7, 8, 9), **stopping):
+    return g.GenerateRequest(request_id=rid, model="tiny-chat", token_ids=g.TokenIds(ids=list(ids)),
+                             stopping=g.StoppingOptions(max_tokens=max_tokens, **stopping))
+
+
+def framed(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+class _Channel:
+    worker, authority = "w", "127.0.0.1:1"
+
+
+def bare_connection() -> _Connection:
+    return _Connection(transport=None, channel=_Channel(), scheme="http")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_messages_are_cut_from_data_frames_whatever_their_split(seed):
+    rng = random.Random(seed)
+    messages = [g.GenerateResponse(request_id=f"r{i}", token=g.TokenOutput(tokens=[g.TokenInfo(token_id=i)]))
+                for i in range(rng.randint(1, 6))]
+    wire = b"".join(framed(m.SerializeToString()) for m in messages)
+    cuts = sorted(rng.sample(range(1, len(wire)), k=min(len(wire) - 1, rng.randint(0, 8))))
+    connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    for start, end in zip([0, *cuts], [*cuts, len(wire)]):
+        connection._on_data(stream, wire[start:end])
+    assert list(stream._items) == messages and not stream._buffer and not stream.closed
+
+
+def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error():
+    connection = bare_connection()
+    compressed = H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_data(compressed, b"\x01" + (3).to_bytes(4, "big") + b"abc")
+    assert compressed.closed and "compressed" in str(compressed._error)
+    garbage = H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_data(garbage, framed(b"\xff\xff\xff"))
+    assert garbage.closed and "does not decode" in str(garbage._error)
+
+
+@pytest.mark.parametrize("headers, status, kind", [
+    ([(b":status", b"200"), (b"grpc-status", b"3"), (b"grpc-message", b"bad%20request")], "INVALID_ARGUMENT",
+     EngineError),
+    ([(b":status", b"503")], "UNAVAILABLE", WorkerUnavailable),
+    ([(b":status", b"200"), (b"grpc-status", b"14")], "UNAVAILABLE", WorkerUnavailable),
+])
+def test_grpc_status_and_http_status_map_like_grpcio(headers, status, kind):
+    connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_headers(stream, headers)
+    connection._on_end(stream)
+    assert isinstance(stream._error, kind) and stream._error.grpc_status.name == status
+    if status == "INVALID_ARGUMENT":
+        assert stream._error.message == "bad request"  # percent-decoded, as gRPC sends it
+
+
+def test_a_stream_that_ends_without_status_or_inside_a_message_is_an_error():
+    connection = bare_connection()
+    no_status = H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_end(no_status)
+    assert "without a grpc-status" in str(no_status._error)
+    cut = H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_headers(cut, [(b"grpc-status", b"0")])
+    connection._on_data(cut, framed(b"\x08\x01")[:4])
+    connection._on_end(cut)
+    assert "inside a message" in str(cut._error)
+
+
+async def test_many_streams_share_one_connection_and_match_grpcio(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+
+    async def tokens_of(client, rid):
+        async with client.generate(request(rid, max_tokens=24, ignore_eos=True)) as stream:
+            events = [e async for e in stream]
+        assert isinstance(events[-1], Finished)
+        return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+
+    async with engine_client(worker.address, stream_transport="h2") as h2_client, \
+            engine_client(worker.address) as grpc_client:
+        results: dict[str, list[int]] = {}
+
+        async def one(i):
+            results[f"s{i}"] = await tokens_of(h2_client, f"same-{i % 4}-{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(one, i)
+        assert len(results) == 64 and all(len(t) == 24 for t in results.values())
+        assert await tokens_of(h2_client, "x-seeded") == await tokens_of(grpc_client, "x-seeded")
+        assert h2_client._h2._connection is not None and len(h2_client._h2._connection.streams) == 0
+
+
+async def test_a_request_larger_than_the_flow_control_window_is_sent_whole(sim_workers, engine_client):
+    """300,000 prompt token ids (about 1 MB) cross the peer's 64 KB initial window in WINDOW_UPDATE steps;
+    the worker answers about the prompt (its context window), not about a broken transport."""
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address, stream_transport="h2") as client, \
+            engine_client(worker.address) as reference:
+        outcomes = []
+        for c in (client, reference):
+            async with c.generate(request("big", ids=[7] * 300_000, max_tokens=2)) as stream:
+                try:
+                    outcomes.append([type(e).__name__ for e in [e async for e in stream]])
+                except EngineError as exc:
+                    outcomes.append((exc.code, exc.grpc_status))
+        assert outcomes[0] == outcomes[1]
+
+
+async def test_leaving_a_stream_early_cancels_it_on_the_worker(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        with trio.move_on_after(0.3):
+            async with client.generate(request("left", max_tokens=5000)) as stream:
+                async for _ in stream:
+                    pass
+        load = await wait_for_load(client, lambda load: load.running_requests == 0)
+        assert load.running_requests == 0
+        async with client.generate(request("after", max_tokens=3)) as stream:  # the connection still serves
+            assert isinstance([e async for e in stream][-1], Finished)
+
+
+async def test_a_worker_that_dies_mid_stream_is_a_retryable_unavailable_error(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        with pytest.raises(WorkerUnavailable) as info:
+            async with client.generate(request("doomed", max_tokens=5000)) as stream:
+                await stream.__anext__()
+                worker.process.process.send_signal(signal.SIGKILL)  # our own child
+                async for _ in stream:
+                    pass
+        assert info.value.retryable and info.value.rpc == "Generate" and worker.address.removeprefix("grpc://") \
+            in str(info.value)
+        with pytest.raises(WorkerUnavailable):  # a new connection is tried, and refused
+            async with client.generate(request("next")) as stream:
+                [e async for e in stream]
+
+
+async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepalive_timeout(
+        sim_workers, engine_client, monkeypatch):
+    """No FIN, no RST (a frozen host): the PING goes unanswered and the stream fails as unavailable."""
+    from orchestrator.engine import h2_streams
+
+    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(h2_streams, "KEEPALIVE_TIMEOUT_S", 0.5)
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        try:
+            with trio.fail_after(10), pytest.raises(WorkerUnavailable) as info:
+                async with client.generate(request("frozen", max_tokens=5000)) as stream:
+                    await stream.__anext__()
+                    worker.process.process.send_signal(signal.SIGSTOP)  # our own child
+                    async for _ in stream:
+                        pass
+        finally:
+            worker.process.process.send_signal(signal.SIGCONT)
+    assert "keepalive ping" in str(info.value.__cause__) and info.value.retryable
+
+
+async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_retryably(sim_workers, engine_client):
+    """SIGTERM: the worker drains (GOAWAY, then closes); the stream either finishes or fails retryably,
+    never hangs; a new stream afterwards goes to a new connection, which is refused."""
+    worker = sim_workers.start("aggregated", "--time-scale", "1", "--drain-grace", "1")
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        with trio.fail_after(15):
+            async with client.generate(request("draining", max_tokens=5000)) as stream:
+                await stream.__anext__()
+                worker.process.process.send_signal(signal.SIGTERM)  # our own child
+                try:
+                    events = [e async for e in stream]
+                    assert isinstance(events[-1], Finished)
+                except EngineError as exc:
+                    assert exc.retryable or exc.code == 10, exc  # unavailable, or cancelled by the drain
+            worker.process.process.wait(10)
+            with pytest.raises(WorkerUnavailable):
+                async with client.generate(request("after")) as stream:
+                    [e async for e in stream]
