@@ -24,7 +24,6 @@ Plaintext (h2c, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import ssl
@@ -42,6 +41,7 @@ import h2.settings
 import trio
 
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
+from orchestrator.engine.inbox import TrioInbox
 
 log = logging.getLogger("orchestrator.engine")
 
@@ -54,59 +54,29 @@ KEEPALIVE_TIMEOUT_S = 10.0
 _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
 
 
-class H2Stream:
-    """The messages of one call as they arrive; read with get_batch() (the StreamInbox interface)."""
+class H2Stream(TrioInbox):
+    """The messages of one call as they arrive, decoded; read with get_batch()."""
 
-    __slots__ = ("id", "rpc", "decode", "_items", "_buffer", "_reader", "_closed", "_error", "_status", "_message",
-                 "_outbound", "_offset")
+    __slots__ = ("id", "rpc", "decode", "_buffer", "_status", "_message", "_outbound", "_offset")
 
     def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
+        super().__init__()
         self.id = 0
         self.rpc = rpc
         self.decode = decode
-        self._items: collections.deque = collections.deque()
         self._buffer = bytearray()
-        self._reader: trio.lowlevel.Task | None = None
-        self._closed = False
-        self._error: BaseException | None = None
         self._status: int | None = None
         self._message = ""
         self._outbound = memoryview(_prefix(request) + request)
         self._offset = 0
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    async def get_batch(self) -> list[Any]:
-        """Everything decoded so far (at least one message); [] once the call ended well; raises the
-        call's error after its messages were read."""
-        items = self._items
-        if items or self._closed:
-            await trio.lowlevel.checkpoint()
-        else:
-            while not items and not self._closed:
-                self._reader = trio.lowlevel.current_task()
-                await trio.lowlevel.wait_task_rescheduled(self._abort)
-        batch = list(items)
-        items.clear()
-        if not batch and self._error is not None:
-            raise self._error
-        return batch
-
-    def _abort(self, _: Any) -> trio.lowlevel.Abort:
-        self._reader = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
     def _wake(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            trio.lowlevel.reschedule(reader)
+        self._wake_reader()
 
     def _close(self, error: BaseException | None) -> None:
         if not self._closed:
             self._closed, self._error = True, error
-            self._wake()
+            self._wake_reader()
 
 
 def _prefix(message: bytes) -> bytes:

@@ -14,13 +14,14 @@ Thread-safety rules, kept small on purpose:
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
+
+from orchestrator.engine.inbox import TrioInbox
 
 T = TypeVar("T")
 
@@ -176,18 +177,15 @@ def _wake_all(inboxes: list["StreamInbox"]) -> None:  # trio thread
         inbox._wake()
 
 
-class StreamInbox:
+class StreamInbox(TrioInbox):
     """Messages from one asyncio-side stream, handed to one trio-side reader in batches."""
 
-    __slots__ = ("_items", "_dispatcher", "_wake_pending", "_reader", "_closed", "_error")
+    __slots__ = ("_dispatcher", "_wake_pending")
 
     def __init__(self, dispatcher: _WakeDispatcher):
-        self._items: collections.deque = collections.deque()
+        super().__init__()
         self._dispatcher = dispatcher
         self._wake_pending = False
-        self._reader: trio.lowlevel.Task | None = None
-        self._closed = False
-        self._error: BaseException | None = None
 
     # ---- loop thread side -------------------------------------------------------------------
     def put(self, item: Any) -> None:
@@ -206,34 +204,4 @@ class StreamInbox:
     # ---- trio side -----------------------------------------------------------------------------
     def _wake(self) -> None:
         self._wake_pending = False
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            trio.lowlevel.reschedule(reader)
-
-    async def get_batch(self) -> list[Any]:
-        """Everything queued so far (at least one item); [] once closed and drained.
-
-        Raises the error the stream was closed with, after its items were read. Either it parks
-        until woken (that park is the checkpoint), or it finds items at once and yields to the
-        scheduler once, so a fast stream cannot starve other tasks.
-        """
-        items = self._items
-        if items or self._closed:
-            await trio.lowlevel.checkpoint()
-        else:
-            while not items and not self._closed:
-                self._reader = trio.lowlevel.current_task()
-                await trio.lowlevel.wait_task_rescheduled(self._abort)
-        batch = []
-        while items:
-            batch.append(items.popleft())
-        if batch:
-            return batch
-        # closed; put() always happens before close(), so nothing can arrive after this point
-        if self._error is not None:
-            raise self._error
-        return []
-
-    def _abort(self, _: Any) -> trio.lowlevel.Abort:
-        self._reader = None
-        return trio.lowlevel.Abort.SUCCEEDED
+        self._wake_reader()
