@@ -1,9 +1,9 @@
-"""Server-streaming gRPC calls (Generate) over our own HTTP/2 connection on trio, with h2.
+"""Server-streaming gRPC calls (Generate) over our own HTTP/2 connection on trio (framing: engine/http2.py).
 
 Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
 asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
 (benchmarks/cpu_cost.py prints the floor). Here the bytes arrive on trio's own thread: h2 parses the
-frames, we cut the gRPC length-prefixed messages and decode them (about 14 µs a message). Unary
+frames (engine/http2.py), we cut the gRPC length-prefixed messages and decode them. Unary
 control RPCs (Health, GetLoad, ServerInfo, Abort, ...) stay on grpcio: they are few.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
@@ -32,14 +32,9 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
 import grpc
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import trio
 
+from orchestrator.engine import http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.engine.inbox import TrioInbox
 
@@ -57,7 +52,7 @@ _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian l
 class H2Stream(TrioInbox):
     """The messages of one call as they arrive, decoded; read with get_batch()."""
 
-    __slots__ = ("id", "rpc", "decode", "_buffer", "_status", "_message", "_outbound", "_offset")
+    __slots__ = ("id", "rpc", "decode", "_buffer", "_status", "_message", "_outbound")
 
     def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
         super().__init__()
@@ -67,8 +62,7 @@ class H2Stream(TrioInbox):
         self._buffer = bytearray()
         self._status: int | None = None
         self._message = ""
-        self._outbound = memoryview(_prefix(request) + request)
-        self._offset = 0
+        self._outbound = _prefix(request) + request
 
     def _wake(self) -> None:
         self._wake_reader()
@@ -98,6 +92,17 @@ class H2Channel:
         self._connection: _Connection | None = None
         self._connecting = trio.Lock()
         self._closed = False
+        self._header_blocks: dict[tuple[str, str], bytes] = {}
+
+    def header_block(self, path: str, scheme: str) -> bytes:
+        """The request headers of a call to `path`, HPACK-encoded once (they never change)."""
+        block = self._header_blocks.get((path, scheme))
+        if block is None:
+            block = self._header_blocks[path, scheme] = http2.encode_headers([
+                (b":method", b"POST"), (b":scheme", scheme.encode()), (b":path", path.encode()),
+                (b":authority", self.authority.encode()), (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"), (b"user-agent", b"orchestrator-h2")])
+        return block
 
     async def _current(self, rpc: str) -> "_Connection":
         async with self._connecting:
@@ -142,31 +147,26 @@ class H2Channel:
 
 
 class _Connection:
+    """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
+
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
         self.transport = transport
         self.channel = channel
         self.scheme = scheme
-        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
-        self.h2 = h2.connection.H2Connection(config)
+        self.wire = http2.ClientConnection(self, receive_window=_WINDOW)
         self.streams: dict[int, H2Stream] = {}
-        self.sending: list[H2Stream] = []  # request bodies not yet wholly within the peer's windows
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
-        self._outgoing = bytearray()  # what h2 produced and the writer has not sent yet
-        self._dirty = trio.Event()  # set when _outgoing has bytes
+        self._dirty = trio.Event()  # set when the wire has bytes to send
         self._slot_freed = trio.Event()
         self._ping_answered = trio.Event()
-        self._unacked: dict[int, int] = {}  # flow-controlled bytes read per stream in this receive
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
         self._scope = trio.CancelScope()
 
-    # ---- the two tasks: reader and writer -----------------------------------------------------------
+    # ---- the three tasks: reader, writer, keepalive ----------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
-        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW, h2.settings.SettingCodes.ENABLE_PUSH: 0})
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(_WINDOW - 65535)
-        self._kick()
+        self.wire.initiate()
+        self._dirty.set()
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
@@ -178,14 +178,25 @@ class _Connection:
             self.usable = False
             self._fail_all(self._failure)
             with trio.CancelScope(shield=True):
+                if isinstance(self._failure, http2.ProtocolError):
+                    await self._tell_goaway()
                 await trio.aclose_forcefully(self.transport)
+
+    async def _tell_goaway(self) -> None:
+        """Best effort: the GOAWAY naming the worker's protocol error, before we hang up."""
+        with trio.move_on_after(0.2):
+            try:
+                await self.transport.send_all(self.wire.data_to_send())
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
+                    ssl.SSLError):
+                pass
 
     async def _until_failure(self, part: Callable[[], Any]) -> None:
         """Run one of the connection's tasks; the first to fail records why and ends the others."""
         try:
             await part()
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
-                h2.exceptions.ProtocolError) as exc:
+                http2.ProtocolError) as exc:
             self._failure = self._failure or exc
         except Exception as exc:  # a bug here must fail this worker's streams, not the whole client
             log.exception("HTTP/2 connection to %s failed", self.channel.authority)
@@ -197,13 +208,10 @@ class _Connection:
             data = await self.transport.receive_some(_READ_SIZE)
             if not data:
                 raise trio.BrokenResourceError("the worker closed the connection")
-            for event in self.h2.receive_data(data):
-                self._on(event)
-            # Flow-control credit once per stream and receive, not per frame (h2 sends WINDOW_UPDATE as due).
-            for stream_id, size in self._unacked.items():
-                self.h2.acknowledge_received_data(size, stream_id)
-            self._unacked.clear()
-            self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body
+            try:
+                self.wire.receive(data)
+            finally:
+                self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
 
     async def _keepalive(self) -> None:
         while True:
@@ -211,7 +219,7 @@ class _Connection:
             if not self.streams:
                 continue
             self._ping_answered = trio.Event()
-            self.h2.ping(os.urandom(8))
+            self.wire.ping(os.urandom(8))
             self._kick()
             with trio.move_on_after(KEEPALIVE_TIMEOUT_S):
                 await self._ping_answered.wait()
@@ -219,33 +227,28 @@ class _Connection:
             raise trio.BrokenResourceError(f"no answer to a keepalive ping within {KEEPALIVE_TIMEOUT_S:g} s")
 
     def _kick(self) -> None:
-        """Hand what h2 has to send (and request bodies the windows now allow) to the writer."""
-        self._send_bodies()
-        data = self.h2.data_to_send()
-        if data:
-            self._outgoing += data
+        if self.wire._out:
             self._dirty.set()
 
     async def _write(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data, self._outgoing = bytes(self._outgoing), bytearray()
-            await self.transport.send_all(data)
+            data = self.wire.data_to_send()
+            if data:
+                await self.transport.send_all(data)
 
     # ---- streams ---------------------------------------------------------------------------------
     async def start(self, stream: H2Stream, path: str) -> None:
-        while self.h2.open_outbound_streams >= self.h2.remote_settings.max_concurrent_streams:
+        while self.usable and not self.wire.can_open:
             await self._slot_freed.wait()
-        if not self.usable:
+        if not self.usable or self.wire.going_away:
+            self.usable = False
             raise self._unavailable(stream.rpc, "the connection closed before the call started")
-        stream.id = self.h2.get_next_available_stream_id()
-        self.h2.send_headers(stream.id, [
-            (b":method", b"POST"), (b":scheme", self.scheme.encode()), (b":path", path.encode()),
-            (b":authority", self.channel.authority.encode()), (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"), (b"user-agent", b"orchestrator-h2")])
+        stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme), stream._outbound)
         self.streams[stream.id] = stream
-        self.sending.append(stream)
+        if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
+            self.usable = False
         self._kick()
 
     def finish(self, stream: H2Stream) -> None:
@@ -257,10 +260,7 @@ class _Connection:
 
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:
-            try:
-                self.h2.reset_stream(stream.id, h2.errors.ErrorCodes.CANCEL)
-            except h2.exceptions.ProtocolError:  # it ended meanwhile
-                pass
+            self.wire.reset(stream.id, http2.CANCEL)
             self._kick()
 
     def close(self) -> None:
@@ -268,54 +268,28 @@ class _Connection:
         self._scope.cancel()
 
     def _forget(self, stream: H2Stream) -> None:
-        self.streams.pop(stream.id, None)
-        if stream in self.sending:
-            self.sending.remove(stream)
+        if self.streams.pop(stream.id, None) is not None:
+            self._on_capacity()
+
+    # ---- what the worker sent (engine/http2.py calls these) --------------------------------------
+    def _on_capacity(self) -> None:
         self._slot_freed.set()
         self._slot_freed = trio.Event()
 
-    def _send_bodies(self) -> None:
-        for stream in list(self.sending):
-            body = stream._outbound
-            while stream._offset < len(body):
-                room = min(self.h2.local_flow_control_window(stream.id), self.h2.max_outbound_frame_size)
-                if room <= 0:
-                    break
-                end = min(len(body), stream._offset + room)
-                self.h2.send_data(stream.id, body[stream._offset:end].tobytes(), end_stream=end == len(body))
-                stream._offset = end
-            if stream._offset == len(body):
-                self.sending.remove(stream)
+    def _on_reset(self, stream: H2Stream, code: int) -> None:
+        stream._close(self._reset_error(stream, code))
+        self._forget(stream)
 
-    # ---- what the worker sent --------------------------------------------------------------------
-    def _on(self, event: h2.events.Event) -> None:
-        stream = self.streams.get(getattr(event, "stream_id", None) or 0)
-        if isinstance(event, h2.events.DataReceived):
-            self._unacked[event.stream_id] = self._unacked.get(event.stream_id, 0) + event.flow_controlled_length
-            if stream is not None:
-                self._on_data(stream, event.data)
-        elif isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-            if stream is not None:
-                self._on_headers(stream, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
-            if stream is not None:
-                self._on_end(stream)
-        elif isinstance(event, h2.events.StreamReset):
-            if stream is not None:
-                stream._close(self._reset_error(stream, event.error_code))
-                self._forget(stream)
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self.usable = False
-            last = event.last_stream_id if event.last_stream_id is not None else 0
-            for stream in [s for s in self.streams.values() if s.id > last]:
-                stream._close(self._unavailable(stream.rpc, "the worker is going away (GOAWAY) and did not start "
-                                                            "this call"))
-                self._forget(stream)
-        elif isinstance(event, h2.events.PingAckReceived):
-            self._ping_answered.set()
-        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
-            self._slot_freed.set()
-            self._slot_freed = trio.Event()
+    def _on_goaway(self, code: int, refused: list[H2Stream]) -> None:
+        self.usable = False
+        for stream in refused:
+            stream._close(self._unavailable(stream.rpc, "the worker is going away (GOAWAY) and did not start "
+                                                        "this call"))
+            self._forget(stream)
+        self._on_capacity()  # callers waiting for a slot here go to a new connection
+
+    def _on_ping_ack(self) -> None:
+        self._ping_answered.set()
 
     def _on_data(self, stream: H2Stream, data: bytes) -> None:
         buffer = stream._buffer
@@ -374,10 +348,10 @@ class _Connection:
 
     def _reset_error(self, stream: H2Stream, code: int) -> EngineError:
         # gRPC's mapping of HTTP/2 error codes: REFUSED_STREAM is safe to retry; CANCEL is a cancelled call.
-        if code == h2.errors.ErrorCodes.REFUSED_STREAM:
+        if code == http2.REFUSED_STREAM:
             return self._unavailable(stream.rpc, "the worker refused the stream (REFUSED_STREAM)")
-        status = grpc.StatusCode.CANCELLED if code == h2.errors.ErrorCodes.CANCEL else grpc.StatusCode.INTERNAL
-        return from_grpc_status(status, f"the worker reset the stream ({h2.errors.ErrorCodes(code).name})",
+        status = grpc.StatusCode.CANCELLED if code == http2.CANCEL else grpc.StatusCode.INTERNAL
+        return from_grpc_status(status, f"the worker reset the stream ({http2.error_name(code)})",
                                 worker=self.channel.worker, rpc=stream.rpc)
 
     def _unavailable(self, rpc: str, why: str) -> EngineError:

@@ -1,0 +1,325 @@
+"""Our HTTP/2 client framing (engine/http2.py), I/O-free: checked against h2's server side, an independent
+implementation of RFC 9113, and against hand-made frames for what a broken peer can send."""
+
+from __future__ import annotations
+
+import hpack
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from orchestrator.engine import http2
+
+REQUEST_HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/openengine.v1.Engine/Generate"),
+                   (b":authority", b"127.0.0.1:50051"), (b"content-type", b"application/grpc"),
+                   (b"te", b"trailers"), (b"user-agent", b"orchestrator-h2")]
+BLOCK = http2.encode_headers(REQUEST_HEADERS)
+
+
+class Recorder:
+    """What the connection reported, in order."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+
+    def _on_headers(self, handle, headers):
+        self.log.append(("headers", handle, headers))
+
+    def _on_data(self, handle, data):
+        self.log.append(("data", handle, data))
+
+    def _on_end(self, handle):
+        self.log.append(("end", handle))
+
+    def _on_reset(self, handle, code):
+        self.log.append(("reset", handle, code))
+
+    def _on_goaway(self, code, refused):
+        self.log.append(("goaway", code, refused))
+
+    def _on_ping_ack(self):
+        self.log.append(("ping_ack",))
+
+    def _on_capacity(self):
+        pass  # called often; what it signals is checked through can_open and the windows
+
+    def of(self, kind):
+        return [entry for entry in self.log if entry[0] == kind]
+
+
+class Pair:
+    """Our client connected to an h2 server, bytes passed by hand."""
+
+    def __init__(self, receive_window=http2.DEFAULT_WINDOW, server_settings=None, auto_ack=True):
+        self.events = Recorder()
+        self.client = http2.ClientConnection(self.events, receive_window=receive_window)
+        self.server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        self.auto_ack = auto_ack
+        self.server_events: list = []
+        self.server.initiate_connection()
+        if server_settings:
+            self.server.update_settings(server_settings)
+        self.client.initiate()
+        self.pump()
+
+    def to_server(self):
+        for event in self.server.receive_data(self.client.data_to_send()):
+            self.server_events.append(event)
+            if self.auto_ack and isinstance(event, h2.events.DataReceived):
+                self.server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+
+    def to_client(self):
+        self.client.receive(self.server.data_to_send())
+
+    def pump(self, rounds=4):
+        for _ in range(rounds):
+            self.to_server()
+            self.to_client()
+
+    def received(self, kind):
+        return [e for e in self.server_events if isinstance(e, kind)]
+
+
+def test_request_headers_decode_to_what_was_encoded_and_never_touch_the_dynamic_table():
+    decoder = hpack.Decoder()
+    long_value = b"x" * 300  # a length that needs HPACK's multi-byte integer
+    headers = REQUEST_HEADERS + [(b"x-long", long_value), (b":scheme", b"https"), (b":method", b"GET")]
+    assert decoder.decode(http2.encode_headers(headers), raw=True) == headers
+    assert len(decoder.header_table.dynamic_entries) == 0
+
+
+def test_a_call_round_trip_against_h2_headers_body_messages_and_trailers():
+    pair = Pair()
+    stream_id = pair.client.open_stream("call", BLOCK, b"\x00\x00\x00\x00\x03abc")
+    pair.to_server()
+    request = pair.received(h2.events.RequestReceived)[0]
+    assert request.stream_id == stream_id == 1 and request.headers == REQUEST_HEADERS
+    assert b"".join(e.data for e in pair.received(h2.events.DataReceived)) == b"\x00\x00\x00\x00\x03abc"
+    assert pair.received(h2.events.StreamEnded)
+    pair.server.send_headers(stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    pair.server.send_data(stream_id, b"one")
+    pair.server.send_data(stream_id, b"two", pad_length=7)
+    pair.server.send_headers(stream_id, [(b"grpc-status", b"0")], end_stream=True)
+    pair.to_client()
+    assert pair.events.log == [
+        ("headers", "call", [(b":status", b"200"), (b"content-type", b"application/grpc")]),
+        ("data", "call", b"one"), ("data", "call", b"two"),
+        ("headers", "call", [(b"grpc-status", b"0")]), ("end", "call")]
+    assert pair.client.streams == {}
+
+
+def test_every_split_of_the_bytes_reports_the_same_events():
+    pair = Pair()
+    for handle in ("a", "b"):
+        pair.client.open_stream(handle, BLOCK, b"body")
+    pair.to_server()
+    for stream_id in (1, 3):
+        pair.server.send_headers(stream_id, [(b":status", b"200")])
+        pair.server.send_data(stream_id, b"m" * 40, pad_length=3)
+        pair.server.send_headers(stream_id, [(b"grpc-status", b"0"), (b"grpc-message", b"fine")], end_stream=True)
+    wire = pair.server.data_to_send()
+    byte_by_byte = http2.ClientConnection(Recorder())
+    for handle in ("a", "b"):
+        byte_by_byte.open_stream(handle, BLOCK, b"body")
+    for at in range(len(wire)):
+        byte_by_byte.receive(wire[at:at + 1])
+    pair.client.receive(wire)
+    assert byte_by_byte.events.log == pair.events.log and len(pair.events.of("end")) == 2
+
+
+def test_a_body_larger_than_the_windows_waits_for_window_updates_and_arrives_whole():
+    pair = Pair(auto_ack=False)
+    body = bytes(range(256)) * 4096  # 1 MB against h2's 65,535-byte windows
+    pair.client.open_stream("big", BLOCK, body)
+    pair.to_server()
+    got = b"".join(e.data for e in pair.received(h2.events.DataReceived))
+    assert len(got) == 65535 and not pair.received(h2.events.StreamEnded)  # stalled on the window
+    pair.auto_ack = True
+    for event in pair.received(h2.events.DataReceived):
+        pair.server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+    for _ in range(40):
+        pair.to_client()
+        pair.to_server()
+    assert b"".join(e.data for e in pair.received(h2.events.DataReceived)) == body
+    assert len(pair.received(h2.events.StreamEnded)) == 1
+
+
+def test_a_larger_initial_window_from_the_peer_applies_to_open_streams():
+    pair = Pair(auto_ack=False)
+    pair.client.open_stream("s", BLOCK, b"z" * 50_000)
+    pair.to_server()
+    pair.server.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 10_000})  # shrinks: window now negative
+    pair.to_client()
+    pair.server.increment_flow_control_window(1_000_000)
+    pair.server.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 200_000})
+    pair.to_client()
+    pair.to_server()
+    assert sum(len(e.data) for e in pair.received(h2.events.DataReceived)) == 50_000
+
+
+def test_the_receive_window_is_given_back_once_half_was_used():
+    pair = Pair(receive_window=100_000)
+    pair.client.open_stream("s", BLOCK, b"q")
+    pair.pump()
+    pair.server.send_headers(1, [(b":status", b"200")])
+    sent = 0
+    while sent < 300_000:  # three times our window: stalls unless we credit it back
+        room = min(pair.server.local_flow_control_window(1), 16_384)
+        assert room > 0, f"the server ran out of window after {sent} bytes"
+        pair.server.send_data(1, b"d" * room)
+        sent += room
+        pair.to_client()
+        pair.to_server()
+    assert sum(len(e[2]) for e in pair.events.of("data")) == sent
+
+
+def test_the_server_max_concurrent_streams_is_honoured():
+    pair = Pair(server_settings={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 2})
+    pair.client.open_stream("a", BLOCK, b"")
+    pair.client.open_stream("b", BLOCK, b"")
+    assert not pair.client.can_open
+    with pytest.raises(RuntimeError):
+        pair.client.open_stream("c", BLOCK, b"")
+    pair.to_server()
+    pair.server.send_headers(1, [(b":status", b"200"), (b"grpc-status", b"0")], end_stream=True)
+    pair.to_client()
+    assert pair.client.can_open and pair.events.of("end") == [("end", "a")]
+
+
+def test_our_reset_reaches_the_server_and_what_follows_on_that_stream_is_ignored():
+    pair = Pair()
+    pair.client.open_stream("gone", BLOCK, b"x")
+    pair.pump()
+    pair.server.send_headers(1, [(b":status", b"200")])
+    pair.to_client()
+    pair.client.reset(1)
+    pair.client.reset(1)  # twice is harmless
+    pair.to_server()
+    assert [e.error_code for e in pair.received(h2.events.StreamReset)] == [http2.CANCEL]
+    # bytes the server had in flight before it saw the reset: counted for the window, not reported
+    late = http2.frame(http2.DATA, 0, 1, b"late")
+    pair.client.receive(late)
+    assert pair.events.of("data") == []
+
+
+def test_a_reset_from_the_server_is_reported_with_its_code():
+    pair = Pair()
+    pair.client.open_stream("refused", BLOCK, b"x")
+    pair.pump()
+    pair.server.reset_stream(1, http2.REFUSED_STREAM)
+    pair.to_client()
+    assert pair.events.of("reset") == [("reset", "refused", http2.REFUSED_STREAM)] and pair.client.streams == {}
+
+
+def test_goaway_refuses_the_streams_above_its_last_id_and_closes_the_connection_to_new_ones():
+    pair = Pair()
+    for handle in ("kept", "refused-1", "refused-2"):
+        pair.client.open_stream(handle, BLOCK, b"x")
+    pair.to_server()
+    pair.server.close_connection(last_stream_id=1)
+    pair.to_client()
+    assert pair.events.of("goaway") == [("goaway", http2.NO_ERROR, ["refused-1", "refused-2"])]
+    assert list(pair.client.streams) == [1] and not pair.client.can_open
+
+
+def test_pings_are_answered_and_our_own_ping_is_acknowledged():
+    pair = Pair()
+    pair.server.ping(b"12345678")
+    pair.to_client()
+    pair.to_server()
+    assert [e.ping_data for e in pair.received(h2.events.PingAckReceived)] == [b"12345678"]
+    pair.client.ping(b"abcdefgh")
+    pair.to_server()
+    pair.to_client()
+    assert pair.events.of("ping_ack") == [("ping_ack",)]
+
+
+def test_long_trailers_arrive_in_continuation_frames():
+    pair = Pair()
+    pair.client.open_stream("s", BLOCK, b"x")
+    pair.pump()
+    message = b"m" * 40_000  # above the 16 KB frame size: HEADERS + CONTINUATION
+    pair.server.send_headers(1, [(b":status", b"200")])
+    pair.server.send_headers(1, [(b"grpc-status", b"13"), (b"grpc-message", message)], end_stream=True)
+    wire = pair.server.data_to_send()
+    assert wire.count(bytes([http2.CONTINUATION])) >= 1
+    pair.client.receive(wire)
+    assert pair.events.of("headers")[-1][2] == [(b"grpc-status", b"13"), (b"grpc-message", message)]
+    assert pair.events.of("end") == [("end", "s")]
+
+
+def test_unknown_frame_types_and_priority_frames_are_ignored():
+    pair = Pair()
+    pair.client.receive(http2.frame(0xfa, 0, 0, b"extension") + http2.frame(http2.PRIORITY, 0, 1, b"\x00" * 5))
+    assert pair.events.log == []
+
+
+def test_stream_ids_running_out_makes_the_connection_take_no_new_streams():
+    connection = http2.ClientConnection(Recorder())
+    connection.next_stream_id = http2.MAX_STREAM_ID
+    assert connection.open_stream("last", BLOCK, b"") == http2.MAX_STREAM_ID
+    assert not connection.can_open
+
+
+def _opened() -> http2.ClientConnection:
+    connection = http2.ClientConnection(Recorder())
+    connection.initiate()
+    connection.open_stream("s", BLOCK, b"x")
+    connection.data_to_send()
+    return connection
+
+
+@pytest.mark.parametrize("wire, code, why", [
+    (http2.frame(http2.DATA, 0, 0, b"x"), http2.PROTOCOL_ERROR, "DATA on stream 0"),
+    ((20_000).to_bytes(3, "big") + bytes([http2.DATA, 0]) + (1).to_bytes(4, "big"), http2.FRAME_SIZE_ERROR,
+     "above our maximum"),
+    (http2.frame(http2.PUSH_PROMISE, 4, 1, b"\x00\x00\x00\x02"), http2.PROTOCOL_ERROR, "PUSH_PROMISE"),
+    (http2.frame(http2.CONTINUATION, 4, 1, b""), http2.PROTOCOL_ERROR, "CONTINUATION without"),
+    (http2.frame(http2.HEADERS, 0, 1, b"\x88") + http2.frame(http2.PING, 0, 0, b"\x00" * 8), http2.PROTOCOL_ERROR,
+     "interrupted"),
+    (http2.frame(http2.PING, 0, 0, b"short"), http2.FRAME_SIZE_ERROR, "8 bytes"),
+    (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04\x00"), http2.FRAME_SIZE_ERROR, "multiple of 6"),
+    (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff"), http2.FLOW_CONTROL_ERROR, "INITIAL_WINDOW"),
+    (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x05\x00\x00\x00\x10"), http2.PROTOCOL_ERROR, "MAX_FRAME_SIZE"),
+    (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), http2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0"),
+    (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\x7f\xff\xff\xff"), http2.FLOW_CONTROL_ERROR, "2^31-1"),
+    (http2.frame(http2.DATA, 0, 7, b"x"), http2.PROTOCOL_ERROR, "never opened"),
+    (http2.frame(http2.HEADERS, 4, 1, b"\xff\xff\xff\xff\xff"), http2.COMPRESSION_ERROR, "does not decode"),
+    (http2.frame(http2.DATA, http2.PADDED, 1, b"\x05ab"), http2.PROTOCOL_ERROR, "padding"),
+])
+def test_a_peer_that_breaks_the_protocol_ends_the_connection_with_a_goaway(wire, code, why):
+    connection = _opened()
+    with pytest.raises(http2.ProtocolError) as info:
+        connection.receive(wire)
+    assert info.value.code == code and why in str(info.value)
+    goaway = connection.data_to_send()
+    assert goaway[3] == http2.GOAWAY and int.from_bytes(goaway[13:17], "big") == code
+    assert not connection.can_open
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_from_the_peer_either_parse_or_raise_protocol_error(data):
+    connection = _opened()
+    try:
+        connection.receive(data)
+    except http2.ProtocolError:
+        pass
+
+
+frames = st.builds(http2.frame, st.integers(0, 11), st.integers(0, 255), st.sampled_from([0, 1, 2, 3, 5]),
+                   st.binary(max_size=40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(frames, max_size=8))
+def test_any_sequence_of_well_framed_but_arbitrary_frames_parses_or_raises_protocol_error(wire):
+    connection = _opened()
+    connection.open_stream("t", BLOCK, b"y" * 70_000)  # a body still waiting for window, too
+    try:
+        connection.receive(b"".join(wire))
+    except http2.ProtocolError:
+        assert connection.data_to_send()[-17:][3] == http2.GOAWAY  # the last frame queued: 9 + 8 bytes
