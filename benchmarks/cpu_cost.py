@@ -8,7 +8,7 @@ streamed requests go through `orchestrator serve` and its CPU time (utime + stim
 a + b * tokens, and so is the CPU of our gRPC client reading the same streams alone (the floor any
 Python gRPC consumer pays). The SSE events per streamed token are counted on the wire. Then, at
 concurrency 64, streamed tokens/s through the orchestrator against the same streams driven directly over gRPC
-(benchmarks/overhead.py's drivers), measured one after the other against the same workers.
+(benchmarks/overhead.py's drivers), in interleaved rounds against the same workers (medians).
 
 The targets (issue 12) are printed beside the figures: a <= 1.0 ms aggregated / 1.3 ms
 disaggregated, b <= 20 us per token with one event per token, c=64 retained fraction >= 0.9, idle
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -115,8 +116,9 @@ async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args,
 
 
 async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> tuple[float, float]:
-    """Streamed tokens/s at c=64: direct over gRPC (grpcio, the reference for every variant), then through
-    the orchestrator."""
+    """Streamed tokens/s at c=64: direct over gRPC (our fastest client, h2 streams: the reference for every
+    variant), then through the orchestrator; `--retained-rounds` times, interleaved, so that a slow moment
+    of the machine hits both. Returns the median of each."""
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
         clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
                    for role, address in addresses.items()}
@@ -124,9 +126,12 @@ async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prom
         through = ThroughOrchestrator(url, args.retained_max_tokens)
         await run_slots(8, 1, direct)  # warm-up both paths
         await run_slots(8, 1, through)
-        seconds_a, _, tokens_a = await run_slots(64, args.retained_per_slot, direct)
-        seconds_b, _, tokens_b = await run_slots(64, args.retained_per_slot, through)
-    return tokens_a / seconds_a, tokens_b / seconds_b
+        rates: dict[str, list[float]] = {"direct": [], "through": []}
+        for _ in range(args.retained_rounds):
+            for name, one in (("direct", direct), ("through", through)):
+                seconds, _, tokens = await run_slots(64, args.retained_per_slot, one)
+                rates[name].append(tokens / seconds)
+    return statistics.median(rates["direct"]), statistics.median(rates["through"])
 
 
 def main(argv=None) -> int:
@@ -135,7 +140,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="for the CPU fit (default 16)")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--retained-max-tokens", type=int, default=64, help="for the c=64 comparison (default 64)")
-    parser.add_argument("--retained-per-slot", type=int, default=4, help="streams per slot at c=64 (default 4)")
+    parser.add_argument("--retained-per-slot", type=int, default=8, help="streams per slot at c=64 (default 8)")
+    parser.add_argument("--retained-rounds", type=int, default=3,
+                        help="interleaved direct / via-us rounds at c=64, medians reported (default 3)")
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long idle CPU is measured (default 5)")
     parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
