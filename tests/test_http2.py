@@ -323,3 +323,22 @@ def test_any_sequence_of_well_framed_but_arbitrary_frames_parses_or_raises_proto
         connection.receive(b"".join(wire))
     except http2.ProtocolError:
         assert connection.data_to_send()[-17:][3] == http2.GOAWAY  # the last frame queued: 9 + 8 bytes
+
+
+def test_header_blocks_of_table_references_mean_what_the_table_says_when_they_arrive():
+    """Remembered decodes of index-only blocks (the same response headers again) must not outlive a change
+    of the dynamic table: after x-b is indexed, the byte that meant x-a means x-b."""
+    pair = Pair()
+    for handle in "abcd":
+        pair.client.open_stream(handle, BLOCK, b"x")
+    pair.pump()
+    blocks = []
+    for stream_id, header in zip((1, 3, 5, 7), ((b"x-a", b"1"), (b"x-a", b"1"), (b"x-b", b"2"), (b"x-b", b"2"))):
+        pair.server.send_headers(stream_id, [(b":status", b"200"), header])
+        wire = pair.server.data_to_send()
+        blocks.append(wire[9:])
+        pair.client.receive(wire)
+    assert blocks[1] == blocks[3]  # the same bytes, four requests apart
+    assert [entry[2] for entry in pair.events.of("headers")] == [
+        [(b":status", b"200"), (b"x-a", b"1")], [(b":status", b"200"), (b"x-a", b"1")],
+        [(b":status", b"200"), (b"x-b", b"2")], [(b":status", b"200"), (b"x-b", b"2")]]

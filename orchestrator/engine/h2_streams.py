@@ -105,6 +105,9 @@ class H2Channel:
         return block
 
     async def _current(self, rpc: str) -> "_Connection":
+        connection = self._connection
+        if connection is not None and connection.usable and not self._closed:
+            return connection  # the usual case, without the lock's checkpoint (a pass through the scheduler)
         async with self._connecting:
             if self._closed:
                 raise EngineError("engine client closed", worker=self.worker, rpc=rpc)

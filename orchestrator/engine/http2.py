@@ -18,6 +18,7 @@ handle given to open_stream() and handed back to the callbacks.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Protocol
 
 import hpack
@@ -37,6 +38,8 @@ ERROR_NAMES = {0x0: "NO_ERROR", 0x1: "PROTOCOL_ERROR", 0x2: "INTERNAL_ERROR", 0x
 
 SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 0x2, 0x3
 SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+
+_FRAME_HEADER = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, R + stream id
 
 DEFAULT_WINDOW = 65535
 DEFAULT_MAX_FRAME = 16384
@@ -137,6 +140,7 @@ class ClientConnection:
         self.send_window = DEFAULT_WINDOW
         self._received = 0  # connection-level bytes since our last WINDOW_UPDATE
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
+        self._indexed_blocks: dict[bytes, tuple] = {}  # see _decode_block
         self._out = bytearray()
         self._in = b""
         self._sending: list[_Stream] = []  # request bodies not yet wholly sent
@@ -230,15 +234,15 @@ class ClientConnection:
         buffer = self._in + data if self._in else data
         at, size = 0, len(buffer)
         while size - at >= 9:
-            length = int.from_bytes(buffer[at:at + 3], "big")
+            length_high, length_low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(buffer, at)
+            length = length_high << 16 | length_low
             if length > DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE above the default
                 raise ProtocolError(f"a frame of {length} bytes, above our maximum of {DEFAULT_MAX_FRAME}",
                                     FRAME_SIZE_ERROR)
             end = at + 9 + length
             if end > size:
                 break
-            kind, flags = buffer[at + 3], buffer[at + 4]
-            stream_id = int.from_bytes(buffer[at + 5:at + 9], "big") & 0x7fffffff
+            stream_id &= 0x7fffffff
             payload = buffer[at + 9:end]
             at = end
             if self._headers is not None and kind != CONTINUATION:
@@ -329,10 +333,7 @@ class ClientConnection:
     def _header_block_done(self) -> None:
         stream_id, flags, block = self._headers
         self._headers = None
-        try:  # every block, whatever its stream: the decoder's dynamic table must follow the peer's encoder
-            headers = self._decoder.decode(bytes(block), raw=True)
-        except hpack.HPACKError as exc:
-            raise ProtocolError(f"a header block does not decode: {exc}", COMPRESSION_ERROR) from exc
+        headers = self._decode_block(bytes(block))
         stream = self.streams.get(stream_id)
         if stream is None:
             self._check_known(stream_id)
@@ -340,6 +341,25 @@ class ClientConnection:
         self.events._on_headers(stream.handle, headers)
         if flags & END_STREAM and stream_id in self.streams:
             self._end(stream_id)
+
+    def _decode_block(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """Every block, whatever its stream, goes through the decoder: its dynamic table must follow the
+        peer's encoder. A block of one-byte table references only (what a server sends for the same headers
+        once they are indexed) changes no table, so its meaning holds until a block that does: those are
+        remembered until then."""
+        indexed_only = all(byte & 0x80 for byte in block)
+        if indexed_only and (known := self._indexed_blocks.get(block)) is not None:
+            return list(known)
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except hpack.HPACKError as exc:
+            raise ProtocolError(f"a header block does not decode: {exc}", COMPRESSION_ERROR) from exc
+        if indexed_only:
+            if len(self._indexed_blocks) < 64:
+                self._indexed_blocks[block] = tuple(headers)
+        else:
+            self._indexed_blocks.clear()
+        return headers
 
     def _end(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id)
