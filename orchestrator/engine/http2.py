@@ -107,6 +107,53 @@ def encode_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
     return bytes(block)
 
 
+def _changes_table(block: bytes) -> bool:
+    """Whether an HPACK block may change the decoder's dynamic table: it holds a literal with incremental
+    indexing (01xxxxxx) or a table size update (001xxxxx). A block that cannot be walked counts as one."""
+    at, size = 0, len(block)
+    try:
+        while at < size:
+            first = block[at]
+            if first & 0x80:  # indexed field: a 7-bit prefix integer
+                at = _skip_integer(block, at, 0x7f)
+            elif first & 0x60:  # 01xxxxxx or 001xxxxx
+                return True
+            else:  # literal without indexing / never indexed: a 4-bit name index, then the strings
+                name_index = first & 0x0f
+                at = _skip_integer(block, at, 0x0f)
+                if name_index == 0:
+                    at = _skip_string(block, at)
+                at = _skip_string(block, at)
+    except IndexError:
+        return True
+    return at != size
+
+
+def _skip_integer(block: bytes, at: int, mask: int) -> int:
+    if block[at] & mask != mask:
+        return at + 1
+    at += 1
+    while block[at] & 0x80:
+        at += 1
+    return at + 1
+
+
+def _skip_string(block: bytes, at: int) -> int:
+    """Past a string literal (H bit, 7-bit prefix length, then the bytes)."""
+    length, start = block[at] & 0x7f, at
+    if length == 0x7f:
+        length, shift, at = 0x7f, 0, at + 1
+        while True:
+            byte = block[at]
+            length += (byte & 0x7f) << shift
+            shift += 7
+            at += 1
+            if not byte & 0x80:
+                break
+        return at + length
+    return start + 1 + length
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
@@ -140,7 +187,7 @@ class ClientConnection:
         self.send_window = DEFAULT_WINDOW
         self._received = 0  # connection-level bytes since our last WINDOW_UPDATE
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
-        self._indexed_blocks: dict[bytes, tuple] = {}  # see _decode_block
+        self._stable_blocks: dict[bytes, tuple] = {}  # see _decode_block
         self._out = bytearray()
         self._in = b""
         self._sending: list[_Stream] = []  # request bodies not yet wholly sent
@@ -344,21 +391,20 @@ class ClientConnection:
 
     def _decode_block(self, block: bytes) -> list[tuple[bytes, bytes]]:
         """Every block, whatever its stream, goes through the decoder: its dynamic table must follow the
-        peer's encoder. A block of one-byte table references only (what a server sends for the same headers
-        once they are indexed) changes no table, so its meaning holds until a block that does: those are
-        remembered until then."""
-        indexed_only = all(byte & 0x80 for byte in block)
-        if indexed_only and (known := self._indexed_blocks.get(block)) is not None:
+        peer's encoder. A block that adds nothing to the table (table references and literals without
+        indexing: what a server sends for the same headers once it indexed them) means the same until a
+        block changes the table, so its decode is remembered until then."""
+        stable = not _changes_table(block)
+        if stable and (known := self._stable_blocks.get(block)) is not None:
             return list(known)
         try:
             headers = self._decoder.decode(block, raw=True)
         except hpack.HPACKError as exc:
             raise ProtocolError(f"a header block does not decode: {exc}", COMPRESSION_ERROR) from exc
-        if indexed_only:
-            if len(self._indexed_blocks) < 64:
-                self._indexed_blocks[block] = tuple(headers)
-        else:
-            self._indexed_blocks.clear()
+        if not stable:
+            self._stable_blocks.clear()
+        elif len(self._stable_blocks) < 64:
+            self._stable_blocks[block] = tuple(headers)
         return headers
 
     def _end(self, stream_id: int) -> None:
