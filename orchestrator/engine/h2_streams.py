@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import trio
 
+from orchestrator.eager_send import EagerSender
 from orchestrator.engine import http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.engine.inbox import TrioInbox
@@ -154,6 +155,7 @@ class _Connection:
 
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
         self.transport = transport
+        self.sender = EagerSender(transport)
         self.channel = channel
         self.scheme = scheme
         self.wire = http2.ClientConnection(self, receive_window=_WINDOW)
@@ -239,7 +241,7 @@ class _Connection:
             self._dirty = trio.Event()
             data = self.wire.data_to_send()
             if data:
-                await self.transport.send_all(data)
+                await self.sender.send_all(data)
 
     # ---- streams ---------------------------------------------------------------------------------
     async def start(self, stream: H2Stream, path: str) -> None:

@@ -31,6 +31,7 @@ import attrs
 import httptools
 import trio
 
+from orchestrator.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class _Connection:
 
     def __init__(self, server: _Server, stream: trio.abc.Stream, peer, local):
         self.server, self.stream, self.peer, self.local = server, stream, peer, local
+        self.sender = EagerSender(stream)
         self.parser = httptools.HttpRequestParser(self)
         self.parsed: deque[_Request] = deque()  # heads complete, not yet answered (the first is being answered)
         self.incoming: _Request | None = None  # the request the parser is filling
@@ -319,7 +321,7 @@ class _Connection:
         if self.broken:
             return
         try:
-            await self.stream.send_all(data)
+            await self.sender.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             self.broken = True  # the client is gone; receive() reports the disconnect
             self.eof = True
