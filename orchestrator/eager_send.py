@@ -27,18 +27,28 @@ class EagerSender:
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._busy = False  # a send_all is waiting for room: an eager write now would cut into it
 
-    async def send_all(self, data: bytes) -> None:
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def send_nowait(self, data: bytes) -> bytes | memoryview:
+        """What the kernel takes now, without waiting; returns the rest (all of it for a stream that is not a
+        plain socket, or while a send_all is waiting). Raises BrokenResourceError if the write failed."""
         # fileno() each time: -1 once the socket is closed, so a number reused by a new socket is never written
-        if self._socket is not None and not self._busy and (fd := self._socket.fileno()) >= 0:
-            try:
-                sent = os.write(fd, data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"the socket write failed: {exc}") from exc
-            if sent == len(data):
-                return
-            data = memoryview(data)[sent:]
+        if self._socket is None or self._busy or (fd := self._socket.fileno()) < 0:
+            return data
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            return data
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"the socket write failed: {exc}") from exc
+        return memoryview(data)[sent:] if sent < len(data) else b""
+
+    async def send_all(self, data: bytes) -> None:
+        data = self.send_nowait(data)
+        if not data:
+            return
         self._busy = True
         try:
             await self.stream.send_all(data)

@@ -374,3 +374,14 @@ def test_a_block_said_to_leave_the_table_alone_does(blocks, table_size):
         after = (list(decoder.header_table.dynamic_entries), decoder.header_table.maxsize)
         if before != after:
             assert http2._changes_table(block)
+
+
+def test_bytes_that_could_not_be_sent_go_out_first_next_time():
+    connection = http2.ClientConnection(Recorder())
+    connection.initiate()
+    preface = connection.data_to_send()
+    assert not connection.wants_to_send
+    connection.ping(b"12345678")
+    connection.put_back(preface[20:])  # the socket took the first 20 bytes only
+    assert connection.wants_to_send
+    assert connection.data_to_send() == preface[20:] + http2.frame(http2.PING, 0, 0, b"12345678")

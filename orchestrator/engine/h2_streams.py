@@ -232,7 +232,23 @@ class _Connection:
             raise trio.BrokenResourceError(f"no answer to a keepalive ping within {KEEPALIVE_TIMEOUT_S:g} s")
 
     def _kick(self) -> None:
-        if self.wire._out:
+        if self.wire.wants_to_send:
+            self._dirty.set()
+
+    def _flush(self) -> None:
+        """Send what the wire has from the calling task when the socket takes it at once (no pass through the
+        writer task); the rest, if any, goes back first in line for the writer."""
+        if not self.wire.wants_to_send or self.sender.busy or self._dirty.is_set():
+            self._kick()
+            return
+        try:
+            rest = self.sender.send_nowait(self.wire.data_to_send())
+        except trio.BrokenResourceError as exc:
+            self._failure = self._failure or exc
+            self._scope.cancel()
+            return
+        if rest:
+            self.wire.put_back(rest)
             self._dirty.set()
 
     async def _write(self) -> None:
@@ -254,7 +270,7 @@ class _Connection:
         self.streams[stream.id] = stream
         if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
             self.usable = False
-        self._kick()
+        self._flush()
 
     def finish(self, stream: H2Stream) -> None:
         """The caller is done with `stream`: a call still running is cancelled."""
@@ -266,7 +282,7 @@ class _Connection:
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:
             self.wire.reset(stream.id, http2.CANCEL)
-            self._kick()
+            self._flush()
 
     def close(self) -> None:
         self.usable = False

@@ -244,6 +244,14 @@ class ClientConnection:
         data, self._out = bytes(self._out), bytearray()
         return data
 
+    @property
+    def wants_to_send(self) -> bool:
+        return bool(self._out)
+
+    def put_back(self, unsent: bytes) -> None:
+        """Bytes from data_to_send() that could not be sent yet: first in line again."""
+        self._out[:0] = unsent
+
     def _goaway(self, code: int) -> None:
         self._out += frame(GOAWAY, 0, 0, (0).to_bytes(4, "big") + code.to_bytes(4, "big"))
 
