@@ -1,0 +1,39 @@
+"""The performance scripts in benchmarks/ still run and print what they promise (tiny sizes: the figures
+themselves belong to benchmark runs, not to tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each_variant():
+    out = run("cpu_cost.py", "--requests", "16", "--concurrency", "4", "--max-tokens", "1", "8",
+              "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
+              "grpcio", "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
+              "--idle-seconds", "0.5")
+    rows = {m.group(1): m for m in re.finditer(
+        r"^aggregated\s+(native x1(?: grpcio)?)\s+([\d.]+)\s+1\.0\s+(-?[\d.]+)\s+20\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)",
+        out, re.M)}
+    assert set(rows) == {"native x1", "native x1 grpcio"}, out
+    for row in rows.values():
+        assert float(row.group(2)) > 0 and float(row.group(4)) == 1.0  # CPU per request; one event per token
+        assert int(row.group(5)) > 0 and int(row.group(6)) > 0
+    assert "aggregated: native x1 grpcio/native x1" in out and "idle:" in out and "serve/floor" in out
+
+
+def test_http2_framing_prints_ours_against_h2():
+    out = run("http2_framing.py", "--streams", "50", "--frames", "400")
+    assert re.search(r"^ours \(engine/http2.py\)\s+[\d.]+\s+[\d.]+$", out, re.M), out
+    assert re.search(r"^ours/h2: per call [\d.]+x, per frame [\d.]+x$", out, re.M), out
