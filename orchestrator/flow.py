@@ -38,22 +38,26 @@ class RequestFlow:
         self.migrations = 0
         self.failed: list = []  # workers a leg of this request failed on
         self._last_chunk: float | None = None
+        self._token_meter = coordinator.metrics.token_meter(plan.path)
 
     async def run(self) -> None:
         self.c.metrics.prompt_tokens.labels(self.plan.path).inc(self.plan.prompt_tokens)
-        if self.plan.path == "disaggregated":
-            await self._split(self.plan.full, *self.plan.workers)
-        else:
-            await self._whole(self.plan.workers[0], self.plan.full)
-            self.c.metrics.stage.labels("decode").observe(trio.current_time() - self.started)
+        try:
+            if self.plan.path == "disaggregated":
+                await self._split(self.plan.full, *self.plan.workers)
+            else:
+                await self._whole(self.plan.workers[0], self.plan.full)
+                self.c.metrics.stage.labels("decode").observe(trio.current_time() - self.started)
+        finally:
+            self._token_meter.flush()  # whatever way the request ends
 
     def _on_chunk(self, tokens: int) -> None:
-        now, metrics, path = trio.current_time(), self.c.metrics, self.plan.path
+        now = trio.current_time()
         if self._last_chunk is None:
-            metrics.ttft.labels(path).observe(now - self.started)
-            metrics.observe_tokens(path, None, tokens)
+            self.c.metrics.ttft.labels(self.plan.path).observe(now - self.started)
+            self._token_meter.add(None, tokens)
         else:
-            metrics.observe_tokens(path, now - self._last_chunk, tokens)
+            self._token_meter.add(now - self._last_chunk, tokens)
         self._last_chunk = now
 
     async def _whole(self, worker, leg: g.GenerateRequest) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 
-from orchestrator.metrics import OUTCOMES, ROUTES, FrontendProcesses, Metrics
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from orchestrator.metrics import OUTCOMES, ROUTES, FrontendProcesses, Metrics, TokenMeter
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:
@@ -59,3 +60,42 @@ def test_frontend_process_metrics_sum_the_live_processes_of_the_multiprocess_dir
     values = {family.name: family.samples[0].value for family in collector.collect()}
     assert values["orchestrator_frontend_processes"] == 1
     assert values["process_cpu_seconds"] > 0 and values["process_resident_memory_bytes"] > 10e6
+
+
+def _series(registry, name: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples
+            if s.name.startswith(name) and not s.name.endswith("_created")}
+
+
+@settings(max_examples=100, deadline=None)
+@example([(0.01, 1), (0.0005, 1), (None, 4), (2.5, 1), (3.0, 1), (0.0, 2)])  # on bucket bounds, past the last
+@given(st.lists(st.tuples(st.one_of(st.none(), st.floats(0, 3, allow_nan=False)), st.integers(1, 40)), max_size=60))
+def test_a_token_meter_adds_up_to_what_observing_every_token_gives(chunks):
+    """The batched path (bucket counts added to prometheus_client's own values) against its public
+    observe(), one call per token."""
+    batched, reference = Metrics("aggregated"), Metrics("aggregated")
+    meter = batched.token_meter("aggregated")
+    for gap, tokens in chunks:
+        meter.add(gap, tokens)
+        output_tokens, itl = reference._token_series["aggregated"]
+        output_tokens.inc(tokens)
+        value, count = (0.0, tokens - 1) if gap is None else (gap / tokens, tokens)
+        for _ in range(count):
+            itl.observe(value)
+    meter.flush()
+    for name in ("orchestrator_inter_token_latency_seconds", "orchestrator_output_tokens"):
+        got, want = _series(batched.registry, name), _series(reference.registry, name)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+
+
+def test_a_token_meter_shows_a_long_stream_while_it_runs():
+    metrics = Metrics("aggregated")
+    meter = metrics.token_meter("aggregated")
+    for _ in range(100):
+        meter.add(0.01, 1)
+    assert 100 - TokenMeter.FLUSH_TOKENS < sample(metrics, "orchestrator_output_tokens_total", mode="aggregated") <= 100
+    meter.flush()
+    assert sample(metrics, "orchestrator_output_tokens_total", mode="aggregated") == 100
+    assert sample(metrics, "orchestrator_inter_token_latency_seconds_count", mode="aggregated") == 100
