@@ -247,3 +247,49 @@ async def test_health_and_load_returns_a_failed_get_load_and_raises_a_failed_hea
         with pytest.raises(WorkerUnavailable) as info:
             await client.health_and_load(timeout=2)
     assert info.value.rpc == "Health"
+
+
+async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_it(engine_client):
+    """grpc-timeout reaches the servicer (context.time_remaining), and a worker slower than the timeout is a
+    retryable DEADLINE_EXCEEDED on either transport."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.openengine.v1 import openengine_pb2_grpc, server_pb2
+
+    seen: list = []
+    release = threading.Event()
+
+    class Slow(openengine_pb2_grpc.ControlServicer):
+        def Health(self, request, context):
+            seen.append(context.time_remaining())
+            return lifecycle_pb2.HealthResponse(state=lifecycle_pb2.HEALTH_STATE_READY)
+
+        def GetLoad(self, request, context):
+            release.wait(5)
+            return server_pb2.LoadInfo()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    openengine_pb2_grpc.add_ControlServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        async with engine_client(f"grpc://127.0.0.1:{port}") as client:
+            assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY
+            assert seen[0] is not None and 0 < seen[0] <= 3
+            with trio.fail_after(3), pytest.raises(WorkerUnavailable) as info:
+                await client.load(timeout=0.3)
+            assert info.value.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retryable
+            release.set()
+            assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY  # the connection still serves
+    finally:
+        release.set()
+        server.stop(grace=None)
+
+
+async def test_with_h2_streams_no_grpcio_channel_is_opened(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    async with engine_client(worker.address) as client:
+        assert await client.health() == lifecycle_pb2.HEALTH_STATE_READY
+        assert (await client.capabilities()).model_id
+        assert (client._channel is None) == (client._h2 is not None)

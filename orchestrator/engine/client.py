@@ -19,7 +19,7 @@ import ssl
 import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import attrs
 import grpc
@@ -111,6 +111,10 @@ class ChannelTls:
 
 
 STREAM_TRANSPORTS = ("grpcio", "h2")
+# The Control service's unary calls and their answers (what the grpcio stubs deserialize), for h2.
+_CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo,
+                      "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
+                      "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 
 
@@ -189,7 +193,8 @@ class EngineClient:
                 client._inference = openengine_pb2_grpc.InferenceStub(client._channel)
                 client._control = openengine_pb2_grpc.ControlStub(client._channel)
 
-            await loop_thread.run(connect)
+            if client._h2 is None:  # with h2 every call goes over our own connection: no grpcio channel at all
+                await loop_thread.run(connect)
             try:
                 yield client
             finally:
@@ -198,9 +203,10 @@ class EngineClient:
                 if client._h2 is not None:
                     client._h2.close()
                 nursery.cancel_scope.cancel()
-                with trio.CancelScope(shield=True):
-                    channel = client._channel
-                    await loop_thread.run(lambda: channel.close(grace=None))
+                if client._channel is not None:
+                    with trio.CancelScope(shield=True):
+                        channel = client._channel
+                        await loop_thread.run(lambda: channel.close(grace=None))
 
     # ---- inference ---------------------------------------------------------------------------
     @asynccontextmanager
@@ -236,6 +242,9 @@ class EngineClient:
     # ---- control -----------------------------------------------------------------------------
     async def _unary(self, rpc: str, request, timeout: float | None):
         self._check_open(rpc)
+        if self._h2 is not None:
+            return await self._h2.unary(f"/openengine.v1.Control/{rpc}", request.SerializeToString(),
+                                        _CONTROL_RESPONSES[rpc].FromString, timeout=timeout)
         method = getattr(self._control, rpc)
         try:
             return await self._loop_thread.run(lambda: method(request, timeout=timeout))
@@ -260,6 +269,8 @@ class EngineClient:
         wakes each thread once instead of twice. Raises what health() raises; a failed GetLoad is
         returned in place of the load."""
         self._check_open("Health")
+        if self._h2 is not None:
+            return await self._health_and_load_h2(timeout)
         control = self._control
 
         async def both():
@@ -277,6 +288,22 @@ class EngineClient:
         elif isinstance(load, BaseException):
             raise load
         return health.state, load
+
+    async def _health_and_load_h2(self, timeout: float | None) -> tuple[int, server_pb2.LoadInfo | EngineError]:
+        results: dict[str, Any] = {}
+
+        async def call(rpc: str, request) -> None:
+            try:
+                results[rpc] = await self._unary(rpc, request, timeout)
+            except EngineError as exc:
+                results[rpc] = exc
+
+        async with trio.open_nursery() as nursery:  # side by side: one round trip
+            nursery.start_soon(call, "Health", lifecycle_pb2.HealthRequest())
+            nursery.start_soon(call, "GetLoad", server_pb2.GetLoadRequest())
+        if isinstance(results["Health"], EngineError):
+            raise results["Health"]
+        return results["Health"].state, results["GetLoad"]
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
                     timeout: float | None = 5.0) -> lifecycle_pb2.AbortResponse:

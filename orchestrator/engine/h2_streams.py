@@ -74,6 +74,30 @@ class H2Stream(TrioInbox):
             self._wake_reader()
 
 
+def _why_not_connected(exc: BaseException) -> str:
+    """trio reports 'all attempts to connect failed' with the reasons in a group behind it: name them."""
+    group = exc.__cause__
+    if isinstance(group, BaseExceptionGroup):
+        reasons = [str(leaf) for leaf in _leaves(group)]
+        return "; ".join(dict.fromkeys(reasons)) or str(exc)
+    return str(exc)
+
+
+def _leaves(group: BaseExceptionGroup):
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            yield from _leaves(error)
+        else:
+            yield error
+
+
+def _grpc_timeout(seconds: float) -> bytes:
+    """A `grpc-timeout` field (at most 8 digits and a unit), HPACK-encoded to follow a cached header block."""
+    millis = max(1, int(seconds * 1000))
+    value = f"{millis}m" if millis < 10**8 else f"{min(max(1, int(seconds)), 10**8 - 1)}S"
+    return http2.encode_headers([(b"grpc-timeout", value.encode())])
+
+
 def _prefix(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big")
 
@@ -127,22 +151,42 @@ class H2Channel:
                     raise unavailable(f"the TLS handshake with {self.authority} did not select h2 (ALPN)",
                                       worker=self.worker, rpc=rpc)
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
-            raise unavailable(f"cannot connect to {self.authority}: {exc}", worker=self.worker, rpc=rpc) from exc
+            raise unavailable(f"cannot connect to {self.authority}: {_why_not_connected(exc)}", worker=self.worker,
+                              rpc=rpc) from exc
         connection = _Connection(transport, self, "https" if self._ssl_context else "http")
         await self._nursery.start(connection.run)
         return connection
 
     @asynccontextmanager
-    async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any]) -> AsyncIterator[H2Stream]:
-        """Start the call `path` with one request message; leaving early cancels it (RST_STREAM)."""
+    async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
+                     timeout: float | None = None) -> AsyncIterator[H2Stream]:
+        """Start the call `path` with one request message; leaving early cancels it (RST_STREAM).
+        `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own."""
         rpc = path.rsplit("/", 1)[-1]
         connection = await self._current(rpc)
         stream = H2Stream(rpc, decode, request)
-        await connection.start(stream, path)
+        await connection.start(stream, path, b"" if timeout is None else _grpc_timeout(timeout))
         try:
             yield stream
         finally:
             connection.finish(stream)
+
+    async def unary(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
+                    timeout: float | None) -> Any:
+        """A unary call: its one response message, or the EngineError grpcio would give (DEADLINE_EXCEEDED
+        after `timeout`)."""
+        rpc = path.rsplit("/", 1)[-1]
+        messages: list = []
+        with trio.move_on_after(timeout if timeout is not None else float("inf")) as deadline:
+            async with self.stream(path, request, decode, timeout=timeout) as stream:
+                while batch := await stream.get_batch():
+                    messages.extend(batch)
+        if deadline.cancelled_caught:
+            raise from_grpc_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", worker=self.worker,
+                                   rpc=rpc)
+        if len(messages) != 1:
+            raise EngineError(f"a unary call answered with {len(messages)} messages", worker=self.worker, rpc=rpc)
+        return messages[0]
 
     def close(self) -> None:
         self._closed = True
@@ -260,13 +304,14 @@ class _Connection:
                 await self.sender.send_all(data)
 
     # ---- streams ---------------------------------------------------------------------------------
-    async def start(self, stream: H2Stream, path: str) -> None:
+    async def start(self, stream: H2Stream, path: str, extra_headers: bytes = b"") -> None:
         while self.usable and not self.wire.can_open:
             await self._slot_freed.wait()
         if not self.usable or self.wire.going_away:
             self.usable = False
             raise self._unavailable(stream.rpc, "the connection closed before the call started")
-        stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme), stream._outbound)
+        stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
+                                          stream._outbound)
         self.streams[stream.id] = stream
         if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
             self.usable = False
