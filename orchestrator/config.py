@@ -229,7 +229,7 @@ class Config:
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
     workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
-    # How Generate streams reach the workers: grpcio, or h2 (our HTTP/2 client on trio, engine/h2_streams.py)
+    # How calls reach the workers: h2 (our HTTP/2 client on trio, engine/h2_streams.py), or grpcio
     stream_transport: str = "h2"
     launch: LaunchConfig = LaunchConfig()
     log_level: str = "INFO"

@@ -152,8 +152,8 @@ class GenerateStream:
 
 
 class EngineClient:
-    """One worker's OpenEngine client. Generate streams go over grpcio (default) or, with
-    `stream_transport="h2"`, over our own HTTP/2 connection on trio (engine/h2_streams.py)."""
+    """One worker's OpenEngine client. With `stream_transport="h2"` (the default) every call goes over our own
+    HTTP/2 connection on trio (engine/h2_streams.py); with "grpcio", over grpc.aio on the loop thread."""
 
     def __init__(self, address: str, loop_thread: LoopThread, nursery: trio.Nursery, *,
                  discovery_timeout: float, name: str | None = None, tls: ChannelTls | None = None):

@@ -1,10 +1,11 @@
-"""Server-streaming gRPC calls (Generate) over our own HTTP/2 connection on trio (framing: engine/http2.py).
+"""gRPC calls over our own HTTP/2 connection on trio (framing: engine/http2.py): Generate streams and the
+unary control calls (Health, GetLoad, ServerInfo, ModelInfo, Abort).
 
 Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
 asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
-(benchmarks/cpu_cost.py prints the floor). Here the bytes arrive on trio's own thread: h2 parses the
-frames (engine/http2.py), we cut the gRPC length-prefixed messages and decode them. Unary
-control RPCs (Health, GetLoad, ServerInfo, Abort, ...) stay on grpcio: they are few.
+(benchmarks/cpu_cost.py prints the floor), and an idle health poll wakes four threads. Here the bytes
+arrive on trio's own thread: engine/http2.py parses the frames, we cut the gRPC length-prefixed messages
+and decode them.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
 stream of that worker is multiplexed on it. What is kept from gRPC over HTTP/2:
@@ -18,7 +19,8 @@ stream of that worker is multiplexed on it. What is kept from gRPC over HTTP/2:
   the server sees as a cancelled RPC;
 - a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams
   the server will not process and sends new streams to a new connection;
-- the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot.
+- the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot;
+- a unary call's timeout as `grpc-timeout`, and DEADLINE_EXCEEDED (retryable) when it passes.
 Plaintext (h2c, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 """
 
