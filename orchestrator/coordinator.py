@@ -94,6 +94,9 @@ class Coordinator:
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         try:
+            cached = worker.client.cached_capabilities
+            if cached is not None:  # the usual case: no pass through the scheduler for it
+                return cached
             return await worker.client.capabilities()
         except DiscoveryFailed as exc:
             raise WorkerDiscoveryFailed(f"capability discovery of {worker.role} worker {worker.address} failed: "

@@ -116,14 +116,16 @@ _CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": s
                       "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
                       "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
+_GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString
 
 
 class GenerateStream:
     """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens."""
 
-    def __init__(self, inbox: StreamInbox, worker: str):
-        self._inbox = inbox
+    def __init__(self, inbox, worker: str, *, decoded: bool = False):
+        self._inbox = inbox  # StreamInbox (grpcio: GenerateResponse messages) or H2Stream (events, `decoded`)
         self._worker = worker
+        self._decoded = decoded
         self._pending: list[ev.Event] = []
 
     async def next_batch(self) -> list[ev.Event]:
@@ -136,7 +138,10 @@ class GenerateStream:
             raw = await self._inbox.get_batch()
             if not raw:
                 return []
-            decoded = [e for e in (ev.decode(m, worker=worker) for m in raw) if e is not None]
+            if self._decoded:
+                decoded = [e for e in raw if e is not None]
+            else:
+                decoded = [e for e in (ev.decode(m, worker=worker) for m in raw) if e is not None]
             if decoded:
                 return decoded
 
@@ -212,10 +217,9 @@ class EngineClient:
     @asynccontextmanager
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[GenerateStream]:
         self._check_open("Generate")
-        if self._h2 is not None:
-            async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(),
-                                       generation_pb2.GenerateResponse.FromString) as inbox:
-                yield GenerateStream(inbox, self.name)
+        if self._h2 is not None:  # messages become events as they are cut from the frames, in one step
+            async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(), self._decode_event) as inbox:
+                yield GenerateStream(inbox, self.name, decoded=True)
             return
         inbox = self._loop_thread.new_inbox()
         holder: dict[str, grpc.aio.UnaryStreamCall] = {}
@@ -238,6 +242,9 @@ class EngineClient:
                     call.cancel()
 
             self._loop_thread.call_soon(cancel)
+
+    def _decode_event(self, payload: bytes) -> ev.Event | None:
+        return ev.decode(_GENERATE_RESPONSE(payload), worker=self.name)
 
     # ---- control -----------------------------------------------------------------------------
     async def _unary(self, rpc: str, request, timeout: float | None):
