@@ -7,7 +7,8 @@ For aggregated (1 worker) and disaggregated (1 prefill + 1 decode), at concurren
   (a) direct: our engine client drives the legs itself (disagg: context-only leg, then the
       generation leg with the KV session), and
   (b) through `orchestrator serve` over HTTP/SSE (a lean keep-alive client, TCP_NODELAY),
-measured one after the other in the same run against the same worker processes. Prints streamed
+measured in the same run against the same worker processes (at concurrency 1 request by request in
+turn, so that both see the machine in the same state; at 64 one after the other). Prints streamed
 tokens/s of both, the ratio b/a, and the TTFT the orchestrator adds (p50/p99, ms).
 """
 
@@ -58,6 +59,27 @@ async def run_slots(concurrency: int, per_slot: int, one) -> tuple[float, list[f
         for i in range(concurrency):
             nursery.start_soon(slot, i)
     return time.perf_counter() - start, ttfts, tokens
+
+
+async def run_alternating(requests: int, first, second) -> tuple[tuple[float, list[float], int], ...]:
+    """One request of `first`, one of `second`, and so on, one at a time; for each: (seconds spent in its
+    requests, ttfts, tokens), as run_slots returns them."""
+    results = []
+    states = []
+    for one in (first, second):
+        states.append(await one.open_slot() if hasattr(one, "open_slot") else None)
+        results.append([0.0, [], 0])
+    for j in range(requests):
+        for index, one in enumerate((first, second)):
+            start = time.perf_counter()
+            ttft, tokens = await one(0, j, states[index])
+            results[index][0] += time.perf_counter() - start
+            results[index][1].append(ttft)
+            results[index][2] += tokens
+    for one, state in zip((first, second), states):
+        if state is not None:
+            await one.close_slot(state)
+    return tuple(tuple(r) for r in results)
 
 
 class Direct:
@@ -133,8 +155,11 @@ async def measure(mode: str, addresses: dict[str, str], url: str, prompt_ids, ar
                 through = ThroughOrchestrator(url, args.max_tokens)
                 await run_slots(min(concurrency, 8), 1, direct)  # warm-up both paths
                 await run_slots(min(concurrency, 8), 1, through)
-                a = await run_slots(concurrency, per_slot, direct)
-                b = await run_slots(concurrency, per_slot, through)
+                if concurrency == 1:  # alternate: each pair of requests sees the machine in the same state
+                    a, b = await run_alternating(per_slot, direct, through)
+                else:
+                    a = await run_slots(concurrency, per_slot, direct)
+                    b = await run_slots(concurrency, per_slot, through)
                 rows.append({"mode": mode, "concurrency": concurrency, "direct": a, "orchestrator": b})
     return rows
 
