@@ -41,20 +41,20 @@ class RequestFlow:
         self._token_meter = coordinator.metrics.token_meter(plan.path)
 
     async def run(self) -> None:
-        self.c.metrics.prompt_tokens.labels(self.plan.path).inc(self.plan.prompt_tokens)
+        self.c.metrics.by_path[self.plan.path].prompt_tokens.inc(self.plan.prompt_tokens)
         try:
             if self.plan.path == "disaggregated":
                 await self._split(self.plan.full, *self.plan.workers)
             else:
                 await self._whole(self.plan.workers[0], self.plan.full)
-                self.c.metrics.stage.labels("decode").observe(trio.current_time() - self.started)
+                self.c.metrics.by_stage["decode"].observe(trio.current_time() - self.started)
         finally:
             self._token_meter.flush()  # whatever way the request ends
 
     def _on_chunk(self, tokens: int) -> None:
         now = trio.current_time()
         if self._last_chunk is None:
-            self.c.metrics.ttft.labels(self.plan.path).observe(now - self.started)
+            self.c.metrics.by_path[self.plan.path].ttft.observe(now - self.started)
             self._token_meter.add(None, tokens)
         else:
             self._token_meter.add(now - self._last_chunk, tokens)
@@ -68,7 +68,7 @@ class RequestFlow:
         c, state = self.c, self.state
         result = await c.prefill.run(prefill_worker, _abort_cleanup, full, decode_worker)
         prefill_done = trio.current_time()
-        c.metrics.stage.labels("prefill").observe(prefill_done - self.started)
+        c.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
             await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
             c.metrics.prefill_answers.inc()
@@ -91,8 +91,8 @@ class RequestFlow:
             if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
                 await c.releaser.release_unpulled(lease, full, decode_worker)
         if state.first_token_at is not None and streamed_before == 0:
-            c.metrics.stage.labels("kv_handoff").observe(state.first_token_at - prefill_done)
-            c.metrics.stage.labels("decode").observe(trio.current_time() - state.first_token_at)
+            c.metrics.by_stage["kv_handoff"].observe(state.first_token_at - prefill_done)
+            c.metrics.by_stage["decode"].observe(trio.current_time() - state.first_token_at)
 
     async def migrate(self, error: EngineError, failed_worker) -> None:
         """Continue the request elsewhere after `failed_worker` failed mid-stream (or let `error` stand)."""

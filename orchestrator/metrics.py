@@ -13,6 +13,9 @@ import bisect
 import os
 import re
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
                                ProcessCollector, generate_latest)
@@ -75,16 +78,16 @@ class Metrics:
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)
 
+        # Every labelled series is created here, at 0; the ones used per request or per token are kept, since a
+        # labels() call takes a lock and validates its arguments each time.
+        self.by_path = {path: PathSeries(self.ttft.labels(path), self.prompt_tokens.labels(path),
+                                         self.output_tokens.labels(path), self.itl.labels(path))
+                        for path in _PATHS}
         for path in _PATHS:
-            for family in (self.ttft, self.itl, self.prompt_tokens, self.migrations):
-                family.labels(path)
-        # The per-chunk series, looked up once: a labels() call takes a lock and a dict lookup per token batch.
-        self._token_series = {path: (self.output_tokens.labels(path), self.itl.labels(path)) for path in _PATHS}
-        for route in ROUTES:
-            for outcome in OUTCOMES:
-                self.requests.labels(route, mode, outcome)
-        for stage in ("prefill", "kv_handoff", "decode"):
-            self.stage.labels(stage)
+            self.migrations.labels(path)
+        self._requests = {(route, outcome): self.requests.labels(route, mode, outcome)
+                          for route in ROUTES for outcome in OUTCOMES}
+        self.by_stage = {stage: self.stage.labels(stage) for stage in ("prefill", "kv_handoff", "decode")}
         for role in ROLES:
             self.retries.labels(role)
         for way in KV_CLEANUP_WAYS:
@@ -92,10 +95,13 @@ class Metrics:
         for code in ErrorCode.keys():
             self.engine_errors.labels(code)
 
+    def request_done(self, route: str, outcome: str) -> None:
+        self._requests[route, outcome].inc()
+
     def token_meter(self, path: str) -> "TokenMeter":
         """The token counter and ITL histogram of one stream served by `path`."""
-        output_tokens, itl = self._token_series[path]
-        return TokenMeter(output_tokens, itl)
+        series = self.by_path[path]
+        return TokenMeter(series.output_tokens, series.itl)
 
     def observe_tokens(self, path: str, gap: float | None, tokens: int) -> None:
         """`tokens` arrived together, `gap` seconds after the previous ones (None: the first of the stream)."""
@@ -105,6 +111,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self._rendered)
+
+
+@attrs.frozen
+class PathSeries:
+    """The series of one serving path (aggregated / disaggregated / local)."""
+
+    ttft: Any
+    prompt_tokens: Any
+    output_tokens: Any
+    itl: Any
 
 
 class TokenMeter:

@@ -77,7 +77,7 @@ def test_a_token_meter_adds_up_to_what_observing_every_token_gives(chunks):
     meter = batched.token_meter("aggregated")
     for gap, tokens in chunks:
         meter.add(gap, tokens)
-        output_tokens, itl = reference._token_series["aggregated"]
+        output_tokens, itl = reference.by_path["aggregated"].output_tokens, reference.by_path["aggregated"].itl
         output_tokens.inc(tokens)
         value, count = (0.0, tokens - 1) if gap is None else (gap / tokens, tokens)
         for _ in range(count):

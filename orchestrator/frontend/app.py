@@ -189,7 +189,7 @@ class App:
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
-            self.metrics.requests.labels(route, self.config.mode, outcome).inc()
+            self.metrics.request_done(route, outcome)
 
     async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive) -> str:
         model = api.model
