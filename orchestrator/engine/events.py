@@ -12,6 +12,7 @@ from orchestrator.engine.errors import EngineError, from_engine_error
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
+_REASON_NAMES = {FinishReason.FINISH_REASON_LENGTH: "length", FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @attrs.frozen(slots=True)
@@ -59,8 +60,7 @@ class Finished:
 
     @property
     def reason_name(self) -> str:
-        return {FinishReason.FINISH_REASON_LENGTH: "length",
-                FinishReason.FINISH_REASON_CANCELLED: "cancelled"}.get(self.reason, "stop")
+        return _REASON_NAMES.get(self.reason, "stop")
 
 
 @attrs.frozen(slots=True)
