@@ -103,12 +103,6 @@ class Metrics:
         series = self.by_path[path]
         return TokenMeter(series.output_tokens, series.itl)
 
-    def observe_tokens(self, path: str, gap: float | None, tokens: int) -> None:
-        """`tokens` arrived together, `gap` seconds after the previous ones (None: the first of the stream)."""
-        meter = self.token_meter(path)
-        meter.add(gap, tokens)
-        meter.flush()
-
     def render(self) -> bytes:
         return generate_latest(self._rendered)
 

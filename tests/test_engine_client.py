@@ -1,6 +1,7 @@
 """The trio engine client against real simulated-worker processes over real gRPC."""
 
 import logging
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -44,6 +45,23 @@ def request(rid, max_tokens=8, **extra):
 
 def attr(load, name):
     return load.attributes.fields[name].number_value
+
+
+@contextmanager
+def control_server(servicer, *, threads: int = 4):
+    """A bare gRPC server with only `servicer` as its Control service; yields its port."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.openengine.v1 import openengine_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=threads))
+    openengine_pb2_grpc.add_ControlServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None)
 
 
 async def test_generate_streams_typed_events_and_usage(sim_workers, engine_client):
@@ -224,25 +242,17 @@ async def test_health_and_load_share_one_round_trip_and_report_the_load(sim_work
 
 async def test_health_and_load_returns_a_failed_get_load_and_raises_a_failed_health(engine_client):
     """A worker without GetLoad (UNIMPLEMENTED) is still healthy; an unreachable one is a Health error."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from orchestrator.openengine.v1 import openengine_pb2_grpc
 
     class HealthOnly(openengine_pb2_grpc.ControlServicer):
         def Health(self, request, context):
             return lifecycle_pb2.HealthResponse(state=lifecycle_pb2.HEALTH_STATE_READY)
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    openengine_pb2_grpc.add_ControlServicer_to_server(HealthOnly(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with control_server(HealthOnly(), threads=2) as port:
         async with engine_client(f"grpc://127.0.0.1:{port}") as client:
             state, load = await client.health_and_load(timeout=5)
         assert state == lifecycle_pb2.HEALTH_STATE_READY
         assert isinstance(load, EngineError) and load.rpc == "GetLoad" and f"127.0.0.1:{port}" in str(load)
-    finally:
-        server.stop(grace=None)
     async with engine_client(f"grpc://127.0.0.1:{free_port()}") as client:
         with pytest.raises(WorkerUnavailable) as info:
             await client.health_and_load(timeout=2)
@@ -253,7 +263,6 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
     """grpc-timeout reaches the servicer (context.time_remaining), and a worker slower than the timeout is a
     retryable DEADLINE_EXCEEDED on either transport."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     from orchestrator.openengine.v1 import openengine_pb2_grpc, server_pb2
 
@@ -269,22 +278,18 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
             release.wait(5)
             return server_pb2.LoadInfo()
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    openengine_pb2_grpc.add_ControlServicer_to_server(Slow(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        async with engine_client(f"grpc://127.0.0.1:{port}") as client:
-            assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY
-            assert seen[0] is not None and 0 < seen[0] <= 3
-            with trio.fail_after(3), pytest.raises(WorkerUnavailable) as info:
-                await client.load(timeout=0.3)
-            assert info.value.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retryable
-            release.set()
-            assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY  # the connection still serves
-    finally:
-        release.set()
-        server.stop(grace=None)
+    with control_server(Slow()) as port:
+        try:
+            async with engine_client(f"grpc://127.0.0.1:{port}") as client:
+                assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY
+                assert seen[0] is not None and 0 < seen[0] <= 3
+                with trio.fail_after(3), pytest.raises(WorkerUnavailable) as info:
+                    await client.load(timeout=0.3)
+                assert info.value.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retryable
+                release.set()
+                assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY  # still serves
+        finally:
+            release.set()  # before the server stops: its GetLoad thread is waiting on it
 
 
 async def test_with_h2_streams_no_grpcio_channel_is_opened(sim_workers, engine_client):

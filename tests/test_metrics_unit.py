@@ -19,8 +19,10 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 
 def test_a_gap_before_tokens_that_arrived_together_counts_once_per_token():
     metrics = Metrics("aggregated")
-    metrics.observe_tokens("aggregated", None, 3)  # the first batch: TTFT, then two tokens with it
-    metrics.observe_tokens("aggregated", 0.030, 3)  # 30 ms later, three more
+    meter = metrics.token_meter("aggregated")
+    meter.add(None, 3)  # the first batch: TTFT, then two tokens with it
+    meter.add(0.030, 3)  # 30 ms later, three more
+    meter.flush()  # what the end of the stream does
     assert sample(metrics, "orchestrator_output_tokens_total", mode="aggregated") == 6
     assert sample(metrics, "orchestrator_inter_token_latency_seconds_count", mode="aggregated") == 5
     assert sample(metrics, "orchestrator_inter_token_latency_seconds_sum", mode="aggregated") == pytest.approx(0.030)

@@ -248,10 +248,16 @@ class _Connection:
             await part()
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
                 http2.ProtocolError) as exc:
-            self._failure = self._failure or exc
+            self._fail(exc)
         except Exception as exc:  # a bug here must fail this worker's streams, not the whole client
             log.exception("HTTP/2 connection to %s failed", self.channel.authority)
-            self._failure = self._failure or exc
+            self._fail(exc)
+        else:
+            self._fail(None)
+
+    def _fail(self, cause: BaseException | None) -> None:
+        """End the connection; the first cause recorded is what its open streams are failed with."""
+        self._failure = self._failure or cause
         self._scope.cancel()
 
     async def _read(self) -> None:
@@ -290,8 +296,7 @@ class _Connection:
         try:
             rest = self.sender.send_nowait(self.wire.data_to_send())
         except trio.BrokenResourceError as exc:
-            self._failure = self._failure or exc
-            self._scope.cancel()
+            self._fail(exc)
             return
         if rest:
             self.wire.put_back(rest)

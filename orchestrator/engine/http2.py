@@ -236,10 +236,6 @@ class ClientConnection:
     def ping(self, payload: bytes) -> None:
         self._out += frame(PING, 0, 0, payload)
 
-    def close(self, code: int = NO_ERROR) -> None:
-        self.going_away = True
-        self._goaway(code)
-
     def data_to_send(self) -> bytes:
         data, self._out = bytes(self._out), bytearray()
         return data
