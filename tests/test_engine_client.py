@@ -282,7 +282,9 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
         try:
             async with engine_client(f"grpc://127.0.0.1:{port}") as client:
                 assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY
-                assert seen[0] is not None and 0 < seen[0] <= 3
+                # grpcio sends its timeout rounded up to the next unit and the server measures from arrival:
+                # 3.008 s was seen (under load), so 0.1 s of slack above the 3 s asked for
+                assert seen[0] is not None and 0 < seen[0] <= 3.1
                 with trio.fail_after(3), pytest.raises(WorkerUnavailable) as info:
                     await client.load(timeout=0.3)
                 assert info.value.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retryable
