@@ -2,7 +2,7 @@
 
     plan()     tokenize, choose workers, apply capability gating and the context-window rule, build
                the engine request (pure conversion lives in orchestrator.convert);
-    execute()  open the request's nursery (it also runs the caller's disconnect watcher) and
+    execute()  open the request's nursery (the caller's disconnect watch cancels it) and
                dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
                prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.
 
@@ -12,7 +12,7 @@ on every worker involved and keep the KV rule, so no prefill blocks are stranded
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Callable
 
 import attrs
 import trio
@@ -107,22 +107,25 @@ class Coordinator:
 
     # ---- execution ---------------------------------------------------------------------------------
     async def execute(self, plan: Plan, sink: OutputSink, *,
-                      watch: Callable[[trio.CancelScope], Awaitable[None]] | None = None) -> None:
-        """Run the plan in the request's own nursery. Raises RequestError/EngineError; trio.Cancelled if the
-        watcher or an outer scope cancelled it (after every worker was released)."""
+                      watch: Callable[[trio.Nursery], None] | None = None) -> None:
+        """Run the plan in the request's own nursery. `watch(nursery)` is called once it is open: the caller
+        arranges for its cancellation when the client goes (a callback, or a watcher task started in it).
+        Raises RequestError/EngineError; trio.Cancelled if an outer scope cancelled it (after every worker
+        was released)."""
         started = trio.current_time()
         timeout = self.config.limits.request_timeout_s
         try:
             async with trio.open_nursery() as request_nursery:
                 if watch is not None:
-                    request_nursery.start_soon(watch, request_nursery.cancel_scope)
+                    watch(request_nursery)
                 try:
                     with trio.fail_after(timeout):
                         await RequestFlow(self, plan, sink, started).run()
                 except trio.TooSlowError:
                     raise RequestTimedOut(f"the request did not finish within {timeout:g} s", code="timeout") from None
                 finally:
-                    request_nursery.cancel_scope.cancel()  # stop the watcher
+                    if request_nursery.child_tasks:
+                        request_nursery.cancel_scope.cancel()  # stop a watcher task
         except BaseExceptionGroup as group:
             raise _sole_error(group) from None
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from h11_helpers import read_back_responses as parse_responses
-from orchestrator.frontend.http_server import ServerLimits, open_listener, serve_http
+from orchestrator.frontend.http_server import ON_DISCONNECT, ServerLimits, open_listener, serve_http
 
 
 @asynccontextmanager
@@ -199,6 +199,59 @@ async def test_the_app_learns_of_a_client_disconnect_mid_response():
         await client.aclose()
         with trio.fail_after(5):
             await seen.wait()
+
+
+async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_never_for_a_finished_request():
+    """The extension the orchestrator uses instead of a watcher task per request: the connection's reader calls
+    the callback of the request being answered; a request that has ended is not called back."""
+    calls: list[str] = []
+    gone = trio.Event()
+
+    async def app(scope, receive, send):
+        await receive()
+        name = scope["path"]
+        scope["extensions"][ON_DISCONNECT](lambda: (calls.append(name), gone.set()))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]
+                    if name == "/done" else []})
+        if name == "/done":
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await trio.sleep_forever()  # cancelled only by the drain at the end: the callback does not cancel it
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/done") + head(target="/streaming"))
+        with trio.fail_after(5):
+            received = b""
+            while b"first" not in received:
+                received += await client.receive_some(65536)
+        assert calls == []
+        await client.aclose()
+        with trio.fail_after(5):
+            await gone.wait()
+        await trio.sleep(0.05)
+    assert calls == ["/streaming"]
+
+
+async def test_an_on_disconnect_callback_registered_after_the_client_went_runs_at_once():
+    registered = trio.Event()
+    calls = []
+
+    async def app(scope, receive, send):
+        await receive()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope["extensions"][ON_DISCONNECT](lambda: calls.append("gone"))
+        registered.set()
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head())
+        await client.aclose()
+        with trio.fail_after(5):
+            await registered.wait()
+    assert calls == ["gone"]
 
 
 async def test_an_idle_keep_alive_connection_and_an_unfinished_head_are_closed_after_keep_alive_s():

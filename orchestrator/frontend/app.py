@@ -1,10 +1,11 @@
 """The ASGI application: OpenAI-compatible routes over the coordinator.
 
 Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
-before any byte of the response) -> execute in the request's nursery, whose watcher cancels it when
-the client disconnects. A streamed response starts with its first chunk; a failure before that is a
-plain HTTP error, a failure after it a final SSE error event and `data: [DONE]`. Every accepted
-request ends in exactly one terminal response.
+before any byte of the response) -> execute in the request's nursery, which is cancelled when the
+client disconnects (the native server calls back; under plain ASGI a watcher task waits in receive()).
+A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
+after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
+response.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
+from orchestrator.frontend.http_server import ON_DISCONNECT
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
@@ -170,7 +172,8 @@ class App:
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             plan = await self.coordinator.plan(api, engine_id)
-            outcome = await self._run(kind, request_id, api, plan, response, receive)
+            on_disconnect = scope.get("extensions", {}).get(ON_DISCONNECT)
+            outcome = await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
         except (ApiError, RequestError, EngineError) as error:
             api_error = to_api_error(error)
             outcome = "client_error" if api_error.status < 500 else "error"
@@ -191,17 +194,22 @@ class App:
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive) -> str:
+    async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive,
+                   on_disconnect: Callable[[Callable[[], None]], None] | None) -> str:
         model = api.model
         created = int(time.time())
         disconnected = False
 
-        async def watch(cancel_scope: trio.CancelScope) -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            cancel_scope.cancel()
+        def watch(request: trio.Nursery) -> None:
+            def gone() -> None:
+                nonlocal disconnected
+                disconnected = True
+                request.cancel_scope.cancel()
+
+            if on_disconnect is not None:
+                on_disconnect(gone)  # the native server's reader calls it: no task to watch receive()
+            else:
+                request.start_soon(_call_on_disconnect, receive, gone)
 
         token_text = self.coordinator.tokenizer.token_text
         if api.stream:
@@ -227,6 +235,13 @@ class App:
         else:
             await send_json(response.send, 200, sink.response(request_id, model, created), response.headers)
         return "ok"
+
+
+async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
+    """The ASGI way (hypercorn): wait in receive() until it says the client disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone()
 
 
 # ---- output sinks ------------------------------------------------------------------------------

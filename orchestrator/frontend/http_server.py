@@ -10,7 +10,9 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
 - a response head goes out with the first body bytes, in one write; a body without content-length is
   chunked, its last chunk and terminator in one write.
 - disconnect detection: one reader task per connection; when the client closes, the application's
-  `receive()` returns `http.disconnect` (the request's nursery then cancels the engine work).
+  `receive()` returns `http.disconnect`. An application can instead hand a callback to the scope's
+  `ON_DISCONNECT` extension: the reader calls it when the client goes, so no task of its own has to
+  wait in `receive()` (the orchestrator's request nursery is cancelled that way, without a watcher task).
 - graceful drain: on shutdown, stop accepting, close idle connections, let in-flight requests finish
   for `grace_s`, then cancel them.
 - TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
@@ -40,6 +42,7 @@ Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Aw
 _READ_SIZE = 64 * 1024
 _BODY_BUFFER = 1 << 20  # request body bytes read ahead of the application before reading pauses
 _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before reading pauses
+ON_DISCONNECT = "orchestrator.on_disconnect"  # scope["extensions"] key: register a callback for the client going
 
 
 @attrs.frozen
@@ -186,6 +189,7 @@ class _Connection:
         self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
         self.upgrade_ignored = False  # no request can follow on this connection
         self._changed = trio.Event()
+        self._on_gone: Callable[[], None] | None = None  # the answered request's disconnect callback
         self._header_parts: list[tuple[bytes, bytes]] = []
         self._target = b""
         self._head_size = 0
@@ -226,8 +230,15 @@ class _Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             pass
         finally:
-            self.eof = True
-            self.notify()
+            self._gone()
+
+    def _gone(self) -> None:
+        """The client closed its side or the connection broke: wake receive() and call the callback."""
+        self.eof = True
+        self.notify()
+        on_gone, self._on_gone = self._on_gone, None
+        if on_gone is not None:
+            on_gone()
 
     # httptools callbacks
     def _refuse_head(self) -> None:
@@ -301,7 +312,8 @@ class _Connection:
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                  "http_version": request.http_version, "method": request.method, "scheme": self.server.scheme,
                  "path": path, "raw_path": raw_path, "query_string": query, "root_path": "",
-                 "headers": request.headers, "client": self.peer, "server": self.local}
+                 "headers": request.headers, "client": self.peer, "server": self.local,
+                 "extensions": {ON_DISCONNECT: self.call_on_disconnect}}
         exchange = _Exchange(self, request)
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
@@ -310,6 +322,8 @@ class _Connection:
             if not exchange.head_sent:
                 await exchange.send_error(500, "internal error", "internal_error")
             return False
+        finally:
+            self._on_gone = None  # that request is over: a later disconnect is not its business
         if not exchange.finished:
             if exchange.head_sent:  # a response cut short cannot be completed: the client sees it end
                 return False
@@ -324,8 +338,14 @@ class _Connection:
             await self.sender.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             self.broken = True  # the client is gone; receive() reports the disconnect
-            self.eof = True
-            self.notify()
+            self._gone()
+
+    def call_on_disconnect(self, callback: Callable[[], None]) -> None:
+        """`callback()` once, when the client goes while this request is answered (at once if it has)."""
+        if self.eof:
+            callback()
+        else:
+            self._on_gone = callback
 
 
 class _Exchange:
