@@ -4,11 +4,12 @@
 
 Simulated workers at zero GPU cost (--time-scale 0). For each mode and each max_tokens, the same
 streamed requests go through `orchestrator serve` and its CPU time (its threads' run time in ns from
-/proc/PID/task/*/schedstat, the same time utime + stime count in 10 ms ticks) is read before and after; the CPU per request is fitted by least squares as
-a + b * tokens, and so is the CPU of our gRPC client reading the same streams alone (the floor any
-Python gRPC consumer pays). The SSE events per streamed token are counted on the wire. Then, at
-concurrency 64, streamed tokens/s through the orchestrator against the same streams driven directly over gRPC
-(benchmarks/overhead.py's drivers), in interleaved rounds against the same workers (medians).
+/proc/PID/task/*/schedstat, the same time utime + stime count in 10 ms ticks) is read before and after;
+the CPU per request is fitted by least squares as a + b * tokens, and so is the CPU of our gRPC client
+reading the same streams alone (the floor any Python gRPC consumer pays). The SSE events per streamed
+token are counted on the wire. Then, at concurrency 64, streamed tokens/s through the orchestrator against
+the same streams driven directly over gRPC (benchmarks/overhead.py's drivers), in interleaved rounds
+against the same workers (medians).
 
 The targets (issue 12) are printed beside the figures: a <= 1.0 ms aggregated / 1.3 ms
 disaggregated, b <= 20 us per token with one event per token, c=64 retained fraction >= 0.9, idle

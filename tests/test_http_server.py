@@ -234,6 +234,38 @@ async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_nev
     assert calls == ["/streaming"]
 
 
+async def test_a_request_that_is_over_is_not_called_back_even_when_it_registers_late():
+    registrars = []
+    calls = []
+    gone = trio.Event()
+
+    async def app(scope, receive, send):
+        await receive()
+        registrars.append(scope["extensions"][ON_DISCONNECT])
+        if scope["path"] == "/done":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        registrars[1](lambda: (calls.append("/streaming"), gone.set()))
+        registrars[0](lambda: (calls.append("/done, registered late"), gone.set()))  # the first request's, over
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await trio.sleep_forever()
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/done") + head(target="/streaming"))
+        with trio.fail_after(5):
+            received = b""
+            while b"first" not in received:
+                received += await client.receive_some(65536)
+        await client.aclose()
+        with trio.fail_after(5):
+            await gone.wait()
+        await trio.sleep(0.05)
+    assert calls == ["/streaming"]
+
+
 async def test_an_on_disconnect_callback_registered_after_the_client_went_runs_at_once():
     registered = trio.Event()
     calls = []

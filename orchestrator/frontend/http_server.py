@@ -189,7 +189,7 @@ class _Connection:
         self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
         self.upgrade_ignored = False  # no request can follow on this connection
         self._changed = trio.Event()
-        self._on_gone: Callable[[], None] | None = None  # the answered request's disconnect callback
+        self.answering: _Exchange | None = None  # the request being answered (its disconnect callback)
         self._header_parts: list[tuple[bytes, bytes]] = []
         self._target = b""
         self._head_size = 0
@@ -236,9 +236,9 @@ class _Connection:
         """The client closed its side or the connection broke: wake receive() and call the callback."""
         self.eof = True
         self.notify()
-        on_gone, self._on_gone = self._on_gone, None
-        if on_gone is not None:
-            on_gone()
+        exchange, self.answering = self.answering, None
+        if exchange is not None and exchange.on_gone is not None:
+            exchange.on_gone()
 
     # httptools callbacks
     def _refuse_head(self) -> None:
@@ -313,8 +313,10 @@ class _Connection:
                  "http_version": request.http_version, "method": request.method, "scheme": self.server.scheme,
                  "path": path, "raw_path": raw_path, "query_string": query, "root_path": "",
                  "headers": request.headers, "client": self.peer, "server": self.local,
-                 "extensions": {ON_DISCONNECT: self.call_on_disconnect}}
+                 "extensions": {}}
         exchange = _Exchange(self, request)
+        scope["extensions"][ON_DISCONNECT] = exchange.call_on_disconnect
+        self.answering = exchange
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
         except Exception:
@@ -323,7 +325,7 @@ class _Connection:
                 await exchange.send_error(500, "internal error", "internal_error")
             return False
         finally:
-            self._on_gone = None  # that request is over: a later disconnect is not its business
+            self.answering = None  # that request is over: a later disconnect is not its business
         if not exchange.finished:
             if exchange.head_sent:  # a response cut short cannot be completed: the client sees it end
                 return False
@@ -340,19 +342,12 @@ class _Connection:
             self.broken = True  # the client is gone; receive() reports the disconnect
             self._gone()
 
-    def call_on_disconnect(self, callback: Callable[[], None]) -> None:
-        """`callback()` once, when the client goes while this request is answered (at once if it has)."""
-        if self.eof:
-            callback()
-        else:
-            self._on_gone = callback
-
 
 class _Exchange:
     """The ASGI receive/send pair of one request."""
 
     __slots__ = ("connection", "request", "started", "head_sent", "finished", "status", "headers", "chunked",
-                 "close", "body_done", "continue_sent")
+                 "close", "body_done", "continue_sent", "on_gone")
 
     def __init__(self, connection: _Connection, request: _Request):
         self.connection, self.request = connection, request
@@ -360,6 +355,15 @@ class _Exchange:
         self.status = 200
         self.headers: list = []
         self.chunked = self.close = False
+        self.on_gone: Callable[[], None] | None = None
+
+    def call_on_disconnect(self, callback: Callable[[], None]) -> None:
+        """`callback()` once, when the client goes while this request is answered (at once if it has gone).
+        A request that is over is not called back, even if its application registers late."""
+        if self.connection.eof:
+            callback()
+        else:
+            self.on_gone = callback
 
     @property
     def keep_alive(self) -> bool:
