@@ -97,6 +97,14 @@ class RequestFlow:
     async def migrate(self, error: EngineError, failed_worker) -> None:
         """Continue the request elsewhere after `failed_worker` failed mid-stream (or let `error` stand)."""
         c, plan = self.c, self.plan
+        stopping = plan.full.stopping
+        if stopping.HasField("max_tokens") and len(self.state.token_ids) >= stopping.max_tokens:
+            # It failed after the last token, before its finish: the answer is whole (a continuation would
+            # have to ask for one token more than the client's max_tokens).
+            log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
+                        failed_worker.address, error.code_name)
+            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens)
+            return
         if self.migrations >= c.config.limits.migration_limit:
             raise error
         self.failed.append(failed_worker)

@@ -324,6 +324,26 @@ async def test_a_disaggregated_request_whose_decode_fails_releases_its_session(t
     assert releases == ["e2-kv-release", "e2-kv-release"]  # the broken one first, then the healthy one pulled
 
 
+async def test_a_decode_worker_lost_after_the_last_token_ends_the_answer_without_a_migration(tmp_path,
+                                                                                             autojump_clock):
+    """Found by test_migration_e2e: a worker SIGKILLed between its last token and its finish made the continuation
+    ask for max(1, 0) tokens, so the client got max_tokens + 1."""
+    from orchestrator.fake_engine import capabilities
+
+    lost = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
+    prefill = FakeEngineClient("p0", capabilities(), lambda r: [Send(Tokens((WORD,))), Send(PrefillReady(SESSION))])
+    dying = FakeEngineClient("d0", capabilities(), lambda r: [Send(Tokens((WORD,)))] * 3 + [Fail(lost)])
+    spare = FakeEngineClient("d1", capabilities(), lambda r: decode_tokens(3))
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", dying), fake_worker("decode", spare)])
+    c = coordinator(tmp_path, "disaggregated", pool)
+    plan = await c.plan(chat(), "e3")
+    plan = attrs.evolve(plan, workers=(plan.workers[0], pool.workers[1]))  # route to the dying decode worker
+    sink = Sink()
+    await c.execute(plan, sink)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+    assert spare.generated() == [] and len(prefill.generated()) == 1  # no continuation anywhere
+
+
 async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_declares_revision_3(tmp_path,
                                                                                           autojump_clock):
     from orchestrator.fake_engine import capabilities
