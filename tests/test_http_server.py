@@ -201,6 +201,23 @@ async def test_the_app_learns_of_a_client_disconnect_mid_response():
             await seen.wait()
 
 
+async def done_then_streaming_then_hang_up(app, gone: trio.Event, before_hang_up=lambda: True):
+    """Two pipelined requests, /done then /streaming; once /streaming's first bytes arrived the client closes,
+    and `gone` is awaited. `before_hang_up()` must hold when those bytes are in."""
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/done") + head(target="/streaming"))
+        with trio.fail_after(5):
+            received = b""
+            while b"first" not in received:
+                received += await client.receive_some(65536)
+        assert before_hang_up()
+        await client.aclose()
+        with trio.fail_after(5):
+            await gone.wait()
+        await trio.sleep(0.05)  # time for a wrong second call
+
+
 async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_never_for_a_finished_request():
     """The extension the orchestrator uses instead of a watcher task per request: the connection's reader calls
     the callback of the request being answered; a request that has ended is not called back."""
@@ -219,18 +236,7 @@ async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_nev
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
         await trio.sleep_forever()  # cancelled only by the drain at the end: the callback does not cancel it
 
-    async with running(app) as server:
-        client = await server.connect()
-        await client.send_all(head(target="/done") + head(target="/streaming"))
-        with trio.fail_after(5):
-            received = b""
-            while b"first" not in received:
-                received += await client.receive_some(65536)
-        assert calls == []
-        await client.aclose()
-        with trio.fail_after(5):
-            await gone.wait()
-        await trio.sleep(0.05)
+    await done_then_streaming_then_hang_up(app, gone, before_hang_up=lambda: calls == [])
     assert calls == ["/streaming"]
 
 
@@ -252,17 +258,7 @@ async def test_a_request_that_is_over_is_not_called_back_even_when_it_registers_
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
         await trio.sleep_forever()
 
-    async with running(app) as server:
-        client = await server.connect()
-        await client.send_all(head(target="/done") + head(target="/streaming"))
-        with trio.fail_after(5):
-            received = b""
-            while b"first" not in received:
-                received += await client.receive_some(65536)
-        await client.aclose()
-        with trio.fail_after(5):
-            await gone.wait()
-        await trio.sleep(0.05)
+    await done_then_streaming_then_hang_up(app, gone)
     assert calls == ["/streaming"]
 
 
