@@ -90,6 +90,27 @@ async def test_cancelling_the_scope_cancels_the_rpc_and_the_worker_sees_it(sim_w
         assert load.running_requests == 0 and load.used_kv_blocks == 0
 
 
+async def test_leaving_after_the_terminal_event_lets_the_call_end_without_a_cancel(sim_workers, engine_client):
+    """The worker sends its status 0.3 s after Finished (its loop resumes late); the caller leaves the
+    block as soon as Finished is read. A cancel would land inside those 0.3 s and be counted by the worker;
+    leaving one event earlier is a cancel, and is counted (the control)."""
+    worker = sim_workers.start("aggregated", "--time-scale", "1", "--status-delay", "0.3")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("done", max_tokens=3)) as stream:
+            async for event in stream:
+                if isinstance(event, Finished):
+                    break
+        assert stream.ended
+        async with client.generate(request("left", max_tokens=2000)) as stream:
+            async for event in stream:
+                break
+        assert not stream.ended
+        await trio.sleep(0.5)  # past both statuses
+        load = await client.load()
+        assert attr(load, "cancelled_after_terminal") == 0
+        assert attr(load, "cancelled_by_client") == 1 and load.running_requests == 0
+
+
 async def test_abort_by_request_id_finishes_the_stream_as_cancelled(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", "--time-scale", "1")
     async with engine_client(worker.address) as client:

@@ -190,3 +190,34 @@ async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_re
             with pytest.raises(WorkerUnavailable):
                 async with client.generate(request("after")) as stream:
                     [e async for e in stream]
+
+
+async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes(
+        sim_workers, engine_client, monkeypatch):
+    """After Finished the caller leaves without a reset (the status is due at once); a worker whose status
+    then never comes (here 30 s late) cannot keep the stream open: it is reset a keepalive period later."""
+    from orchestrator.engine import h2_streams
+
+    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        async with client.generate(request("late-status", max_tokens=3)) as stream:
+            events = [event async for event in _until_finished(stream)]
+        assert isinstance(events[-1], Finished) and stream.ended
+        connection = client._h2._connection
+        assert len(connection.streams) == 1  # left open, waiting for its trailers
+        with trio.fail_after(5):
+            while connection.streams:
+                await trio.sleep(0.05)
+        load = await wait_for_load(client, lambda load: load.attributes.fields["cancelled_after_terminal"]
+                                   .number_value == 1)
+        assert load.running_requests == 0
+        async with client.generate(request("after", max_tokens=3)) as stream:  # the connection still serves
+            assert isinstance([e async for e in _until_finished(stream)][-1], Finished)
+
+
+async def _until_finished(stream):
+    async for event in stream:
+        yield event
+        if isinstance(event, Finished):
+            return

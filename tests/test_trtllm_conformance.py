@@ -71,6 +71,9 @@ UPSTREAM = {
     "r3-images": ("R3 server.py @ 01138754b3f4 GetModelInfo", "supports_multimodal = bool(aggregate); "
                   "multimodal_capabilities lists image per path (aggregate, prefill_decode) and the source types"),
     "no-max-output": ("R1 control.py @ 06cb2191b0be GetModelInfo", "max_output_tokens stays unset"),
+    "terminal-status": ("R1 servicer.py @ 06cb2191b0be Generate", "a request is marked terminal (engine_terminal) "
+                        "only when the generator resumes after yielding its last response; a stream closed before "
+                        "that makes its finally abort the engine request (abort_request('response stream closed'))"),
 }
 
 
@@ -337,6 +340,39 @@ async def test_a_context_leg_that_finishes_the_request_is_the_answer(tmp_path, c
     assert "orchestrator_prefill_answers_total 2.0" in metrics
     async with engine_client(prefill.address) as client:
         assert (await client.load()).active_kv_sessions == 0
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+async def test_calls_that_sent_their_terminal_response_are_never_cancelled(tmp_path, mode, sim_workers,
+                                                                          orchestrator_servers, engine_client):
+    """UPSTREAM terminal-status: once PrefillReady or Finished arrived, the orchestrator waits for the call's
+    status instead of resetting the stream, so no context-only leg (whose KV the decode leg pulls next) and no
+    finished leg is aborted by a cancel racing its status. The workers resume 0.2 s late after their last
+    response (a busy engine loop), so every reset would land in that window; before this rule ~all did."""
+    delayed = (*FAST, "--status-delay", "0.2")
+    roles = ("prefill", "decode") if mode == "disaggregated" else ("aggregated",)
+    workers = {role: sim_workers.start(role, *delayed) for role in roles}
+    server = orchestrator_servers.start(write_config(tmp_path / "status.yaml", mode,
+                                                     {role: [w.address] for role, w in workers.items()}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        async def one(i: int, results: list) -> None:
+            body = chat_body(max_tokens=4, seed=i, stream=i % 2 == 0)
+            results.append(await http.post("/v1/chat/completions", json=body))
+
+        results: list = []
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(one, i, results)
+    assert [r.status_code for r in results] == [200] * 12
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in results if "text/event-stream" in
+               r.headers["content-type"])
+    for role, worker in workers.items():
+        async with engine_client(worker.address) as client:
+            await trio.sleep(0.3)  # the last statuses were 0.2 s behind the answers
+            load = await client.load()
+        fields = load.attributes.fields
+        assert fields["cancelled_after_terminal"].number_value == 0, role
+        assert fields["cancelled_by_client"].number_value == 0, role
 
 
 async def test_a_failed_decode_leg_releases_its_session_through_another_decode_worker(

@@ -7,8 +7,10 @@
                 async for event in stream:
                     ...
 
-Leaving the `generate` block (normally, by error, or by cancellation of the enclosing trio scope)
-cancels the RPC, so the worker sees the cancellation.
+Leaving the `generate` block before the stream's terminal event (by error, by cancellation of the
+enclosing trio scope, or by choice) cancels the RPC, so the worker sees the cancellation. Once the
+terminal event (finished, prefill_ready, error) was read, the call is left to end by itself: its status
+follows at once, and a cancel landing before it would abort the engine request (see GenerateStream).
 """
 
 from __future__ import annotations
@@ -119,14 +121,26 @@ _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 _GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString
 
 
+_TERMINAL_EVENTS = (ev.Finished, ev.PrefillReady, ev.Failed)
+
+
 class GenerateStream:
-    """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens."""
+    """The events of one Generate call. Iterate it, or read `next_batch()` to coalesce tokens.
+
+    `ended` turns true once a terminal event (finished, prefill_ready, error) was handed out: the worker
+    is done, and only the call's status is still on its way. Leaving the `generate` block then does not
+    cancel the call. TensorRT-LLM's servicer (tensorrt_llm/grpc/openengine/servicer.py) marks a request
+    terminal only when its generator resumes after yielding the last response, and its `finally` aborts
+    the engine request when the stream closed before that: a cancel racing the status would abort a request
+    that already finished, for a context-only leg the one whose KV the decode leg is about to pull.
+    """
 
     def __init__(self, inbox, worker: str, *, decoded: bool = False):
         self._inbox = inbox  # StreamInbox (grpcio: GenerateResponse messages) or H2Stream (events, `decoded`)
         self._worker = worker
         self._decoded = decoded
         self._pending: list[ev.Event] = []
+        self.ended = False
 
     async def next_batch(self) -> list[ev.Event]:
         """Every event that has arrived (at least one); [] when the stream ended."""
@@ -143,6 +157,8 @@ class GenerateStream:
             else:
                 decoded = [e for e in (ev.decode(m, worker=worker) for m in raw) if e is not None]
             if decoded:
+                if isinstance(decoded[-1], _TERMINAL_EVENTS):  # a terminal event is always the last one
+                    self.ended = True
                 return decoded
 
     def __aiter__(self) -> "GenerateStream":
@@ -219,7 +235,11 @@ class EngineClient:
         self._check_open("Generate")
         if self._h2 is not None:  # messages become events as they are cut from the frames, in one step
             async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(), self._decode_event) as inbox:
-                yield GenerateStream(inbox, self.name, decoded=True)
+                stream = GenerateStream(inbox, self.name, decoded=True)
+                try:
+                    yield stream
+                finally:
+                    inbox.let_end = stream.ended  # the call ends by itself: no RST_STREAM
             return
         inbox = self._loop_thread.new_inbox()
         holder: dict[str, grpc.aio.UnaryStreamCall] = {}
@@ -233,15 +253,17 @@ class EngineClient:
             holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
 
         self._loop_thread.call_soon(start)
+        stream = GenerateStream(inbox, worker)
         try:
-            yield GenerateStream(inbox, worker)
+            yield stream
         finally:
-            def cancel() -> None:
-                call = holder.get("call")
-                if call is not None and not call.done():
-                    call.cancel()
+            if not stream.ended:  # once ended, the pump reads the call to its status
+                def cancel() -> None:
+                    call = holder.get("call")
+                    if call is not None and not call.done():
+                        call.cancel()
 
-            self._loop_thread.call_soon(cancel)
+                self._loop_thread.call_soon(cancel)
 
     def _decode_event(self, payload: bytes) -> ev.Event | None:
         return ev.decode(_GENERATE_RESPONSE(payload), worker=self.name)

@@ -16,7 +16,9 @@ stream of that worker is multiplexed on it. What is kept from gRPC over HTTP/2:
   they are read, `grpc-status` / `grpc-message` from the trailers (or a trailers-only response)
   mapped by errors.from_grpc_status, exactly as for grpcio;
 - leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
-  the server sees as a cancelled RPC;
+  the server sees as a cancelled RPC; a stream whose caller read its terminal event (`let_end`) is left
+  to end with its trailers instead (engine/client.py says why), and reset only if it lingers past a
+  keepalive period;
 - a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams
   the server will not process and sends new streams to a new connection;
 - the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot;
@@ -26,6 +28,7 @@ Plaintext (h2c, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import ssl
@@ -55,13 +58,14 @@ _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian l
 class H2Stream(TrioInbox):
     """The messages of one call as they arrive, decoded; read with get_batch()."""
 
-    __slots__ = ("id", "rpc", "decode", "_buffer", "_status", "_message", "_outbound")
+    __slots__ = ("id", "rpc", "decode", "let_end", "_buffer", "_status", "_message", "_outbound")
 
     def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
         super().__init__()
         self.id = 0
         self.rpc = rpc
         self.decode = decode
+        self.let_end = False  # the caller is done and the call is over but for its status: do not reset it
         self._buffer = bytearray()
         self._status: int | None = None
         self._message = ""
@@ -211,6 +215,7 @@ class _Connection:
         self._slot_freed = trio.Event()
         self._ping_answered = trio.Event()
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
+        self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last keepalive
         self._scope = trio.CancelScope()
 
     # ---- the three tasks: reader, writer, keepalive ----------------------------------------------------
@@ -273,6 +278,7 @@ class _Connection:
     async def _keepalive(self) -> None:
         while True:
             await trio.sleep(KEEPALIVE_S)
+            self._reset_lingering()
             if not self.streams:
                 continue
             self._ping_answered = trio.Event()
@@ -325,11 +331,25 @@ class _Connection:
         self._flush()
 
     def finish(self, stream: H2Stream) -> None:
-        """The caller is done with `stream`: a call still running is cancelled."""
+        """The caller is done with `stream`: a call still running is cancelled, unless it is only its status
+        that is still to come (`let_end`): then its trailers end it, and what else arrives is dropped."""
         if not stream.closed:
+            if stream.let_end and self.usable:
+                stream._items = collections.deque(maxlen=0)
+                return
             self._cancel(stream)
         stream._close(stream._error)
         self._forget(stream)
+
+    def _reset_lingering(self) -> None:
+        """A stream left to end by itself that is still open a keepalive period later is reset: a worker that
+        never sends its trailers cannot hold a stream slot forever."""
+        for stream in self._lingering:
+            if stream.id in self.streams:
+                self._cancel(stream)
+                stream._close(None)
+                self._forget(stream)
+        self._lingering = [stream for stream in self.streams.values() if stream.let_end]
 
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:

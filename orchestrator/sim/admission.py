@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -46,6 +47,7 @@ class AdmissionService:
         rid = request.request_id
         outbox = Outbox()
         sim_request: SimRequest | None = None
+        terminal_in_flight = False  # suspended at the yield of the last response
         try:
             try:
                 sim_request = await self._admit(request, outbox)
@@ -57,10 +59,22 @@ class AdmissionService:
                 return
             while True:
                 batch = await outbox.drain()
-                for response in batch:
+                last = len(batch) - 1 if outbox.closed else -1  # a closed outbox: the batch ends with the terminal
+                for index, response in enumerate(batch):
+                    terminal_in_flight = index == last
                     yield response
+                    if terminal_in_flight and self.config.status_delay_s > 0:
+                        await asyncio.sleep(self.config.status_delay_s)  # still "at the yield" upstream
+                terminal_in_flight = False
                 if outbox.closed and not outbox.items:
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            # TensorRT-LLM's servicer marks a request terminal only after the yield of its last response returns;
+            # a cancel landing at that yield makes its `finally` abort the engine request (servicer.py).
+            if terminal_in_flight:
+                self.cancelled_after_terminal += 1
+                log.info("request %s was cancelled after its terminal response was sent", rid)
+            raise
         finally:
             if sim_request is not None:
                 self.active.pop(rid, None)

@@ -71,6 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--error-retryable", action="store_true")
     faults.add_argument("--crash-after-tokens", type=int, default=None, help="exit(3) after this many tokens")
     faults.add_argument("--stall-after-tokens", type=int, default=None, help="requests hang after this many tokens")
+    faults.add_argument("--status-delay", type=float, default=0.0,
+                        help="seconds between a call's last response and its status (a busy engine loop)")
     faults.add_argument("--slow-start", type=float, default=0.0, help="seconds before the port is bound")
     faults.add_argument("--drop-kv-sessions", action="store_true", help="forget KV sessions right after prefill")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
@@ -95,7 +97,8 @@ def config_from_args(args: argparse.Namespace):
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         error_rate=args.error_rate, error_phase=args.error_phase, error_code=args.error_code,
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
-        stall_after_tokens=args.stall_after_tokens, drop_kv_sessions=args.drop_kv_sessions,
+        stall_after_tokens=args.stall_after_tokens, status_delay_s=args.status_delay,
+        drop_kv_sessions=args.drop_kv_sessions,
         not_ready=args.not_ready, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
         eos_probability=args.eos_probability, seed=args.seed,

@@ -41,6 +41,7 @@ class SimConfig:
     error_retryable: bool = False
     crash_after_tokens: int | None = None
     stall_after_tokens: int | None = None
+    status_delay_s: float = 0.0  # after a call's last response, before its status (the servicer resumes late)
     drop_kv_sessions: bool = False
     not_ready: bool = False
     fail_model_info: bool = False

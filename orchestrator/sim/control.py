@@ -116,6 +116,7 @@ class ControlService:
                                 "kv_sessions_expired": self.sessions.expired,
                                 "kv_sessions_pulled": self.sessions.pulled,
                                 "cancelled_by_client": self.cancelled_by_client,
+                                "cancelled_after_terminal": self.cancelled_after_terminal,
                                 "model_info_calls": self.model_info_calls,
                                 "load_calls": self.load_calls,
                                 "recent_requests": list(self.recent)}),

@@ -63,6 +63,7 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.random = random.Random(config.seed)
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
+        self.cancelled_after_terminal = 0  # cancels that raced the status of a call already over (admission.py)
         self.model_info_calls = 0
         self.load_calls = 0  # GetLoad calls, so tests can see how often a router polls
         self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
