@@ -111,6 +111,25 @@ async def test_leaving_after_the_terminal_event_lets_the_call_end_without_a_canc
         assert attr(load, "cancelled_by_client") == 1 and load.running_requests == 0
 
 
+async def test_a_call_left_after_its_terminal_event_is_cancelled_if_its_status_never_comes(
+        sim_workers, engine_client, monkeypatch):
+    """The status is 30 s late: the call is cancelled after the grace (grpcio) or a keepalive period (h2),
+    so a worker that never ends its calls cannot pile them up."""
+    from orchestrator.engine import client as client_module, h2_streams
+
+    monkeypatch.setattr(client_module, "STATUS_GRACE_S", 0.3)
+    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("silent", max_tokens=3)) as stream:
+            async for event in stream:
+                if isinstance(event, Finished):
+                    break
+        assert stream.ended
+        load = await wait_for_load(client, lambda l: attr(l, "cancelled_after_terminal") == 1, timeout=5)
+        assert attr(load, "cancelled_by_client") == 0 and load.running_requests == 0
+
+
 async def test_abort_by_request_id_finishes_the_stream_as_cancelled(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", "--time-scale", "1")
     async with engine_client(worker.address) as client:

@@ -10,7 +10,8 @@
 Leaving the `generate` block before the stream's terminal event (by error, by cancellation of the
 enclosing trio scope, or by choice) cancels the RPC, so the worker sees the cancellation. Once the
 terminal event (finished, prefill_ready, error) was read, the call is left to end by itself: its status
-follows at once, and a cancel landing before it would abort the engine request (see GenerateStream).
+follows at once, and a cancel landing before it would abort the engine request (see GenerateStream). A
+status that has not come 30 s later is not waited for: the call is cancelled then.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ _GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString
 
 
 _TERMINAL_EVENTS = (ev.Finished, ev.PrefillReady, ev.Failed)
+# How long a call whose terminal event was read may take to send its status before it is cancelled (grpcio;
+# the h2 transport resets such a stream after one keepalive period, the same 30 s).
+STATUS_GRACE_S = 30.0
 
 
 class GenerateStream:
@@ -257,13 +261,18 @@ class EngineClient:
         try:
             yield stream
         finally:
-            if not stream.ended:  # once ended, the pump reads the call to its status
-                def cancel() -> None:
-                    call = holder.get("call")
-                    if call is not None and not call.done():
-                        call.cancel()
+            def cancel() -> None:
+                call = holder.get("call")
+                if call is not None and not call.done():
+                    call.cancel()
 
-                self._loop_thread.call_soon(cancel)
+            def cancel_if_no_status() -> None:  # the pump reads the call to its status, if that comes in time
+                pump = holder.get("pump")
+                if pump is not None and not pump.done():
+                    timer = asyncio.get_running_loop().call_later(STATUS_GRACE_S, cancel)
+                    pump.add_done_callback(lambda _: timer.cancel())
+
+            self._loop_thread.call_soon(cancel_if_no_status if stream.ended else cancel)
 
     def _decode_event(self, payload: bytes) -> ev.Event | None:
         return ev.decode(_GENERATE_RESPONSE(payload), worker=self.name)
