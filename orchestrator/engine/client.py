@@ -119,7 +119,6 @@ _CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": s
                       "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
                       "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
-_GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString
 
 
 _TERMINAL_EVENTS = (ev.Finished, ev.PrefillReady, ev.Failed)
@@ -275,7 +274,7 @@ class EngineClient:
             self._loop_thread.call_soon(cancel_if_no_status if stream.ended else cancel)
 
     def _decode_event(self, payload: bytes) -> ev.Event | None:
-        return ev.decode(_GENERATE_RESPONSE(payload), worker=self.name)
+        return ev.decode_bytes(payload, worker=self.name)
 
     # ---- control -----------------------------------------------------------------------------
     async def _unary(self, rpc: str, request, timeout: float | None):

@@ -1,7 +1,8 @@
 """Typed events of a Generate stream, decoded from `GenerateResponse` messages.
 
 One small frozen class per event kind, so the coordinator matches on types instead of poking at
-protobuf oneofs. Decoding is on the hot path of every token: it does no more than it must.
+protobuf oneofs. Decoding is on the hot path of every token: it does no more than it must, and
+`decode_bytes` reads a plain token message's ids from its wire bytes (engine/token_wire.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from orchestrator.engine.errors import EngineError, from_engine_error
+from orchestrator.engine.token_wire import token_ids
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
@@ -104,3 +106,27 @@ def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event |
     if kind == "error":
         return Failed(from_engine_error(response.error, worker=worker, rpc="Generate"))
     return None  # prompt logprobs and future event kinds: not used by the orchestrator
+
+
+_GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString
+
+
+def decode_bytes(payload: bytes, *, worker: str) -> Event | None:
+    """`decode` of a serialized GenerateResponse; a plain token message skips the protobuf parse."""
+    ids = token_ids(payload)
+    if ids is None:
+        return decode(_GENERATE_RESPONSE(payload), worker=worker)
+    if len(ids) > 1:
+        return Tokens(tuple(ids))
+    tokens = _ONE_TOKEN.get(ids[0])
+    if tokens is None:
+        tokens = Tokens((ids[0],))
+        if len(_ONE_TOKEN) < _ONE_TOKEN_LIMIT:
+            _ONE_TOKEN[ids[0]] = tokens
+    return tokens
+
+
+# Tokens is frozen, so one instance per token id can be shared: the vocabulary bounds the table, and the
+# limit bounds it against a worker sending arbitrary ids.
+_ONE_TOKEN: dict[int, Tokens] = {}
+_ONE_TOKEN_LIMIT = 1 << 18
