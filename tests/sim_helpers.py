@@ -28,6 +28,18 @@ async def collect(client, request):
         return [e async for e in stream]
 
 
+async def read_to_finished(client, request):
+    """Generate until its Finished event, then leave the block without reading the call's status.
+    Returns the stream (for `ended`) and the events read."""
+    events = []
+    async with client.generate(request) as stream:
+        async for event in stream:
+            events.append(event)
+            if isinstance(event, Finished):
+                break
+    return stream, events
+
+
 async def refusal(client, request) -> EngineError:
     """The error a worker answers `request` with, whether a gRPC status (TensorRT-LLM refuses that way)
     or a terminal GenerateResponse.error (failures after acceptance, and the strict persona)."""

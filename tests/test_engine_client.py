@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import trio
+from sim_helpers import read_to_finished
 
 from orchestrator.engine import (
     EngineError,
@@ -96,11 +97,8 @@ async def test_leaving_after_the_terminal_event_lets_the_call_end_without_a_canc
     leaving one event earlier is a cancel, and is counted (the control)."""
     worker = sim_workers.start("aggregated", "--time-scale", "1", "--status-delay", "0.3")
     async with engine_client(worker.address) as client:
-        async with client.generate(request("done", max_tokens=3)) as stream:
-            async for event in stream:
-                if isinstance(event, Finished):
-                    break
-        assert stream.ended
+        stream, events = await read_to_finished(client, request("done", max_tokens=3))
+        assert isinstance(events[-1], Finished) and stream.ended
         async with client.generate(request("left", max_tokens=2000)) as stream:
             async for event in stream:
                 break
@@ -121,11 +119,8 @@ async def test_a_call_left_after_its_terminal_event_is_cancelled_if_its_status_n
     monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address) as client:
-        async with client.generate(request("silent", max_tokens=3)) as stream:
-            async for event in stream:
-                if isinstance(event, Finished):
-                    break
-        assert stream.ended
+        stream, events = await read_to_finished(client, request("silent", max_tokens=3))
+        assert isinstance(events[-1], Finished) and stream.ended
         load = await wait_for_load(client, lambda l: attr(l, "cancelled_after_terminal") == 1, timeout=5)
         assert attr(load, "cancelled_by_client") == 0 and load.running_requests == 0
 

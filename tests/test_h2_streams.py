@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import trio
+from sim_helpers import read_to_finished
 
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
 from orchestrator.engine.h2_streams import H2Stream, _Connection
@@ -201,8 +202,7 @@ async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes
     monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address, stream_transport="h2") as client:
-        async with client.generate(request("late-status", max_tokens=3)) as stream:
-            events = [event async for event in _until_finished(stream)]
+        stream, events = await read_to_finished(client, request("late-status", max_tokens=3))
         assert isinstance(events[-1], Finished) and stream.ended
         connection = client._h2._connection
         assert len(connection.streams) == 1  # left open, waiting for its trailers
@@ -212,12 +212,5 @@ async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes
         load = await wait_for_load(client, lambda load: load.attributes.fields["cancelled_after_terminal"]
                                    .number_value == 1)
         assert load.running_requests == 0
-        async with client.generate(request("after", max_tokens=3)) as stream:  # the connection still serves
-            assert isinstance([e async for e in _until_finished(stream)][-1], Finished)
-
-
-async def _until_finished(stream):
-    async for event in stream:
-        yield event
-        if isinstance(event, Finished):
-            return
+        _, events = await read_to_finished(client, request("after", max_tokens=3))  # the connection still serves
+        assert isinstance(events[-1], Finished)
