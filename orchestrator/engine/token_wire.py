@@ -20,8 +20,26 @@ _MAX_UINT32 = 0xFFFFFFFF
 
 def token_ids(payload: bytes) -> list[int] | None:
     """The ids of a token message in the shape above, or None."""
+    event = without_request_id(payload)
+    return None if event is None else event_token_ids(event)
+
+
+def without_request_id(payload: bytes) -> bytes | None:
+    """The message's bytes after its request_id (all of them when it has none): the part that says what
+    happened, the same in every request for the same token. None when the request_id is not the shape."""
+    if not payload or payload[0] != 0x0A:
+        return payload
     try:
-        return _token_ids(payload)
+        end = _ascii_end(payload, 1)
+    except IndexError:
+        return None
+    return payload[end:] if end > 0 else None
+
+
+def event_token_ids(event: bytes) -> list[int] | None:
+    """The ids of a message without its request_id (see `without_request_id`), or None."""
+    try:
+        return _token_ids(event)
     except IndexError:  # the bytes end inside a field: not the shape
         return None
 
@@ -29,10 +47,6 @@ def token_ids(payload: bytes) -> list[int] | None:
 def _token_ids(payload: bytes) -> list[int] | None:
     size = len(payload)
     pos = 0
-    if payload[0] == 0x0A:  # request_id, length-delimited
-        pos = _ascii_end(payload, 1)
-        if pos < 0:
-            return None
     if payload[pos] != 0x1A or payload[pos + 1] > 0x7F or pos + 2 + payload[pos + 1] != size:
         return None  # not a token event, or more follows it
     pos += 2
