@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenizers import Tokenizer
+
 from orchestrator.models import TINY_CHAT
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer, TemplateError
 
@@ -13,8 +15,29 @@ TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
 TEXT = "Hello 😀 東京 café — the weather is sunny. Привет!"
 
 
-def stream(ids, stop=(), step=1):
-    detok = IncrementalDetokenizer(TOKENIZER, stop=stop)
+def through_decode_stream() -> ModelTokenizer:
+    """tiny-chat with its ByteLevel decoder wrapped in a one-step Sequence: it decodes the same text, but is
+    not a bare ByteLevel decoder, so it takes the general path (the library's DecodeStream)."""
+    spec = json.loads((TINY_CHAT / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [spec["decoder"]]}
+    config = json.loads((TINY_CHAT / "tokenizer_config.json").read_text())
+    return ModelTokenizer(Tokenizer.from_str(json.dumps(spec)), config, TINY_CHAT)
+
+
+GENERAL = through_decode_stream()
+BOTH_PATHS = pytest.mark.parametrize("tokenizer", [TOKENIZER, GENERAL], ids=["byte table", "DecodeStream"])
+
+
+def test_a_byte_level_tokenizer_decodes_from_its_table_of_token_bytes():
+    table = TOKENIZER.token_bytes
+    assert table is not None and len(table) == TOKENIZER.tokenizer.get_vocab_size()
+    assert table[TOKENIZER.encode(" sunny")[0]].startswith(b" ")  # GPT-2's "Ġ" stands for the space byte
+    assert table[TOKENIZER.eos_id] == b""  # special tokens are skipped in streamed text
+    assert GENERAL.token_bytes is None
+
+
+def stream(ids, stop=(), step=1, tokenizer=TOKENIZER):
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
     pieces = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
     pieces.append(detok.finish())
     return pieces, detok
@@ -62,44 +85,51 @@ def test_a_model_that_names_no_image_placeholder_refuses_images_instead_of_guess
 
 
 @pytest.mark.parametrize("step", [1, 2, 5])
-def test_streamed_text_equals_the_full_decode_and_never_holds_broken_utf8(step):
+@BOTH_PATHS
+def test_streamed_text_equals_the_full_decode_and_never_holds_broken_utf8(step, tokenizer):
     ids = TOKENIZER.encode(TEXT)
-    pieces, _ = stream(ids, step=step)
+    pieces, _ = stream(ids, step=step, tokenizer=tokenizer)
     assert "".join(pieces) == TEXT == TOKENIZER.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
 
 
-@given(st.lists(st.integers(0, TOKENIZER.tokenizer.get_vocab_size() - 1), max_size=60), st.integers(1, 4))
-@settings(max_examples=200, deadline=None)
-def test_any_token_sequence_streams_to_its_full_decode(ids, step):
-    """Whatever a worker samples (byte pieces that never complete, special tokens), the stream
-    adds up to the one-shot decode; a character left unfinished at the end comes out as U+FFFD."""
-    pieces, _ = stream(ids, step=step)
+@given(st.lists(st.integers(0, TOKENIZER.tokenizer.get_vocab_size() + 3), max_size=60), st.integers(1, 4),
+       st.sampled_from([TOKENIZER, GENERAL]))
+@settings(max_examples=300, deadline=None)
+def test_any_token_sequence_streams_to_its_full_decode(ids, step, tokenizer):
+    """Whatever a worker samples (byte pieces that never complete, special tokens, ids past the vocabulary),
+    the stream adds up to the library's one-shot decode on either path; a character left unfinished at the
+    end comes out as U+FFFD."""
+    pieces, _ = stream(ids, step=step, tokenizer=tokenizer)
     assert "".join(pieces) == TOKENIZER.decode(ids)
 
 
-def test_a_multibyte_character_split_over_tokens_is_released_whole():
+@BOTH_PATHS
+def test_a_multibyte_character_split_over_tokens_is_released_whole(tokenizer):
     ids = TOKENIZER.encode("😀")
     assert len(ids) > 1  # byte-level pieces
-    pieces, _ = stream(ids)
+    pieces, _ = stream(ids, tokenizer=tokenizer)
     assert [p for p in pieces if p] == ["😀"]
 
 
-def test_stop_string_truncates_and_is_never_emitted_even_partially():
+@BOTH_PATHS
+def test_stop_string_truncates_and_is_never_emitted_even_partially(tokenizer):
     ids = TOKENIZER.encode("the weather is sunny. Stop here please")
-    pieces, detok = stream(ids, stop=["sunny."])
+    pieces, detok = stream(ids, stop=["sunny."], tokenizer=tokenizer)
     assert "".join(pieces) == "the weather is "
     assert detok.stopped_on == "sunny."
     assert not any("sun" in p for p in pieces)
 
 
-def test_earliest_of_several_stop_strings_wins():
+@BOTH_PATHS
+def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = TOKENIZER.encode("one two three four")
-    pieces, detok = stream(ids, stop=["four", "two"])
+    pieces, detok = stream(ids, stop=["four", "two"], tokenizer=tokenizer)
     assert "".join(pieces) == "one " and detok.stopped_on == "two"
 
 
-def test_a_partial_stop_string_at_the_end_is_released_as_text():
+@BOTH_PATHS
+def test_a_partial_stop_string_at_the_end_is_released_as_text(tokenizer):
     ids = TOKENIZER.encode("the answer is sun")
-    pieces, detok = stream(ids, stop=["sunny"])
+    pieces, detok = stream(ids, stop=["sunny"], tokenizer=tokenizer)
     assert "".join(pieces) == "the answer is sun" and detok.stopped_on is None
