@@ -117,7 +117,9 @@ class ModelTokenizer:
         return len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # The batch call without offsets: a third less CPU than encode(), which also maps every token's
+        # character offsets; a batch of one runs on the calling thread.
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
