@@ -46,6 +46,25 @@ def test_messages_are_cut_from_data_frames_whatever_their_split(seed):
     assert list(stream._items) == messages and not stream._buffer and not stream.closed
 
 
+async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads_only_events():
+    """A PromptOutput (prompt logprobs) has no event for the orchestrator: events.decode gives None."""
+    from orchestrator.engine import events as ev
+    from orchestrator.engine.client import GenerateStream
+
+    connection = bare_connection()
+    stream = H2Stream("Generate", lambda payload: ev.decode_bytes(payload, worker="w"), b"")
+    messages = [g.GenerateResponse(prompt=g.PromptOutput(tokens=[g.TokenInfo(token_id=1)])),
+                g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=7)])),
+                g.GenerateResponse(prompt=g.PromptOutput()),
+                g.GenerateResponse(finished=g.GenerationFinished(reason=g.FINISH_REASON_LENGTH))]
+    connection._on_data(stream, framed(messages[0].SerializeToString()))
+    assert not stream._items
+    for message in messages[1:]:
+        connection._on_data(stream, framed(message.SerializeToString()))
+    batch = await GenerateStream(stream, "w", decoded=True).next_batch()
+    assert batch == [ev.Tokens((7,)), ev.Finished(reason=g.FINISH_REASON_LENGTH)]
+
+
 def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error():
     connection = bare_connection()
     compressed = H2Stream("Generate", g.GenerateResponse.FromString, b"")

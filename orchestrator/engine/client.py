@@ -155,8 +155,8 @@ class GenerateStream:
             raw = await self._inbox.get_batch()
             if not raw:
                 return []
-            if self._decoded:
-                decoded = [e for e in raw if e is not None]
+            if self._decoded:  # h2 streams queue only events
+                decoded = raw
             else:
                 decoded = [e for e in (ev.decode(m, worker=worker) for m in raw) if e is not None]
             if decoded:

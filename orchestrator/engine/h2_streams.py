@@ -167,7 +167,8 @@ class H2Channel:
     async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
                      timeout: float | None = None) -> AsyncIterator[H2Stream]:
         """Start the call `path` with one request message; leaving early cancels it (RST_STREAM).
-        `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own."""
+        `decode` turns each response message into what get_batch() hands out; a message it turns into None
+        is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own."""
         rpc = path.rsplit("/", 1)[-1]
         connection = await self._current(rpc)
         stream = H2Stream(rpc, decode, request)
@@ -405,7 +406,7 @@ class _Connection:
 
     def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
         try:
-            stream._items.append(stream.decode(payload))
+            item = stream.decode(payload)
         except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
             error = EngineError(f"the worker sent a message that does not decode: {exc}", worker=self.channel.worker,
                                 rpc=stream.rpc)
@@ -413,7 +414,9 @@ class _Connection:
             stream._close(error)
             self._forget(stream)
             return False
-        stream._wake()
+        if item is not None:  # None: a message that says nothing the reader needs (decode's choice)
+            stream._items.append(item)
+            stream._wake()
         return True
 
     def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
