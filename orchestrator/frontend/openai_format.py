@@ -1,12 +1,13 @@
 """Render OpenAI response objects and SSE chunks. Pure functions over plain values.
 
 Chunks are assembled from pre-serialised fragments: the per-request constant part is JSON-encoded
-once, so a streamed token costs one json.dumps of its text.
+once, so a streamed token costs one JSON encoding of its text.
 """
 
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Callable, Sequence
 
 from orchestrator.engine.events import TokenLogprob
@@ -17,6 +18,7 @@ DONE = b"data: [DONE]\n\n"
 # One encoder for every call: json.dumps with arguments builds a new JSONEncoder each time (0.7 µs for a
 # token's text against 0.08 here); the output is the same.
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_json_string = encode_basestring  # what _dumps does with a str, without its checks
 
 
 def sse(payload: dict) -> bytes:
@@ -61,8 +63,13 @@ class ChunkWriter:
         head = _dumps({"id": request_id, "object": obj, "created": created, "model": model})[:-1]
         self._head = "data: " + head + ',"choices":[{"index":0,'
         self._role_sent = False
+        # The usual event, a chat content delta without logprobs, around its one variable part.
+        self._content_head = self._head + '"delta":{"content":'
+        self._content_tail = '},"logprobs":null,"finish_reason":null}]}\n\n'
 
     def delta(self, text: str, logprobs: dict | None = None) -> bytes:
+        if self._role_sent and logprobs is None and self.kind == "chat":
+            return (self._content_head + _json_string(text) + self._content_tail).encode()
         if self.kind == "chat":
             if not self._role_sent:
                 self._role_sent = True

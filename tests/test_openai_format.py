@@ -1,0 +1,65 @@
+"""SSE chunks of a streamed response (frontend/openai_format.py): each one is an OpenAI chunk object that
+any JSON parser reads back to exactly the text, role, logprobs and finish reason it was given."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.frontend import openai_format as fmt
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)  # no lone surrogates: text is UTF-8
+HEAD = {"id": "chatcmpl-7", "created": 1700000000, "model": "tiny-chat"}
+
+
+def parse(event: bytes) -> dict:
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+    return json.loads(event[len(b"data: "):])
+
+
+def writer(kind: str) -> fmt.ChunkWriter:
+    return fmt.ChunkWriter(kind, HEAD["id"], HEAD["model"], HEAD["created"])
+
+
+@given(st.lists(TEXT, min_size=1, max_size=5))
+@settings(max_examples=300, deadline=None)
+def test_chat_deltas_carry_their_text_and_the_role_once(texts):
+    chat = writer("chat")
+    chunks = [parse(chat.delta(text)) for text in texts]
+    for index, (chunk, text) in enumerate(zip(chunks, texts)):
+        assert chunk == {**HEAD, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": text} if index == 0 else {"content": text},
+            "logprobs": None, "finish_reason": None}]}
+
+
+@given(TEXT)
+@settings(max_examples=200, deadline=None)
+def test_completion_deltas_carry_their_text(text):
+    chunk = parse(writer("completion").delta(text))
+    assert chunk == {**HEAD, "object": "text_completion",
+                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_delta_with_logprobs_carries_them_after_the_first(kind):
+    chunk_writer = writer(kind)
+    chunk_writer.delta("a")
+    logprobs = {"content": [{"token": "b", "logprob": -0.5, "bytes": [98], "top_logprobs": []}]}
+    choice = parse(chunk_writer.delta("b\n\"", logprobs))["choices"][0]
+    assert choice["logprobs"] == logprobs
+    assert choice.get("delta", {}).get("content", choice.get("text")) == "b\n\""
+
+
+@pytest.mark.parametrize("kind, role_sent", [("chat", True), ("chat", False), ("completion", False)])
+def test_the_finish_and_usage_chunks(kind, role_sent):
+    chunk_writer = writer(kind)
+    if role_sent:
+        chunk_writer.delta("hi")
+    choice = parse(chunk_writer.finish("length"))["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    if kind == "chat":
+        assert choice["delta"] == ({} if role_sent else {"role": "assistant", "content": ""})
+    usage = parse(chunk_writer.usage(5, 3))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3,
+                                                         "total_tokens": 8}
