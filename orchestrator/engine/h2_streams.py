@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import trio
 
+from orchestrator.eager_receive import EagerReceiver
 from orchestrator.eager_send import EagerSender
 from orchestrator.engine import http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
@@ -207,6 +208,7 @@ class _Connection:
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
         self.transport = transport
         self.sender = EagerSender(transport)
+        self.receiver = EagerReceiver(transport)
         self.channel = channel
         self.scheme = scheme
         self.wire = http2.ClientConnection(self, receive_window=_WINDOW)
@@ -268,7 +270,7 @@ class _Connection:
 
     async def _read(self) -> None:
         while True:
-            data = await self.transport.receive_some(_READ_SIZE)
+            data = await self.receiver.receive_some(_READ_SIZE)
             if not data:
                 raise trio.BrokenResourceError("the worker closed the connection")
             try:

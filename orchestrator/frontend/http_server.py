@@ -33,6 +33,7 @@ import attrs
 import httptools
 import trio
 
+from orchestrator.eager_receive import EagerReceiver
 from orchestrator.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
 
@@ -178,6 +179,7 @@ class _Connection:
     def __init__(self, server: _Server, stream: trio.abc.Stream, peer, local):
         self.server, self.stream, self.peer, self.local = server, stream, peer, local
         self.sender = EagerSender(stream)
+        self.receiver = EagerReceiver(stream)
         self.parser = httptools.HttpRequestParser(self)
         self.parsed: deque[_Request] = deque()  # heads complete, not yet answered (the first is being answered)
         self.incoming: _Request | None = None  # the request the parser is filling
@@ -207,7 +209,7 @@ class _Connection:
             while self.bad_request is None:
                 while self.buffered > _BODY_BUFFER or len(self.parsed) > _PIPELINE_DEPTH:
                     await self.changed()  # the application has not caught up: stop reading (backpressure)
-                data = await self.stream.receive_some(_READ_SIZE)
+                data = await self.receiver.receive_some(_READ_SIZE)
                 if not data:
                     break
                 if self.in_head or self.incoming is None:
@@ -219,7 +221,7 @@ class _Connection:
                     # closes after it: what follows is not HTTP/1.1. Reading goes on only to see the client go.
                     self.upgrade_ignored = True
                     self.notify()
-                    while await self.stream.receive_some(_READ_SIZE):
+                    while await self.receiver.receive_some(_READ_SIZE):
                         pass
                     break
                 except httptools.HttpParserError as exc:
