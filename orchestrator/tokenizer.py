@@ -14,8 +14,8 @@ placeholder either way cannot take images: that is an error, not a guess.
 - text is released only once its UTF-8 is complete (a multi-byte character split over tokens
   decodes to U+FFFD until its last byte arrives);
 - a byte-level BPE tokenizer (GPT-2's scheme, used by Llama 3, Qwen and our tiny-chat) decodes a
-  sequence by joining its tokens' bytes, so its tokens are decoded from a table of those bytes with
-  Python's incremental UTF-8 decoder; any other tokenizer goes through the library's DecodeStream;
+  sequence by joining its tokens' bytes, so its tokens are decoded from a table of those bytes (and
+  of their texts); any other tokenizer goes through the library's DecodeStream;
 - text that could still become a stop string is held back; when a stop string appears the text
   before it is released and the stream is over (the stop string itself never reaches the client).
 """
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import functools
 import json
+from codecs import utf_8_decode as _utf8_decode
 from pathlib import Path
 from typing import Sequence
 
 import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from codecs import utf_8_decode as _utf8_decode
-
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 

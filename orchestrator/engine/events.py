@@ -131,6 +131,6 @@ def decode_bytes(payload: bytes, *, worker: str) -> Event | None:
 # A one-token message's bytes after its request_id depend only on the token (and the delta text and output
 # index a worker may add), and Tokens is frozen: the event read from those bytes once is shared by every
 # later message with the same bytes, skipping the read. The limit bounds the table against a worker that
-# sends arbitrary ids or texts (at most a few MB).
+# sends arbitrary ids or texts: full, with a short delta text in each message, it holds about 15 MB.
 _TOKEN_EVENTS: dict[bytes, Tokens] = {}
 _TOKEN_EVENTS_LIMIT = 1 << 16
