@@ -132,11 +132,12 @@ class ThroughOrchestrator:
         marks = {"first": None, "tokens": 0}
 
         def on_data(payload: bytes, at: float) -> None:
-            if payload.startswith(b'{"id"') and b'"content":' in payload:
-                self.events += 1
-                if marks["first"] is None:
-                    marks["first"] = at
-            if b'"usage"' in payload:
+            if payload.endswith(b"]}"):  # a chunk with choices (the usage chunk ends with its usage)
+                if b'"content":' in payload:
+                    self.events += 1
+                    if marks["first"] is None:
+                        marks["first"] = at
+            elif b'"usage"' in payload:
                 marks["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
 
         await connection.post_stream("/v1/chat/completions", self.body, on_data)
