@@ -206,15 +206,9 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(skip_special_tokens=True)
             self._pending: list[int] = []  # ids the stream has not turned into text yet (a partial character)
         self._unfinished = b""  # byte-level: the bytes of a character still missing some
-        self._text = ""  # all decoded text so far
-        self._released = 0  # chars of self._text handed out
+        self._held = ""  # decoded text not handed out yet: it may be the start of a stop string
         self._stops = tuple(s for s in stop if s)
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.stopped_on: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self._text[: self._released]
 
     def add(self, ids: Sequence[int]) -> str:
         """Feed new token ids; returns the text that may be released now (maybe "")."""
@@ -230,7 +224,9 @@ class IncrementalDetokenizer:
             new = self._add_bytes(ids)
         if not new:
             return ""
-        self._text += new
+        if not self._stops:  # nothing to look for: the text goes out as it comes
+            return new
+        self._held += new
         return self._release(final=False)
 
     def _add_bytes(self, ids: Sequence[int]) -> str:
@@ -245,7 +241,7 @@ class IncrementalDetokenizer:
         for token in ids:
             piece = step(tokenizer, token)
             if piece:
-                self._text += piece
+                self._held += piece
                 self._pending.clear()
                 grew = True
             else:
@@ -255,38 +251,35 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The stream ended: release whatever is held (a partial stop string is just text)."""
         if self.stopped_on is None and self._unfinished:
-            self._text += self._unfinished.decode("utf-8", "replace")  # an unfinished character, as U+FFFD
+            self._held += self._unfinished.decode("utf-8", "replace")  # an unfinished character, as U+FFFD
             self._unfinished = b""
         if self.stopped_on is None and self._token_texts is None and self._pending:
-            self._text += self._tokenizer.decode(self._pending)  # an unfinished character, as U+FFFD
+            self._held += self._tokenizer.decode(self._pending)  # an unfinished character, as U+FFFD
             self._pending.clear()
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
+        """What of the held text may go out. A stop string never starts in text already out: any end of the
+        text that could begin one is held."""
         if self.stopped_on is not None:
             return ""
-        text = self._text
+        text = self._held
         if self._stops:
-            search_from = max(0, self._released - self._hold)
             best: tuple[int, str] | None = None
             for stop in self._stops:
-                at = text.find(stop, search_from)
+                at = text.find(stop)
                 if at != -1 and (best is None or at < best[0]):
                     best = (at, stop)
             if best is not None:
-                out = text[self._released: best[0]]
-                self._text = text[: best[0]]
-                self._released = best[0]
+                self._held = ""
                 self.stopped_on = best[1]
-                return out
+                return text[: best[0]]
             if not final:
                 limit = len(text) - self._longest_stop_prefix_suffix(text)
-                out = text[self._released: limit] if limit > self._released else ""
-                self._released = max(self._released, limit)
-                return out
-        out = text[self._released:]
-        self._released = len(text)
-        return out
+                self._held = text[limit:]
+                return text[:limit]
+        self._held = ""
+        return text
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""

@@ -104,6 +104,24 @@ def test_any_token_sequence_streams_to_its_full_decode(ids, step, tokenizer):
     assert "".join(pieces) == TOKENIZER.decode(ids)
 
 
+WORDS = ["the", " weather", " is", " sunny", ".", " Stop", " here", " 😀", " 東京", "\n"]
+
+
+@given(st.lists(st.sampled_from(WORDS), max_size=30), st.lists(st.text("the sunySop.\n 😀東", min_size=1, max_size=4),
+       min_size=1, max_size=3), st.integers(1, 4), st.sampled_from([TOKENIZER, GENERAL]))
+@settings(max_examples=300, deadline=None)
+def test_with_stop_strings_the_stream_is_the_text_up_to_the_first_stop_and_never_shows_one(words, stops, step,
+                                                                                          tokenizer):
+    full = "".join(words)
+    pieces, detok = stream(TOKENIZER.encode(full), stop=stops, step=step, tokenizer=tokenizer)
+    out = "".join(pieces)
+    assert not any(stop in out for stop in stops)
+    if detok.stopped_on is None:
+        assert out == full and not any(stop in full for stop in stops)
+    else:
+        assert full.startswith(out + detok.stopped_on)
+
+
 @BOTH_PATHS
 def test_a_multibyte_character_split_over_tokens_is_released_whole(tokenizer):
     ids = TOKENIZER.encode("😀")
