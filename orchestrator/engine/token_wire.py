@@ -46,10 +46,9 @@ def event_token_ids(event: bytes) -> list[int] | None:
 
 def _token_ids(payload: bytes) -> list[int] | None:
     size = len(payload)
-    pos = 0
-    if payload[pos] != 0x1A or payload[pos + 1] > 0x7F or pos + 2 + payload[pos + 1] != size:
+    if payload[0] != 0x1A or payload[1] > 0x7F or 2 + payload[1] != size:
         return None  # not a token event, or more follows it
-    pos += 2
+    pos = 2
     if payload[pos] == 0x08:  # output_index: read past it
         _, pos = _varint(payload, pos + 1)
         if pos < 0:
