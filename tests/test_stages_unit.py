@@ -356,3 +356,80 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_declare
     assert (await c.plan(chat(), "e3")).path == "disaggregated"
     decode.caps = capabilities("unspecified")
     assert (await c.plan(chat(), "e4")).path == "local"
+
+
+def one_decode_worker(script):
+    from orchestrator.fake_engine import capabilities
+
+    decode = FakeEngineClient("d0", capabilities(), script)
+    return decode, FakePool([fake_worker("aggregated", decode)])
+
+
+async def test_a_request_past_request_timeout_s_is_a_timeout_and_its_leg_is_left(tmp_path, autojump_clock):
+    from orchestrator.errors import RequestTimedOut
+
+    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
+    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
+    plan = await c.plan(chat(), "e4")
+    sink = Sink()
+    started = trio.current_time()
+    with pytest.raises(RequestTimedOut, match="within 2 s"):
+        await c.execute(plan, sink)
+    assert trio.current_time() - started == pytest.approx(2.0)
+    assert sink.text == " weather" and decode.cancelled == ["e4"]
+
+
+async def test_a_request_cancelled_by_its_watch_is_not_a_timeout(tmp_path, autojump_clock):
+    """The client went: execute returns (the caller knows it was the watch) and the leg is left."""
+    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
+    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
+    plan = await c.plan(chat(), "e5")
+
+    def watch(request: trio.Nursery) -> None:
+        async def client_goes() -> None:
+            await trio.sleep(0.5)
+            request.cancel_scope.cancel()
+
+        request.start_soon(client_goes)
+
+    await c.execute(plan, Sink(), watch=watch)
+    assert decode.cancelled == ["e5"]
+
+
+async def test_a_request_that_ends_in_time_leaves_no_deadline_or_watcher_behind(tmp_path, autojump_clock):
+    decode, pool = one_decode_worker(lambda r: decode_tokens(3, gap=0.5))
+    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
+    plan = await c.plan(chat(), "e6")
+    watching: list[trio.Nursery] = []
+    sink = Sink()
+    await c.execute(plan, sink, watch=lambda request: (watching.append(request), request.start_soon(trio.sleep_forever)))
+    assert sink.finished == ("length", 3) and decode.cancelled == []
+    assert watching[0].child_tasks == frozenset()  # the watcher was stopped when the flow ended
+    await trio.sleep(5)  # past the request's deadline: nothing of it is left to fire
+
+
+async def test_a_cancellation_from_outside_propagates_and_is_not_a_timeout(tmp_path, autojump_clock):
+    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
+    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
+    plan = await c.plan(chat(), "e7")
+    with trio.move_on_after(0.5) as outside:
+        await c.execute(plan, Sink())
+    assert outside.cancelled_caught and decode.cancelled == ["e7"]
+
+
+async def test_a_request_whose_answer_completes_after_its_deadline_passed_is_not_a_timeout(tmp_path, autojump_clock):
+    """The deadline passed while the answer's end was being written under a shield: the answer is whole,
+    though a watcher task (plain ASGI) is cancelled after it, in the nursery whose deadline has passed."""
+
+    class SlowFinish(Sink):
+        async def finish(self, reason, prompt_tokens, completion_tokens):
+            with trio.CancelScope(shield=True):
+                await trio.sleep(3)
+            await super().finish(reason, prompt_tokens, completion_tokens)
+
+    decode, pool = one_decode_worker(lambda r: decode_tokens(3))
+    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
+    plan = await c.plan(chat(), "e8")
+    sink = SlowFinish()
+    await c.execute(plan, sink, watch=lambda request: request.start_soon(trio.sleep_forever))
+    assert sink.finished == ("length", 3) and trio.current_time() > 2.0
