@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from h11_helpers import read_back_responses as parse_responses
-from orchestrator.frontend.http_server import ON_DISCONNECT, ServerLimits, open_listener, serve_http
+from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT, ServerLimits, open_listener, serve_http
 
 
 @asynccontextmanager
@@ -294,6 +294,74 @@ async def test_an_idle_keep_alive_connection_and_an_unfinished_head_are_closed_a
         elapsed = trio.current_time() - start
     assert parse_responses(reply)[0][0].status_code == 200
     assert 0.2 < elapsed < 3
+
+
+async def test_a_response_longer_than_keep_alive_s_is_whole_and_the_client_going_is_still_seen_meanwhile():
+    """keep_alive_s bounds the idle time between requests only: while a request is answered the reader keeps
+    watching for the client, then the idle time counts from the end of the response."""
+    gone = trio.Event()
+
+    async def slow_then_watch(scope, receive, send):
+        await receive()
+        scope["extensions"][ON_DISCONNECT](gone.set)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(4):
+            await trio.sleep(0.2)
+            await send({"type": "http.response.body", "body": b"part ", "more_body": True})
+        if scope["path"] == "/last":
+            await send({"type": "http.response.body", "body": b"end", "more_body": False})
+            return
+        await trio.sleep_forever()
+
+    async with running(slow_then_watch, keep_alive_s=0.3) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/last"))
+        data = b""
+        with trio.fail_after(5):
+            while not data.endswith(b"0\r\n\r\n"):
+                data += await client.receive_some(65536)
+        ended = trio.current_time()
+        assert parse_responses(data)[0][1] == b"part " * 4 + b"end"
+        assert await read_until_closed(client) == b""  # then idle for keep_alive_s: closed
+        assert 0.2 < trio.current_time() - ended < 3
+
+        client = await server.connect()
+        await client.send_all(head(target="/watch"))
+        with trio.fail_after(5):
+            received = b""
+            while received.count(b"part") < 4:  # 0.8 s into the response, past keep_alive_s
+                received += await client.receive_some(65536)
+        await client.aclose()
+        with trio.fail_after(5):
+            await gone.wait()
+
+
+async def test_body_arrived_tells_whether_receive_has_the_whole_body_at_once():
+    seen: list[tuple[bool, int]] = []
+
+    async def app(scope, receive, send):
+        arrived = scope["extensions"][BODY_ARRIVED]
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen.append((arrived, len(body)))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head("POST", body=b"x" * 100))
+        with trio.fail_after(5):
+            await client.receive_some(65536)
+        await client.send_all(head("POST", body=b"y" * 100)[:-40])  # the head and part of the body
+        await trio.sleep(0.2)
+        await client.send_all(b"y" * 40)
+        with trio.fail_after(5):
+            await client.receive_some(65536)
+    assert seen == [(True, 100), (False, 100)]
 
 
 async def test_drain_closes_idle_connections_at_once_and_lets_in_flight_responses_finish():

@@ -28,7 +28,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
-from orchestrator.frontend.http_server import ON_DISCONNECT
+from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
@@ -164,15 +164,19 @@ class App:
         try:
             if self.draining:
                 raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
-            with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+            extensions = scope.get("extensions") or {}
+            if extensions.get(BODY_ARRIVED):  # the native server has all of it: nothing to wait for
                 body, size = await read_json(receive, self.config.limits.max_request_bytes)
-                self.trim_due |= size >= BIG_BODY_BYTES
+            else:
+                with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+                    body, size = await read_json(receive, self.config.limits.max_request_bytes)
+            self.trim_due |= size >= BIG_BODY_BYTES
             api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             plan = await self.coordinator.plan(api, engine_id)
-            on_disconnect = scope.get("extensions", {}).get(ON_DISCONNECT)
+            on_disconnect = extensions.get(ON_DISCONNECT)
             outcome = await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
         except (ApiError, RequestError, EngineError) as error:
             api_error = to_api_error(error)

@@ -13,6 +13,8 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
   `receive()` returns `http.disconnect`. An application can instead hand a callback to the scope's
   `ON_DISCONNECT` extension: the reader calls it when the client goes, so no task of its own has to
   wait in `receive()` (the orchestrator's request nursery is cancelled that way, without a watcher task).
+  The `BODY_ARRIVED` extension says whether the whole body was read before the application was called:
+  then `receive()` returns it without waiting, and the application needs no timer against a slow body.
 - graceful drain: on shutdown, stop accepting, close idle connections, let in-flight requests finish
   for `grace_s`, then cancel them.
 - TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
@@ -24,6 +26,7 @@ The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn 
 from __future__ import annotations
 
 import logging
+import math
 import socket as stdlib_socket
 import ssl
 from collections import deque
@@ -44,6 +47,7 @@ _READ_SIZE = 64 * 1024
 _BODY_BUFFER = 1 << 20  # request body bytes read ahead of the application before reading pauses
 _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before reading pauses
 ON_DISCONNECT = "orchestrator.on_disconnect"  # scope["extensions"] key: register a callback for the client going
+BODY_ARRIVED = "orchestrator.body_arrived"  # scope["extensions"] key: True when receive() has the whole body
 
 
 @attrs.frozen
@@ -191,6 +195,9 @@ class _Connection:
         self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
         self.upgrade_ignored = False  # no request can follow on this connection
         self._changed = trio.Event()
+        # The reader runs in this scope; its deadline is keep_alive_s after the connection fell idle (inf while
+        # a request is answered). One scope per connection: a timer per request cost ~3% of a one-token request.
+        self.idle = trio.CancelScope()
         self.answering: _Exchange | None = None  # the request being answered (its disconnect callback)
         self._header_parts: list[tuple[bytes, bytes]] = []
         self._target = b""
@@ -205,6 +212,13 @@ class _Connection:
         await self._changed.wait()
 
     async def read(self) -> None:
+        try:
+            with self.idle:  # its deadline passing ends the connection like the client going (see _next_request)
+                await self._read()
+        finally:
+            self._gone()
+
+    async def _read(self) -> None:
         try:
             while self.bad_request is None:
                 while self.buffered > _BODY_BUFFER or len(self.parsed) > _PIPELINE_DEPTH:
@@ -231,8 +245,6 @@ class _Connection:
                 self.notify()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             pass
-        finally:
-            self._gone()
 
     def _gone(self) -> None:
         """The client closed its side or the connection broke: wake receive() and call the callback."""
@@ -295,18 +307,21 @@ class _Connection:
                 nursery.cancel_scope.cancel()
 
     async def _next_request(self) -> _Request | None:
-        """The next request whose head is complete; None when the connection should close."""
-        with trio.move_on_after(self.server.limits.keep_alive_s):
-            while True:
-                if self.parsed:
-                    return self.parsed[0]
-                if self.bad_request is not None:
-                    await self.write(wire.error_response(*self.bad_request))
-                    return None
-                if self.eof or (self.server.draining and not self.in_head):
-                    return None
-                await self.changed()
-        return None  # idle (or a head still incomplete) for keep_alive_s
+        """The next request whose head is complete; None when the connection should close: the client went,
+        the server drains, or no whole head came within keep_alive_s (the reader stops then: eof)."""
+        idle = self.idle
+        if not self.parsed:
+            idle.deadline = trio.current_time() + self.server.limits.keep_alive_s
+        while True:
+            if self.parsed:
+                idle.deadline = math.inf  # answering: however long it takes, the reader watches for the client
+                return self.parsed[0]
+            if self.bad_request is not None:
+                await self.write(wire.error_response(*self.bad_request))
+                return None
+            if self.eof or (self.server.draining and not self.in_head):
+                return None
+            await self.changed()
 
     async def _answer(self, request: _Request) -> bool:
         """Run the application for one request; whether the connection can take another."""
@@ -318,6 +333,7 @@ class _Connection:
                  "extensions": {}}
         exchange = _Exchange(self, request)
         scope["extensions"][ON_DISCONNECT] = exchange.call_on_disconnect
+        scope["extensions"][BODY_ARRIVED] = request.complete  # reading it cannot wait (no slowloris timer needed)
         self.answering = exchange
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
