@@ -76,6 +76,31 @@ def test_a_string_only_template_gets_text_parts_joined_and_the_image_token_of_th
     assert tokenizer.render_chat(IMAGE_TURN) == "[user] look\n<|image|>\nand\n<|image|>\n"
 
 
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
+                                            "content": st.text(max_size=40)}), min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(MESSAGES)
+def test_render_chat_is_what_jinjas_own_render_gives(messages):
+    """render_chat calls the template's render function itself, with the variables merged once at load."""
+    expected = TOKENIZER._template.render(messages=messages, add_generation_prompt=True,
+                                          bos_token=TOKENIZER.bos_token or "", eos_token=TOKENIZER.eos_token or "")
+    assert TOKENIZER.render_chat(messages) == expected
+
+
+def test_a_template_sees_bos_eos_and_the_globals_and_its_raise_exception_is_a_template_error(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('no ' + m['role']) }}"
+                "{% endif %}{{ m['content'] }}{{ eos_token }}{% endfor %}{{ range(2) | list }}{{ add_generation_prompt }}")
+    tokenizer = ModelTokenizer.from_dir(string_only_model(tmp_path, bos_token="<s>", chat_template=template))
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<s>hi<|im_end|>[0, 1]True"
+    with pytest.raises(TemplateError, match="no bad"):
+        tokenizer.render_chat([{"role": "bad", "content": "x"}])
+    with pytest.raises(TemplateError):  # the sandbox stays: no attribute of a Python internal
+        ModelTokenizer.from_dir(string_only_model(tmp_path, chat_template="{{ messages.__class__.__mro__ }}")) \
+            .render_chat([{"role": "user", "content": "x"}])
+
+
 def test_a_model_that_names_no_image_placeholder_refuses_images_instead_of_guessing(tmp_path):
     tokenizer = ModelTokenizer.from_dir(string_only_model(tmp_path))
     assert tokenizer.render_chat([{"role": "user", "content": [{"type": "text", "text": "a"},
