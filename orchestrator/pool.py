@@ -275,7 +275,8 @@ class WorkerPool:
             # Which workers and why: the log and /health (operators); the client learns only the counts.
             raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
                                     code="no_worker_available", retry_after=1)
-        chosen = self._policies[role].choose(candidates, trio.current_time())
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
+        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
         chosen.sent_since_load += 1
         return chosen

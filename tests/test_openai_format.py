@@ -63,3 +63,17 @@ def test_the_finish_and_usage_chunks(kind, role_sent):
     usage = parse(chunk_writer.usage(5, 3))
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3,
                                                          "total_tokens": 8}
+
+
+@given(TEXT, TEXT, st.integers(0, 2**40), st.integers(0, 2**31), st.integers(0, 2**31))
+@settings(max_examples=200, deadline=None)
+def test_any_request_id_and_model_read_back_and_usage_adds_up(request_id, model, created, prompt, completion):
+    """The head and the usage chunk are spelled out by hand: they must be what the JSON encoder gives."""
+    chunk_writer = fmt.ChunkWriter("chat", request_id, model, created)
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    assert parse(chunk_writer.delta("x")) == {**head, "choices": [{"index": 0, "delta": {
+        "role": "assistant", "content": "x"}, "logprobs": None, "finish_reason": None}]}
+    usage = chunk_writer.usage(prompt, completion)
+    assert parse(usage) == {**head, "choices": [], "usage": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    assert usage == fmt.sse({**head, "choices": [], "usage": fmt.usage(prompt, completion)})  # byte for byte

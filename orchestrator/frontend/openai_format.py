@@ -60,8 +60,10 @@ class ChunkWriter:
     def __init__(self, kind: str, request_id: str, model: str, created: int):
         self.kind = kind
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        head = _dumps({"id": request_id, "object": obj, "created": created, "model": model})[:-1]
-        self._head = "data: " + head + ',"choices":[{"index":0,'
+        # _dumps of {"id", "object", "created", "model"} without its closing brace, spelled out (a dict
+        # through the encoder costs several times its two strings)
+        self._head = (f'data: {{"id":{_json_string(request_id)},"object":"{obj}","created":{int(created)},'
+                      f'"model":{_json_string(model)},"choices":[{{"index":0,')
         self._role_sent = False
         # The usual event, a chat content delta without logprobs, around its one variable part.
         self._content_head = self._head + '"delta":{"content":'
@@ -84,11 +86,13 @@ class ChunkWriter:
     def finish(self, reason: str) -> bytes:
         body = ('"delta":{}' if self._role_sent else '"delta":{"role":"assistant","content":""}') \
             if self.kind == "chat" else '"text":""'
-        return (self._head + body + ',"logprobs":null,"finish_reason":' + _dumps(reason) + "}]}\n\n").encode()
+        return (self._head + body + ',"logprobs":null,"finish_reason":' + _json_string(reason) + "}]}\n\n").encode()
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         head = self._head[: -len('{"index":0,')]
-        return (head + "]," + '"usage":' + _dumps(usage(prompt_tokens, completion_tokens)) + "}\n\n").encode()
+        prompt, completion = int(prompt_tokens), int(completion_tokens)  # usage(), spelled out
+        return (f'{head}],"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
+                f'"total_tokens":{prompt + completion}}}}}\n\n').encode()
 
 
 def error_event(body: dict) -> bytes:
