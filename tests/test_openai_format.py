@@ -77,3 +77,13 @@ def test_any_request_id_and_model_read_back_and_usage_adds_up(request_id, model,
     assert parse(usage) == {**head, "choices": [], "usage": {
         "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
     assert usage == fmt.sse({**head, "choices": [], "usage": fmt.usage(prompt, completion)})  # byte for byte
+
+
+@given(st.sampled_from(["chat", "completion"]), st.lists(TEXT, min_size=1, max_size=5), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_deltas_of_a_batch_are_the_single_deltas_joined(kind, texts, earlier_delta):
+    one_by_one, batched = writer(kind), writer(kind)
+    if earlier_delta:
+        one_by_one.delta("a"), batched.delta("a")
+    assert batched.deltas(texts) == b"".join(one_by_one.delta(text) for text in texts)
+    assert batched.delta("z") == one_by_one.delta("z")  # and both know the role was sent

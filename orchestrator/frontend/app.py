@@ -261,7 +261,10 @@ class _StreamingSink:
 
     async def deltas(self, items) -> None:
         # An SSE event per token, one write for the batch: the socket write is the dominant cost.
-        await self.response.chunk(b"".join([self._event(text, logprobs) for text, _, logprobs in items]))
+        if self.api.logprobs:
+            await self.response.chunk(b"".join([self._event(text, logprobs) for text, _, logprobs in items]))
+        else:  # no logprobs and no text offsets to track: the events are texts between fixed fragments
+            await self.response.chunk(self.writer.deltas([text for text, _, _ in items]))
 
     def _event(self, text, logprobs) -> bytes:
         lp = None

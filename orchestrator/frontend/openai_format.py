@@ -64,14 +64,18 @@ class ChunkWriter:
         # through the encoder costs several times its two strings)
         self._head = (f'data: {{"id":{_json_string(request_id)},"object":"{obj}","created":{int(created)},'
                       f'"model":{_json_string(model)},"choices":[{{"index":0,')
-        self._role_sent = False
-        # The usual event, a chat content delta without logprobs, around its one variable part.
-        self._content_head = self._head + '"delta":{"content":'
-        self._content_tail = '},"logprobs":null,"finish_reason":null}]}\n\n'
+        self._role_sent = kind != "chat"  # only a chat stream's first delta carries the role
+        # The usual event, a text delta without logprobs, around its one variable part (the JSON string).
+        if kind == "chat":
+            self._text_head = self._head + '"delta":{"content":'
+            self._text_tail = '},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            self._text_head = self._head + '"text":'
+            self._text_tail = ',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def delta(self, text: str, logprobs: dict | None = None) -> bytes:
-        if self._role_sent and logprobs is None and self.kind == "chat":
-            return (self._content_head + _json_string(text) + self._content_tail).encode()
+        if self._role_sent and logprobs is None:
+            return (self._text_head + _json_string(text) + self._text_tail).encode()
         if self.kind == "chat":
             if not self._role_sent:
                 self._role_sent = True
@@ -82,6 +86,17 @@ class ChunkWriter:
             body = '"text":' + _dumps(text)
         lp = "null" if logprobs is None else _dumps(logprobs)
         return (self._head + body + ',"logprobs":' + lp + ',"finish_reason":null}]}\n\n').encode()
+
+    def deltas(self, texts: Sequence[str]) -> bytes:
+        """One event per text, without logprobs, as one buffer (what `delta` gives for each, joined)."""
+        first = b""
+        if not self._role_sent:
+            first, texts = self.delta(texts[0]), texts[1:]
+            if not texts:
+                return first
+        between = self._text_tail + self._text_head
+        return first + (self._text_head + between.join(map(_json_string, texts))
+                        + self._text_tail).encode()
 
     def finish(self, reason: str) -> bytes:
         body = ('"delta":{}' if self._role_sent else '"delta":{"role":"assistant","content":""}') \
