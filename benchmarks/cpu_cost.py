@@ -1,11 +1,12 @@
 """The orchestrator's own CPU per request and per streamed token, aggregated and disaggregated.
 
-    python benchmarks/cpu_cost.py [--requests 256] [--concurrency 16] [--max-tokens 1 64 256]
+    python benchmarks/cpu_cost.py [--requests 256] [--concurrency 16] [--max-tokens 1 64 256] [--fit-rounds 4]
 
 Simulated workers at zero GPU cost (--time-scale 0). For each mode and each max_tokens, the same
 streamed requests go through `orchestrator serve` and its CPU time (its threads' run time in ns from
 /proc/PID/task/*/schedstat, the same time utime + stime count in 10 ms ticks) is read before and after;
-the CPU per request is fitted by least squares as a + b * tokens, and so is the CPU of our gRPC client
+the CPU per request is fitted by least squares as a + b * tokens, in rounds where the max_tokens values take
+turns (a and b are the medians of the rounds' fits; their range is printed), and so is the CPU of our gRPC client
 reading the same streams alone (the floor any Python gRPC consumer pays). The SSE events per streamed
 token are counted on the wire. Then, at concurrency 64, streamed tokens/s through the orchestrator against
 the same streams driven directly over gRPC (benchmarks/overhead.py's drivers), in interleaved rounds
@@ -87,21 +88,34 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-async def cpu_points(url: str, pid: int, args) -> tuple[list[tuple[float, float]], float]:
-    """(tokens per request, CPU seconds per request) for each max_tokens; and SSE events per token."""
-    points, events, tokens = [], 0, 0
-    for max_tokens in args.max_tokens:
-        streams = ThroughOrchestrator(url, max_tokens)
+async def cpu_points(url: str, pid: int, args) -> tuple[list[list[tuple[float, float]]], float]:
+    """Per round, (tokens per request, CPU seconds per request) for each max_tokens; and SSE events per token.
+
+    The max_tokens values take turns, `--fit-rounds` times: a machine whose speed drifts (a shared VM)
+    then slows every point of a round alike instead of bending the line, and the rounds show the spread."""
+    all_streams = [ThroughOrchestrator(url, max_tokens) for max_tokens in args.max_tokens]
+    for streams in all_streams:
         await run_slots(args.concurrency, 2, streams)  # warm-up
         streams.events = streams.tokens = 0
-        per_slot = max(1, args.requests // args.concurrency)
-        before = cpu_seconds(pid)
-        await run_slots(args.concurrency, per_slot, streams)
-        spent = cpu_seconds(pid) - before
-        requests = per_slot * args.concurrency
-        points.append((streams.tokens / requests, spent / requests))
-        events, tokens = events + streams.events, tokens + streams.tokens
-    return points, events / max(tokens, 1)
+    per_slot = max(1, args.requests // (args.concurrency * args.fit_rounds))
+    requests = per_slot * args.concurrency
+    rounds = []
+    for _ in range(args.fit_rounds):
+        points = []
+        for streams in all_streams:
+            tokens_before, cpu_before = streams.tokens, cpu_seconds(pid)
+            await run_slots(args.concurrency, per_slot, streams)
+            spent = cpu_seconds(pid) - cpu_before
+            points.append(((streams.tokens - tokens_before) / requests, spent / requests))
+        rounds.append(points)
+    events, tokens = sum(s.events for s in all_streams), sum(s.tokens for s in all_streams)
+    return rounds, events / max(tokens, 1)
+
+
+def fit_rounds(rounds: list[list[tuple[float, float]]]) -> tuple[float, float, list[tuple[float, float]]]:
+    """The median a and median b of the rounds' own fits, and those fits."""
+    fits = [fit_line(points) for points in rounds]
+    return statistics.median(a for a, _ in fits), statistics.median(b for _, b in fits), fits
 
 
 async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args,
@@ -149,6 +163,9 @@ async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prom
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256, help="streams per max_tokens value (default 256)")
+    parser.add_argument("--fit-rounds", type=int, default=4,
+                        help="rounds in which the max_tokens values take turns; a and b are the medians of the "
+                             "rounds' fits (default 4)")
     parser.add_argument("--concurrency", type=int, default=16, help="for the CPU fit (default 16)")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--retained-max-tokens", type=int, default=64, help="for the c=64 comparison (default 64)")
@@ -183,12 +200,14 @@ def main(argv=None) -> int:
                     "coalesce_tokens": args.coalesce_tokens, "server": http_server, "processes": processes},
                     stream_transport=transport)
                 idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
-                points, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
-                a, b = fit_line(points)
+                rounds, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
+                a, b, fits = fit_rounds(rounds)
+                points = [(statistics.median(p[0] for p in column), statistics.median(p[1] for p in column))
+                          for column in zip(*rounds)]  # per max_tokens, over the rounds
                 floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args, transport))
                 direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
                 label = f"{http_server} x{processes}" + (f" {transport}" if transport != default_transport else "")
-                rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor))
+                rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor, fits))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
     finally:
@@ -203,12 +222,15 @@ def report(rows, args) -> None:
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
     print(f"{'mode':14} {'server':15} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
-    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor in rows:
+    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor, fits in rows:
         target_a, target_b = TARGETS[mode]
         print(f"{mode:14} {http_server:15} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
-        print(f"{'':30} per request: {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        print(f"{'':30} per request (medians): {detail}; idle: {idle:.1f} ms CPU per s (target 8)")
+        a_values, b_values = [fit[0] * 1e3 for fit in fits], [fit[1] * 1e6 for fit in fits]
+        print(f"{'':30} over {len(fits)} rounds: a {min(a_values):.2f}-{max(a_values):.2f} ms, "
+              f"b {min(b_values):.1f}-{max(b_values):.1f} us/tok (the table has their medians)")
         print(f"{'':30} floor, our engine client alone (same transport, no HTTP): a {floor[0] * 1e3:.2f} ms, "
               f"b {floor[1] * 1e6:.1f} us/tok; serve/floor: a {a / floor[0]:.2f}x, b {b / floor[1]:.2f}x")
     for mode in dict.fromkeys(row[0] for row in rows):

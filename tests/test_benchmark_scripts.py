@@ -22,7 +22,7 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
     out = run("cpu_cost.py", "--requests", "16", "--concurrency", "4", "--max-tokens", "1", "8",
               "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
               "grpcio", "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
-              "--idle-seconds", "0.5")
+              "--idle-seconds", "0.5", "--fit-rounds", "2")
     rows = {m.group(1): m for m in re.finditer(
         r"^aggregated\s+(native x1(?: grpcio)?)\s+([\d.]+)\s+1\.0\s+(-?[\d.]+)\s+20\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)",
         out, re.M)}
@@ -31,6 +31,7 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
         assert float(row.group(2)) > 0 and float(row.group(4)) == 1.0  # CPU per request; one event per token
         assert int(row.group(5)) > 0 and int(row.group(6)) > 0
     assert "aggregated: native x1 grpcio/native x1" in out and "idle:" in out and "serve/floor" in out
+    assert len(re.findall(r"over 2 rounds: a -?[\d.]+--?[\d.]+ ms, b -?[\d.]+--?[\d.]+ us/tok", out)) == 2, out
 
 
 def test_http2_framing_prints_ours_against_h2():
