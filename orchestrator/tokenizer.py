@@ -58,9 +58,9 @@ class ModelTokenizer:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
         # What every render passes besides the messages, merged with the template's globals once: render()
-        # merges its chain of globals into a new dict on every call, two thirds of a short chat's render.
-        self._render_vars = {**self._template.globals, "add_generation_prompt": True, "bos_token": self.bos_token or "",
-                             "eos_token": self.eos_token or ""} if template else {}
+        # merges its chain of globals into a new dict on every call, half of a short chat's render.
+        self._render_vars = {**self._template.globals, "add_generation_prompt": True,
+                             "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""} if template else {}
         self.takes_content_parts = bool(template) and _iterates_message_content(env.parse(template))
         self.token_bytes = _byte_level_token_bytes(tokenizer)
         # each token's text when its bytes are whole characters on their own (most are), else None

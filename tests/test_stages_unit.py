@@ -402,7 +402,12 @@ async def test_a_request_that_ends_in_time_leaves_no_deadline_or_watcher_behind(
     plan = await c.plan(chat(), "e6")
     watching: list[trio.Nursery] = []
     sink = Sink()
-    await c.execute(plan, sink, watch=lambda request: (watching.append(request), request.start_soon(trio.sleep_forever)))
+
+    def watch(request: trio.Nursery) -> None:
+        watching.append(request)
+        request.start_soon(trio.sleep_forever)
+
+    await c.execute(plan, sink, watch=watch)
     assert sink.finished == ("length", 3) and decode.cancelled == []
     assert watching[0].child_tasks == frozenset()  # the watcher was stopped when the flow ended
     await trio.sleep(5)  # past the request's deadline: nothing of it is left to fire

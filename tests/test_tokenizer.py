@@ -90,8 +90,9 @@ def test_render_chat_is_what_jinjas_own_render_gives(messages):
 
 
 def test_a_template_sees_bos_eos_and_the_globals_and_its_raise_exception_is_a_template_error(tmp_path):
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('no ' + m['role']) }}"
-                "{% endif %}{{ m['content'] }}{{ eos_token }}{% endfor %}{{ range(2) | list }}{{ add_generation_prompt }}")
+    template = ("{{ bos_token }}{% for m in messages %}"
+                "{% if m['role'] == 'bad' %}{{ raise_exception('no ' + m['role']) }}{% endif %}"
+                "{{ m['content'] }}{{ eos_token }}{% endfor %}{{ range(2) | list }}{{ add_generation_prompt }}")
     tokenizer = ModelTokenizer.from_dir(string_only_model(tmp_path, bos_token="<s>", chat_template=template))
     assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<s>hi<|im_end|>[0, 1]True"
     with pytest.raises(TemplateError, match="no bad"):
