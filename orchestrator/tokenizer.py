@@ -57,6 +57,10 @@ class ModelTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
+        if self._template is not None:
+            # The same globals as a plain dict instead of jinja's ChainMap over the environment's: every
+            # render lists a template's globals (Context.globals_keys), and a ChainMap lists itself slowly.
+            self._template.globals = dict(self._template.globals)
         # What every render passes besides the messages, merged with the template's globals once: render()
         # merges its chain of globals into a new dict on every call, half of a short chat's render.
         self._render_vars = {**self._template.globals, "add_generation_prompt": True,
