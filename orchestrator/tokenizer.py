@@ -216,7 +216,7 @@ class IncrementalDetokenizer:
             self._pending: list[int] = []  # ids the stream has not turned into text yet (a partial character)
         self._unfinished = b""  # byte-level: the bytes of a character still missing some
         self._held = ""  # decoded text not handed out yet: it may be the start of a stop string
-        self._stops = tuple(s for s in stop if s)
+        self._stops = tuple([s for s in stop if s]) if stop else ()
         self.stopped_on: str | None = None
 
     def add(self, ids: Sequence[int]) -> str:

@@ -102,6 +102,22 @@ def test_full_leg_carries_prompt_media_sampling_stopping_logprobs_and_guides():
     assert (item.modality, item.url, item.uuid) == (g.MODALITY_IMAGE, "https://a.example/1.png", "cat")
 
 
+def test_the_leg_always_has_its_prompt_sampling_and_stopping_messages_and_their_order_of_conditions():
+    """full_leg fills the message in place: it must serialize as one built from its parts would."""
+    bare = text_request()
+    leg = full_leg(bare, request_id="r", model="m", prompt_ids=[], limits=limits(bare))
+    assert leg.HasField("token_ids") and leg.HasField("sampling") and leg.HasField("stopping")
+    req = text_request(stop=["a", "b"], stop_token_ids=[5, 6], top_p=0.5, max_tokens=3, ignore_eos=True)
+    leg = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
+    from_parts = g.GenerateRequest(
+        request_id="r", model="m", token_ids=g.TokenIds(ids=[1, 2, 3]), sampling=g.SamplingParams(top_p=0.5),
+        stopping=g.StoppingOptions(conditions=[g.StopCondition(stop_text="a"), g.StopCondition(stop_text="b"),
+                                               g.StopCondition(stop_token_id=5), g.StopCondition(stop_token_id=6)],
+                                   max_tokens=3, ignore_eos=True))
+    from_parts.extra["detokenize"] = False
+    assert leg.SerializeToString(deterministic=True) == from_parts.SerializeToString(deterministic=True)
+
+
 def _session():
     session = kv_pb2.KvSessionRef(session_id="17", transfer_backend="nixl", dp_rank=2,
                                   endpoints=[kv_pb2.KvEndpoint(host="10.0.0.1", port=5, protocol="tcp")])

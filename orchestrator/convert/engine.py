@@ -130,27 +130,37 @@ def media_items(images: tuple[ImageRef, ...]) -> list[g.MediaItem]:
     return items
 
 
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
 def full_leg(req: ApiRequest, *, request_id: str, model: str, prompt_ids: list[int] | tuple[int, ...],
              limits: Limits) -> g.GenerateRequest:
     """The complete engine request: prompt tokens, media in order, sampling, stopping, logprobs, guides."""
-    s = req.sampling
-    sampling = g.SamplingParams()
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+    # Filled in place: messages built apart and passed to the constructor are copied in (twice the time).
+    request = g.GenerateRequest(request_id=request_id, model=model)
+    request.token_ids.SetInParent()  # token_ids, sampling and stopping are always present, even empty
+    request.token_ids.ids.extend(prompt_ids)
+    s, sampling = req.sampling, request.sampling
+    sampling.SetInParent()
+    for name in _SAMPLING_FIELDS:
         value = getattr(s, name)
         if value is not None:
             setattr(sampling, name, value)
-    stopping = g.StoppingOptions(
-        conditions=[g.StopCondition(stop_text=t) for t in req.stop]
-        + [g.StopCondition(stop_token_id=t) for t in req.stop_token_ids])
+    stopping = request.stopping
+    stopping.SetInParent()
+    for text in req.stop:
+        stopping.conditions.add(stop_text=text)
+    for token_id in req.stop_token_ids:
+        stopping.conditions.add(stop_token_id=token_id)
     if limits.max_tokens is not None:
         stopping.max_tokens = limits.max_tokens
     if req.min_tokens is not None:
         stopping.min_tokens = req.min_tokens
     if req.ignore_eos:
         stopping.ignore_eos = True
-    request = g.GenerateRequest(request_id=request_id, model=model, token_ids=g.TokenIds(ids=prompt_ids),
-                                sampling=sampling, stopping=stopping, media=media_items(req.images))
+    if req.images:
+        request.media.extend(media_items(req.images))
     # We detokenize ourselves (incrementally, with stop strings): the engine need not. Both extensions are
     # TensorRT-LLM's (tensorrt_llm/grpc/openengine/request_mapping.py); other engines ignore `extra`.
     request.extra["detokenize"] = False
