@@ -45,14 +45,19 @@ async def read_until_closed(stream, timeout=5.0) -> bytes:
     return data
 
 
-async def echo(scope, receive, send):
-    """Replies with the method, path, query and the body it read, as JSON."""
+async def read_body(receive) -> bytes:
+    """The whole request body, as an ASGI app reads it."""
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if not message.get("more_body"):
-            break
+            return body
+
+
+async def echo(scope, receive, send):
+    """Replies with the method, path, query and the body it read, as JSON."""
+    body = await read_body(receive)
     data = json.dumps({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
                        "body_bytes": len(body), "client_port": scope["client"][1]}).encode()
     await send({"type": "http.response.start", "status": 200,
@@ -341,13 +346,7 @@ async def test_body_arrived_tells_whether_receive_has_the_whole_body_at_once():
 
     async def app(scope, receive, send):
         arrived = scope["extensions"][BODY_ARRIVED]
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        seen.append((arrived, len(body)))
+        seen.append((arrived, len(await read_body(receive))))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 

@@ -15,7 +15,7 @@ from orchestrator.decode import StreamState, generation_leg
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
-from orchestrator.errors import NoWorkerAvailable
+from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
 from orchestrator.kv import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -358,19 +358,18 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_declare
     assert (await c.plan(chat(), "e4")).path == "local"
 
 
-def one_decode_worker(script):
+async def timed_request(tmp_path, script, request_id):
+    """One aggregated worker running `script`, a coordinator whose request_timeout_s is 2, and a planned chat."""
     from orchestrator.fake_engine import capabilities
 
-    decode = FakeEngineClient("d0", capabilities(), script)
-    return decode, FakePool([fake_worker("aggregated", decode)])
+    worker = FakeEngineClient("d0", capabilities(), script)
+    c = coordinator(tmp_path, "aggregated", FakePool([fake_worker("aggregated", worker)]),
+                    limits={"request_timeout_s": 2.0})
+    return worker, c, await c.plan(chat(), request_id)
 
 
 async def test_a_request_past_request_timeout_s_is_a_timeout_and_its_leg_is_left(tmp_path, autojump_clock):
-    from orchestrator.errors import RequestTimedOut
-
-    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
-    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
-    plan = await c.plan(chat(), "e4")
+    decode, c, plan = await timed_request(tmp_path, lambda r: [Send(Tokens((WORD,))), Hang()], "e4")
     sink = Sink()
     started = trio.current_time()
     with pytest.raises(RequestTimedOut, match="within 2 s"):
@@ -381,9 +380,7 @@ async def test_a_request_past_request_timeout_s_is_a_timeout_and_its_leg_is_left
 
 async def test_a_request_cancelled_by_its_watch_is_not_a_timeout(tmp_path, autojump_clock):
     """The client went: execute returns (the caller knows it was the watch) and the leg is left."""
-    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
-    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
-    plan = await c.plan(chat(), "e5")
+    decode, c, plan = await timed_request(tmp_path, lambda r: [Send(Tokens((WORD,))), Hang()], "e5")
 
     def watch(request: trio.Nursery) -> None:
         async def client_goes() -> None:
@@ -397,9 +394,7 @@ async def test_a_request_cancelled_by_its_watch_is_not_a_timeout(tmp_path, autoj
 
 
 async def test_a_request_that_ends_in_time_leaves_no_deadline_or_watcher_behind(tmp_path, autojump_clock):
-    decode, pool = one_decode_worker(lambda r: decode_tokens(3, gap=0.5))
-    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
-    plan = await c.plan(chat(), "e6")
+    decode, c, plan = await timed_request(tmp_path, lambda r: decode_tokens(3, gap=0.5), "e6")
     watching: list[trio.Nursery] = []
     sink = Sink()
 
@@ -414,9 +409,7 @@ async def test_a_request_that_ends_in_time_leaves_no_deadline_or_watcher_behind(
 
 
 async def test_a_cancellation_from_outside_propagates_and_is_not_a_timeout(tmp_path, autojump_clock):
-    decode, pool = one_decode_worker(lambda r: [Send(Tokens((WORD,))), Hang()])
-    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
-    plan = await c.plan(chat(), "e7")
+    decode, c, plan = await timed_request(tmp_path, lambda r: [Send(Tokens((WORD,))), Hang()], "e7")
     with trio.move_on_after(0.5) as outside:
         await c.execute(plan, Sink())
     assert outside.cancelled_caught and decode.cancelled == ["e7"]
@@ -432,9 +425,7 @@ async def test_a_request_whose_answer_completes_after_its_deadline_passed_is_not
                 await trio.sleep(3)
             await super().finish(reason, prompt_tokens, completion_tokens)
 
-    decode, pool = one_decode_worker(lambda r: decode_tokens(3))
-    c = coordinator(tmp_path, "aggregated", pool, limits={"request_timeout_s": 2.0})
-    plan = await c.plan(chat(), "e8")
+    _, c, plan = await timed_request(tmp_path, lambda r: decode_tokens(3), "e8")
     sink = SlowFinish()
     await c.execute(plan, sink, watch=lambda request: request.start_soon(trio.sleep_forever))
     assert sink.finished == ("length", 3) and trio.current_time() > 2.0

@@ -128,7 +128,7 @@ class _Server:
             waited_since = trio.current_time() - limit
             for connection in list(self.open):
                 if connection.waiting_since is not None and connection.waiting_since <= waited_since:
-                    connection.idle.cancel()  # its reader stops: the connection ends as if the client went
+                    connection.reading.cancel()  # its reader stops: the connection ends as if the client went
 
     async def connection(self, stream: trio.SocketStream) -> None:
         try:
@@ -209,7 +209,7 @@ class _Connection:
         self._changed = trio.Event()
         # The reader runs in this scope; the server cancels it when the connection waited keep_alive_s for a
         # request (since `waiting_since`; None while one is answered).
-        self.idle = trio.CancelScope()
+        self.reading = trio.CancelScope()
         self.waiting_since: float | None = None
         self.answering: _Exchange | None = None  # the request being answered (its disconnect callback)
         self._header_parts: list[tuple[bytes, bytes]] = []
@@ -226,7 +226,7 @@ class _Connection:
 
     async def read(self) -> None:
         try:
-            with self.idle:  # cancelled: idle too long, which ends the connection like the client going
+            with self.reading:  # cancelled: idle too long, which ends the connection like the client going
                 await self._read()
         finally:
             self._gone()
