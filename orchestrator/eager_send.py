@@ -28,6 +28,11 @@ class EagerSender:
         self._busy = False  # a send_all is waiting for room: an eager write now would cut into it
 
     @property
+    def eager(self) -> bool:
+        """Whether send_nowait can write at all (a plain socket), rather than always leaving everything."""
+        return self._socket is not None
+
+    @property
     def busy(self) -> bool:
         return self._busy
 

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import trio
+import trio.testing
 from sim_helpers import read_to_finished
 
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
@@ -63,6 +64,75 @@ async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads
         connection._on_data(stream, framed(message.SerializeToString()))
     batch = await GenerateStream(stream, "w", decoded=True).next_batch()
     assert batch == [ev.Tokens((7,)), ev.Finished(reason=g.FINISH_REASON_LENGTH)]
+
+
+async def test_the_messages_of_one_read_reach_a_waiting_reader_together_through_its_direct_handler():
+    """engine/inbox.py: while the reader waits, what one read brought for its stream is handed to its direct
+    handler in the connection's task; the reader wakes only for what the handler leaves it."""
+    connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    one, two, three = (g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=i)])) for i in (1, 2, 3))
+    handed: list[list] = []
+    leave: list = []  # what the handler leaves for the reader
+
+    def handler(batch):
+        handed.append(batch)
+        return leave
+
+    stream.direct = handler
+    woken: list[list] = []
+    async with trio.open_nursery() as nursery:
+        async def reader():
+            while batch := await stream.get_batch():
+                woken.append(batch)
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        connection._on_data(stream, framed(one.SerializeToString()) + framed(two.SerializeToString()))
+        connection._hand_over()
+        await trio.testing.wait_all_tasks_blocked()
+        assert handed == [[one, two]] and woken == []  # dealt with in place: the reader never woke
+        leave.append("what the reader must see")
+        connection._on_data(stream, framed(three.SerializeToString()))
+        connection._hand_over()
+        await trio.testing.wait_all_tasks_blocked()
+        assert handed == [[one, two], [three]] and woken == [["what the reader must see"]]
+        stream._close(None)
+    stream.direct = None  # without a handler, a read's messages wake the reader once, together
+    plain = H2Stream("Generate", g.GenerateResponse.FromString, b"")
+    connection._on_data(plain, framed(one.SerializeToString()) + framed(two.SerializeToString()))
+    connection._hand_over()
+    assert await plain.get_batch() == [one, two]
+
+
+async def test_a_direct_handler_that_fails_fails_its_own_call_and_not_the_connection():
+    connection = bare_connection()
+    broken, healthy = (H2Stream("Generate", g.GenerateResponse.FromString, b"") for _ in range(2))
+    message = framed(g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=1)])).SerializeToString())
+    bug = RuntimeError("a bug in the handler")
+    handed: list = []
+
+    def fails(batch):
+        raise bug
+
+    broken.direct, healthy.direct = fails, handed.append
+    outcome: dict = {}
+    async with trio.open_nursery() as nursery:
+        async def read(name, stream):
+            try:
+                outcome[name] = await stream.get_batch()
+            except RuntimeError as exc:
+                outcome[name] = exc
+
+        nursery.start_soon(read, "broken", broken)
+        nursery.start_soon(read, "healthy", healthy)
+        await trio.testing.wait_all_tasks_blocked()
+        connection._on_data(broken, message)
+        connection._on_data(healthy, message)
+        connection._hand_over()
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == {"broken": bug} and broken.closed and len(handed) == 1 and not healthy.closed
+        healthy._close(None)
+    assert outcome["healthy"] == []
 
 
 def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error():

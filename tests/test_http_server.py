@@ -14,7 +14,14 @@ import pytest
 import trio
 
 from h11_helpers import read_back_responses as parse_responses
-from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT, ServerLimits, open_listener, serve_http
+from orchestrator.frontend.http_server import (
+    BODY_ARRIVED,
+    ON_DISCONNECT,
+    SEND_NOW,
+    ServerLimits,
+    open_listener,
+    serve_http,
+)
 
 
 @asynccontextmanager
@@ -361,6 +368,84 @@ async def test_body_arrived_tells_whether_receive_has_the_whole_body_at_once():
         with trio.fail_after(5):
             await client.receive_some(65536)
     assert seen == [(True, 100), (False, 100)]
+
+
+async def test_send_now_writes_a_chunk_from_another_task_while_the_app_waits():
+    """What a streamed token does: the engine connection's reader task writes it, the request's task waits."""
+    async def app(scope, receive, send):
+        send_now = scope["extensions"][SEND_NOW]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 0\n\n", "more_body": True})
+        written = trio.Event()
+
+        def elsewhere() -> None:
+            assert send_now(b"data: 1\n\n") and send_now(b"data: 2\n\n")
+            written.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_call_in_a_task, elsewhere)
+            await written.wait()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(headers=["connection: close"]))
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 200 and dict(response.headers)[b"transfer-encoding"] == b"chunked"
+    assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+async def _call_in_a_task(function) -> None:
+    function()
+
+
+async def test_what_send_now_could_not_write_goes_first_with_the_next_send_and_in_order():
+    """A client that does not read fills the socket: send_now says so (False) and keeps the rest; the app's
+    next send (an empty chunk will do) waits for the client and writes the rest before anything else."""
+    chunk = b"x" * 65530
+    taken_at_once: list[int] = []  # the chunks send_now wrote whole
+    filled, flushed = trio.Event(), trio.Event()
+
+    async def app(scope, receive, send):
+        send_now = scope["extensions"][SEND_NOW]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"start", "more_body": True})
+        while send_now(b"%05d" % len(taken_at_once) + chunk):
+            taken_at_once.append(len(taken_at_once))
+        filled.set()
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+        flushed.set()
+        await send({"type": "http.response.body", "body": b"end", "more_body": False})
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(headers=["connection: close"]))
+        with trio.fail_after(10):
+            await filled.wait()
+        await trio.sleep(0.2)
+        assert not flushed.is_set()  # the empty send waits for the client to take the rest
+        [(response, body)] = parse_responses(await read_until_closed(client, timeout=20))
+    assert flushed.is_set()
+    chunks = len(taken_at_once) + 1  # and the one that went in part
+    assert body == b"start" + b"".join(b"%05d" % index + chunk for index in range(chunks)) + b"end"
+
+
+async def test_send_now_refuses_a_response_that_has_not_started():
+    seen = []
+
+    async def app(scope, receive, send):
+        send_now = scope["extensions"][SEND_NOW]
+        with pytest.raises(RuntimeError, match="started"):
+            send_now(b"too early")
+        seen.append(True)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head(headers=["connection: close"]))
+        await read_until_closed(client)
+    assert seen == [True]
 
 
 async def test_drain_closes_idle_connections_at_once_and_lets_in_flight_responses_finish():

@@ -2,6 +2,8 @@
 
 import json
 import random
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -70,6 +72,42 @@ def test_a_stream_sends_one_event_per_token(agg):
     assert len(plain) == sum(1 for c in with_logprobs if c.choices[0].delta.content)
     assert "".join(c.choices[0].delta.content for c in plain) == \
         "".join(c.choices[0].delta.content or "" for c in with_logprobs)
+
+
+def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(agg):
+    """The socket to a client that does not keep up fills: what it cannot take waits in the server, the
+    request waits for the client (backpressure, not an unbounded buffer), and nothing is lost or reordered."""
+    full = _complete(agg, max_tokens=1500, seed=11).choices[0].message.content
+    body = json.dumps(chat_body("Describe the river and the bridge", max_tokens=1500, seed=11, stream=True,
+                                stream_options={"include_usage": True})).encode()
+    host, port = agg.url.removeprefix("http://").rsplit(":", 1)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a small window: the server's side fills
+    client.connect((host, int(port)))
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\nconnection: close\r\n"
+                   b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(1.0)  # meanwhile the engine has produced the whole answer
+    received = b""
+    client.settimeout(30)
+    while chunk := client.recv(1024):
+        received += chunk
+        time.sleep(0.0005)
+    client.close()
+    head, _, chunked = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    events = sse_events(_dechunk(chunked).decode())
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 1500
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2]) == full
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return out
+        out, data = out + data[:size], data[size + 2:]
 
 
 def test_completions_endpoint_streams_and_not(agg):

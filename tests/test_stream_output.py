@@ -8,10 +8,16 @@ nothing after a stop string is delivered.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
+import trio
+import trio.testing
 
 from orchestrator.decode.output import ReplayedStream, StreamState, finish_reason, stream_output
 from orchestrator.engine import Finished, Tokens
+from orchestrator.engine.client import GenerateStream
+from orchestrator.engine.inbox import TrioInbox
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1.generation_pb2 import FinishReason
@@ -114,3 +120,106 @@ async def test_a_stream_still_running_is_not_ending():
     sink, state = RecordingSink(per_token=True), StreamState()
     await stream_output(OneBatchThenFinish(), sink, IncrementalDetokenizer(TOKENIZER), state, worker="w")
     assert sink.ended_after == 2  # the two tokens went out as they came; only then did the engine finish
+
+
+# ---- direct delivery (DirectTokens): tokens written from the producing task while the request's task waits ----
+
+class WritesNowSink(RecordingSink):
+    """A streaming sink that can also write from another task, as the SSE sink on the native server does;
+    `room` says how many deltas_now calls the socket takes whole (then one goes in part)."""
+
+    def __init__(self, per_token: bool, room: int = 10**6):
+        super().__init__(per_token)
+        self.room = room
+        self.written_now: list[tuple[str, tuple[int, ...], tuple]] = []
+        self.flushes = 0
+        self.can_write_now = True
+
+    def deltas_now(self, items) -> bool:
+        self.written_now.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
+        self.received.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
+        self.room -= 1
+        return self.room >= 0
+
+    async def flush(self):
+        self.flushes += 1
+        self.room = 10**6
+
+
+async def run_handing_over(reads, sink, *, stop=()) -> StreamState:
+    """stream_output on a real inbox fed like the HTTP/2 connection feeds it: each read's events handed
+    over together once the request's task waits (engine/inbox.py)."""
+    inbox, state = TrioInbox(), StreamState()
+    stream = GenerateStream(inbox, "w", decoded=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(stream_output, stream, sink, IncrementalDetokenizer(TOKENIZER, stop), state,
+                                   worker="w"))
+        for read in reads:
+            await trio.testing.wait_all_tasks_blocked()
+            inbox._items.extend(read)
+            inbox.hand_over()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inbox.direct is None  # stream_output ended direct delivery as it returned
+    return state
+
+
+READS = [[Tokens(WORDS[:1])], [Tokens(WORDS[1:2]), Tokens(WORDS[2:3])], [Tokens(WORDS[3:4])],
+         [Tokens(WORDS[4:]), DONE]]
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+async def test_after_the_first_tokens_the_rest_go_out_from_the_producing_task_with_the_same_deltas(per_token):
+    sink = WritesNowSink(per_token)
+    state = await run_handing_over(READS, sink)
+    expected = [("the", WORDS[:1], ())]
+    expected += [(" river", WORDS[1:2], ()), (" and", WORDS[2:3], ())] if per_token else [
+        (" river and", WORDS[1:3], ())]
+    expected += [(" the", WORDS[3:4], ())]
+    assert sink.received == expected + [(" bridge", WORDS[4:], ())]
+    assert sink.written_now == expected[1:]  # the first read and the finishing one went through the task
+    assert sink.ended_after == len(expected)  # the finish came through the task, before the last tokens
+    assert state.completion_tokens == 5 and state.token_ids == list(WORDS) and state.finished == DONE
+
+
+async def test_a_stop_string_met_in_a_direct_delivery_ends_the_stream_there():
+    sink = WritesNowSink(per_token=True)
+    state = await run_handing_over([[Tokens(WORDS[:1])], [Tokens(WORDS[1:])], [Tokens(WORDS)], [DONE]], sink,
+                                   stop=("and",))
+    assert sink.text == "the river " and state.stopped_on == "and" and finish_reason(state) == "stop"
+    assert "".join(text for text, _, _ in sink.written_now) == " river "  # the second read, up to the stop
+
+
+async def test_what_the_socket_did_not_take_is_flushed_by_the_request_task_before_more_goes_out():
+    """A slow client: the request's task awaits the rest (backpressure), then direct delivery goes on."""
+    sink = WritesNowSink(per_token=True, room=1)
+    reads = [[Tokens(WORDS[:1])], [Tokens(WORDS[1:2])], [Tokens(WORDS[2:3])], [Tokens(WORDS[3:4])], [DONE]]
+    state = await run_handing_over(reads, sink)
+    assert sink.flushes == 1  # after the second direct write, which went in part
+    assert [text for text, _, _ in sink.written_now] == [" river", " and", " the"]
+    assert sink.text == "the river and the" and state.finished == DONE
+
+
+async def test_tokens_wait_for_the_request_task_while_the_sink_cannot_write_from_elsewhere():
+    sink = WritesNowSink(per_token=True)
+    sink.can_write_now = False  # e.g. a response over TLS, or one that is ending
+    await run_handing_over(READS, sink)
+    assert sink.written_now == [] and sink.text == "the river and the bridge"
+
+
+async def test_a_cancelled_request_ends_direct_delivery():
+    inbox = TrioInbox()
+    sink = WritesNowSink(per_token=True)
+    with trio.move_on_after(5) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(stream_output, GenerateStream(inbox, "w", decoded=True), sink,
+                                       IncrementalDetokenizer(TOKENIZER), StreamState(), worker="w"))
+            await trio.testing.wait_all_tasks_blocked()
+            inbox._items.append(Tokens(WORDS[:1]))
+            inbox.hand_over()
+            await trio.testing.wait_all_tasks_blocked()
+            assert inbox.direct is not None
+            nursery.cancel_scope.cancel()  # the client went: its request's nursery is cancelled
+    assert not scope.cancelled_caught and inbox.direct is None
+    inbox._items.append(Tokens(WORDS[1:2]))
+    inbox.hand_over()  # nothing is written for a request that is over
+    assert sink.text == "the"

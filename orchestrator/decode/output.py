@@ -35,6 +35,10 @@ class OutputSink(Protocol):
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
 
+    # Optional, for direct delivery (DirectTokens): a sink that can write from another task has
+    # can_write_now: bool -- whether deltas_now may be called at this moment;
+    # deltas_now(items) -> bool -- `deltas` written at once; False when part waits for `await flush()`.
+
 
 @attrs.define
 class StreamState:
@@ -55,56 +59,81 @@ class StreamState:
 
 async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
                         state: StreamState, *, worker: str, on_chunk=None) -> None:
-    """Read until the engine finishes or a stop string matches; raises the engine's error."""
-    while not state.terminal:
-        batch = await stream.next_batch()
-        if not batch:
-            raise EngineError("the generation stream ended without a finished event", worker=worker,
-                              rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL)
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        for event in batch:
-            if isinstance(event, Tokens):
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
-            elif isinstance(event, Finished):
-                state.finished = event
-                if event.usage is not None:
-                    state.prompt_tokens = event.usage.prompt_tokens
-                break
-            elif isinstance(event, Failed):
-                raise event.error
-            elif isinstance(event, PrefillReady):
-                raise EngineError("a generation leg answered with prefill_ready", worker=worker, rpc="Generate")
-        if state.finished is not None:
-            sink.ending()  # one write for the last tokens, the finish and [DONE] (max_tokens 1: the only one)
-        if ids:
-            if state.first_token_at is None:
-                state.first_token_at = trio.current_time()
-            state.completion_tokens += len(ids)
-            state.token_ids.extend(ids)
-            if on_chunk is not None:
-                on_chunk(len(ids))
-            if sink.per_token and len(ids) > 1:
-                await _deliver_per_token(ids, logprobs, sink, detokenizer)
-            else:
-                text = detokenizer.add(ids)
-                if text or logprobs:
-                    await sink.delta(text, ids, logprobs)
-            if detokenizer.stopped_on is not None:
-                state.stopped_on = detokenizer.stopped_on
+    """Read until the engine finishes or a stop string matches; raises the engine's error.
+
+    Once the first tokens of this stream went out, later token events are delivered directly
+    (`DirectTokens`) where the stream and the sink allow it."""
+    direct = None
+    may_arm = True  # after this stream's first tokens went out, once
+    try:
+        while not state.terminal:
+            batch = await stream.next_batch()
+            if not batch:
+                raise EngineError("the generation stream ended without a finished event", worker=worker,
+                                  rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL)
+            ids: list[int] = []
+            logprobs: list[TokenLogprob] = []
+            flush = False
+            for event in batch:
+                if isinstance(event, Tokens):
+                    ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
+                elif isinstance(event, Finished):
+                    state.finished = event
+                    if event.usage is not None:
+                        state.prompt_tokens = event.usage.prompt_tokens
+                    break
+                elif isinstance(event, Failed):
+                    raise event.error
+                elif isinstance(event, PrefillReady):
+                    raise EngineError("a generation leg answered with prefill_ready", worker=worker, rpc="Generate")
+                elif event is FLUSH:
+                    flush = True
+            if state.finished is not None:
+                sink.ending()  # one write for the last tokens, the finish and [DONE] (max_tokens 1: the only one)
+            if ids:
+                if state.first_token_at is None:
+                    state.first_token_at = trio.current_time()
+                _count(ids, state, on_chunk)
+                items = token_deltas(ids, logprobs, sink.per_token, detokenizer)
+                if sink.per_token and len(ids) > 1:
+                    if items:
+                        await sink.deltas(items)
+                elif items:
+                    await sink.delta(*items[0])
+                if detokenizer.stopped_on is not None:
+                    state.stopped_on = detokenizer.stopped_on
+                elif may_arm and state.finished is None:  # (not for a stream that is over already)
+                    may_arm = False
+                    direct = DirectTokens.arm(stream, sink, detokenizer, state, on_chunk)
+            if flush:
+                await sink.flush()  # what the socket did not take from a direct delivery (the client is slow)
+    finally:
+        if direct is not None:
+            stream.deliver_directly(None)
     tail = detokenizer.finish()
     if tail:
         await sink.delta(tail, (), ())
 
 
-async def _deliver_per_token(ids: list[int], logprobs: list[TokenLogprob], sink: OutputSink,
-                             detokenizer: IncrementalDetokenizer) -> None:
-    """One delta per token (what token-counting clients such as aiperf expect of a stream).
+def _count(ids: list[int], state: StreamState, on_chunk) -> None:
+    state.completion_tokens += len(ids)
+    state.token_ids.extend(ids)
+    if on_chunk is not None:
+        on_chunk(len(ids))
+
+
+def token_deltas(ids: Sequence[int], logprobs: Sequence[TokenLogprob], per_token: bool,
+                 detokenizer: IncrementalDetokenizer) -> list[Delta]:
+    """The deltas of tokens that arrived together: one for all of them, or with `per_token` one per token
+    (what token-counting clients such as aiperf expect of a stream).
 
     A token whose bytes do not complete a character yet gives no text; its text goes out with the
     next token's delta. Tokens after a matched stop string are not delivered.
     """
+    if not per_token or len(ids) == 1:
+        text = detokenizer.add(ids)
+        return [(text, ids, logprobs)] if text or logprobs else []
     aligned = len(logprobs) == len(ids)
     items: list[Delta] = []
     for index, token in enumerate(ids):
@@ -114,8 +143,67 @@ async def _deliver_per_token(ids: list[int], logprobs: list[TokenLogprob], sink:
             items.append((text, (token,), token_logprobs))
         if detokenizer.stopped_on is not None:
             break
-    if items:
-        await sink.deltas(items)
+    return items
+
+
+class _Flush:
+    def __repr__(self) -> str:
+        return "FLUSH"
+
+
+FLUSH = _Flush()  # what a direct delivery leaves for the reader when the client's socket did not take it all
+
+
+class DirectTokens:
+    """Token events handled in the stream's producing task (the HTTP/2 connection's reader) while the
+    request's own task waits for its next batch: detokenized, counted and written to the client there,
+    without waking the request's task for every read (engine/inbox.py says why).
+
+    The request's task still owns the request: it waits in next_batch(), and a cancellation (the client
+    going, a deadline, shutdown) ends that wait and this delivery with it. Declined, and left to that
+    task: the terminal events, anything while the response cannot be written from here, a stop string
+    match (after its tokens are handled, so that the loop ends), and what the socket did not take
+    (FLUSH: the task awaits the rest, which is the backpressure from a slow client).
+    """
+
+    __slots__ = ("sink", "detokenizer", "state", "on_chunk", "per_token")
+
+    def __init__(self, sink, detokenizer: IncrementalDetokenizer, state: StreamState, on_chunk) -> None:
+        self.sink, self.detokenizer, self.state, self.on_chunk = sink, detokenizer, state, on_chunk
+        self.per_token = sink.per_token
+
+    @classmethod
+    def arm(cls, stream, sink, detokenizer, state, on_chunk) -> "DirectTokens | None":
+        """Start direct delivery on `stream` if it can hand events over and `sink` can write in place; the
+        caller ends it with `stream.deliver_directly(None)`."""
+        if not getattr(sink, "can_write_now", False) or getattr(stream, "deliver_directly", None) is None:
+            return None  # e.g. a collecting sink, hypercorn, a replayed prefill answer, a test's stream
+        direct = cls(sink, detokenizer, state, on_chunk)
+        return direct if stream.deliver_directly(direct) else None
+
+    def __call__(self, batch: list) -> list | None:
+        """Deal with the token events that arrived together (None), or leave what the request's task gets."""
+        if not self.sink.can_write_now:
+            return batch
+        if len(batch) == 1:  # the usual case: one token event per stream and read
+            event = batch[0]
+            if type(event) is not Tokens:
+                return batch
+            ids, logprobs = event.token_ids, event.logprobs
+        else:
+            ids, logprobs = [], []
+            for event in batch:
+                if type(event) is not Tokens:
+                    return batch
+                ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
+        _count(ids, self.state, self.on_chunk)
+        items = token_deltas(ids, logprobs, self.per_token, self.detokenizer)
+        written = self.sink.deltas_now(items) if items else True
+        if self.detokenizer.stopped_on is not None:
+            self.state.stopped_on = self.detokenizer.stopped_on
+            return [FLUSH]  # the request's task ends the stream
+        return None if written else [FLUSH]
 
 
 def finish_reason(state: StreamState) -> str:

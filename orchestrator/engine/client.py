@@ -22,7 +22,7 @@ import ssl
 import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import attrs
 import grpc
@@ -163,6 +163,16 @@ class GenerateStream:
                 if isinstance(decoded[-1], _TERMINAL_EVENTS):  # a terminal event is always the last one
                     self.ended = True
                 return decoded
+
+    def deliver_directly(self, handler: Callable[[list[ev.Event]], list | None] | None) -> bool:
+        """While `next_batch()` waits, give the events of each read to `handler` in the connection's reader
+        task instead of waking this stream's reader (engine/inbox.py: the handler returns None once it has
+        dealt with them, or what next_batch() must return instead); None ends that. Only the h2 transport
+        can (False if not). The handler must leave terminal events to next_batch(), which marks `ended`."""
+        if not self._decoded:
+            return False
+        self._inbox.direct = handler
+        return True
 
     def __aiter__(self) -> "GenerateStream":
         return self

@@ -72,9 +72,6 @@ class H2Stream(TrioInbox):
         self._message = ""
         self._outbound = _prefix(request) + request
 
-    def _wake(self) -> None:
-        self._wake_reader()
-
     def _close(self, error: BaseException | None) -> None:
         if not self._closed:
             self._closed, self._error = True, error
@@ -219,6 +216,7 @@ class _Connection:
         self._ping_answered = trio.Event()
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
         self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last keepalive
+        self._arrived: list[H2Stream] = []  # streams given messages by the read being processed
         self._scope = trio.CancelScope()
 
     # ---- the three tasks: reader, writer, keepalive ----------------------------------------------------
@@ -276,6 +274,7 @@ class _Connection:
             try:
                 self.wire.receive(data)
             finally:
+                self._hand_over()
                 self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
 
     async def _keepalive(self) -> None:
@@ -417,9 +416,24 @@ class _Connection:
             self._forget(stream)
             return False
         if item is not None:  # None: a message that says nothing the reader needs (decode's choice)
+            if not stream._items:
+                self._arrived.append(stream)
             stream._items.append(item)
-            stream._wake()
         return True
+
+    def _hand_over(self) -> None:
+        """Each stream's messages of one read go to its reader together (one wake-up, or one direct delivery:
+        engine/inbox.py)."""
+        arrived, self._arrived = self._arrived, []
+        for stream in arrived:
+            try:
+                stream.hand_over()
+            except Exception as exc:  # a bug in a reader's direct handler fails its own call, not the connection
+                log.exception("handing over the messages of %s stream %d from %s failed", stream.rpc, stream.id,
+                              self.channel.authority)
+                self._cancel(stream)
+                stream._close(exc)
+                self._forget(stream)
 
     def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
         for name, value in headers:

@@ -1,29 +1,51 @@
 """The trio side of a stream's messages: one reader task takes everything that arrived, in batches.
 
 Subclasses fill `_items` and call `_wake_reader()` (StreamInbox from the asyncio loop thread through
-its dispatcher, H2Stream from the HTTP/2 connection's reader task), and close with an error or none.
+its dispatcher), or fill them and call `hand_over()` once the producer has put in everything it has
+at that moment (H2Stream: the HTTP/2 connection's reader task, after each socket read), and close
+with an error or none.
+
+Direct delivery: while the reader waits with nothing queued, `hand_over()` gives what arrived to the
+reader's `direct` handler, called right there in the producing task, instead of waking the reader.
+Waking a task and switching to it costs about as much as everything else a streamed token needs; the
+handler (decode/output.py's DirectTokens) writes the tokens to the client in place. It returns None
+when it has dealt with the whole batch, or what the reader must get instead (the batch itself when it
+declines it): that is queued and the reader woken, as without a handler. It runs only while the
+reader is parked in get_batch, so never concurrently with the reader's own handling of a batch.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
 
 class TrioInbox:
-    __slots__ = ("_items", "_reader", "_closed", "_error")
+    __slots__ = ("_items", "_reader", "_closed", "_error", "direct")
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
         self._reader: trio.lowlevel.Task | None = None
         self._closed = False
         self._error: BaseException | None = None
+        self.direct: Callable[[list], list | None] | None = None  # the reader's direct handler, if any
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def hand_over(self) -> None:
+        """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
+        if self._reader is not None and self.direct is not None:
+            batch = list(self._items)
+            self._items.clear()
+            rest = self.direct(batch)
+            if not rest:
+                return
+            self._items.extend(rest)
+        self._wake_reader()
 
     def _wake_reader(self) -> None:
         reader, self._reader = self._reader, None

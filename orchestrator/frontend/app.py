@@ -28,7 +28,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
-from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT
+from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
@@ -157,14 +157,14 @@ class App:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
         headers = [(b"x-request-id", request_id.encode())]
-        response = _Response(send, headers)
+        extensions = scope.get("extensions") or {}
+        response = _Response(send, headers, extensions.get(SEND_NOW))
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
         try:
             if self.draining:
                 raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
-            extensions = scope.get("extensions") or {}
             if extensions.get(BODY_ARRIVED):  # the native server has all of it: nothing to wait for
                 body, size = await read_json(receive, self.config.limits.max_request_bytes)
             else:
@@ -261,10 +261,25 @@ class _StreamingSink:
 
     async def deltas(self, items) -> None:
         # An SSE event per token, one write for the batch: the socket write is the dominant cost.
+        await self.response.chunk(self._events(items))
+
+    @property
+    def can_write_now(self) -> bool:
+        return self.response.can_send_now
+
+    def deltas_now(self, items) -> bool:
+        """The same events written at once, from the task that calls this (decode/output.py's DirectTokens);
+        False when part of them waits for `flush()`."""
+        return self.response.chunk_now(self._events(items))
+
+    async def flush(self) -> None:
+        await self.response.flush()
+
+    def _events(self, items) -> bytes:
         if self.api.logprobs:
-            await self.response.chunk(b"".join([self._event(text, logprobs) for text, _, logprobs in items]))
-        else:  # no logprobs and no text offsets to track: the events are texts between fixed fragments
-            await self.response.chunk(self.writer.deltas([text for text, _, _ in items]))
+            return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
+        # no logprobs and no text offsets to track: the events are texts between fixed fragments
+        return self.writer.deltas([text for text, _, _ in items])
 
     def _event(self, text, logprobs) -> bytes:
         lp = None
@@ -318,8 +333,9 @@ class _CollectingSink:
 class _Response:
     """Tracks what was sent so that exactly one terminal response goes out."""
 
-    def __init__(self, send: Send, headers: list):
+    def __init__(self, send: Send, headers: list, send_now: Callable[[bytes], bool] | None = None):
         self.send = send
+        self.send_now = send_now  # the native server's SEND_NOW extension, if there is one
         self.headers = headers
         self.streaming = False
         self.done = False
@@ -338,6 +354,17 @@ class _Response:
         if not self.streaming:
             await self.start_stream()
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    @property
+    def can_send_now(self) -> bool:
+        return self.streaming and self.send_now is not None and not self.ending and not self.done
+
+    def chunk_now(self, data: bytes) -> bool:
+        """A chunk of a started stream written at once; False when part of it waits for `flush()`."""
+        return self.send_now(data)
+
+    async def flush(self) -> None:
+        await self.send({"type": "http.response.body", "body": b"", "more_body": True})
 
     async def end_stream(self) -> None:
         self.done = True

@@ -16,6 +16,10 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
   wait in `receive()` (the orchestrator's request nursery is cancelled that way, without a watcher task).
   The `BODY_ARRIVED` extension says whether the whole body was read before the application was called:
   then `receive()` returns it without waiting, and the application needs no timer against a slow body.
+  The `SEND_NOW` extension (plain sockets only) writes a body chunk of a response already started, at once
+  and from whatever task calls it, while the application's own task waits elsewhere: a token arriving in
+  the engine connection's reader task goes out from there, without waking the request's task. What the
+  socket does not take waits for the application's next `send` (an empty body will do), which it awaits.
 - graceful drain: on shutdown, stop accepting, close idle connections, let in-flight requests finish
   for `grace_s`, then cancel them.
 - TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
@@ -48,6 +52,7 @@ _BODY_BUFFER = 1 << 20  # request body bytes read ahead of the application befor
 _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before reading pauses
 ON_DISCONNECT = "orchestrator.on_disconnect"  # scope["extensions"] key: register a callback for the client going
 BODY_ARRIVED = "orchestrator.body_arrived"  # scope["extensions"] key: True when receive() has the whole body
+SEND_NOW = "orchestrator.send_now"  # scope["extensions"] key: write a chunk of a started response from any task
 
 
 @attrs.frozen
@@ -204,6 +209,7 @@ class _Connection:
         self.buffered = 0  # body bytes parsed and not yet taken by the application
         self.eof = False  # the client closed its side (or the connection broke)
         self.broken = False  # a write failed: close without ceremony
+        self.backlog = b""  # response bytes write_now() could not send yet; the next write() sends them first
         self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
         self.upgrade_ignored = False  # no request can follow on this connection
         self._changed = trio.Event()
@@ -346,6 +352,8 @@ class _Connection:
         exchange = _Exchange(self, request)
         scope["extensions"][ON_DISCONNECT] = exchange.call_on_disconnect
         scope["extensions"][BODY_ARRIVED] = request.complete  # reading it cannot wait (no slowloris timer needed)
+        if self.sender.eager:
+            scope["extensions"][SEND_NOW] = exchange.send_now
         self.answering = exchange
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
@@ -364,13 +372,35 @@ class _Connection:
         return exchange.keep_alive
 
     async def write(self, data: bytes) -> None:
+        if self.backlog:
+            data, self.backlog = self.backlog + data, b""
         if self.broken:
             return
         try:
             await self.sender.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
-            self.broken = True  # the client is gone; receive() reports the disconnect
-            self._gone()
+            self._broke()
+
+    def write_now(self, data: bytes) -> bool:
+        """Write what the socket takes now; False when the rest waits in `backlog` for the next write()."""
+        if self.broken:
+            return True
+        if self.backlog:  # behind bytes still waiting: keep the order
+            self.backlog += data
+            return False
+        try:
+            rest = self.sender.send_nowait(data)
+        except trio.BrokenResourceError:
+            self._broke()
+            return True
+        if rest:
+            self.backlog = bytes(rest)
+            return False
+        return True
+
+    def _broke(self) -> None:
+        self.broken = True  # the client is gone; receive() reports the disconnect
+        self._gone()
 
 
 class _Exchange:
@@ -435,19 +465,27 @@ class _Exchange:
             raise RuntimeError("http.response.body sent before http.response.start")
         if self.finished:
             return
-        body = message.get("body", b"")
         more = message.get("more_body", False)
+        data = self._frame(message.get("body", b""), more)
+        if not more:
+            self.finished = True
+        await self.connection.write(data)
+
+    def send_now(self, body: bytes) -> bool:
+        """SEND_NOW: `http.response.body` with more to come, written at once by the calling task; False when
+        part of it waits for the next `send` (which the application then awaits)."""
+        if not self.started or self.finished:
+            raise RuntimeError("SEND_NOW is for the body of a response that is started and not finished")
+        return self.connection.write_now(self._frame(body, True))
+
+    def _frame(self, body: bytes, more: bool) -> bytes:
         data = b""
         if not self.head_sent:  # the head goes out with the first body bytes
             data = self._head()
             self.head_sent = True
         if self.chunked:
-            data += wire.frame_chunk(body) + (b"" if more else wire.LAST_CHUNK)
-        else:
-            data += body
-        if not more:
-            self.finished = True
-        await self.connection.write(data)
+            return data + wire.frame_chunk(body) + (b"" if more else wire.LAST_CHUNK)
+        return data + body
 
     def _head(self) -> bytes:
         request, connection = self.request, self.connection

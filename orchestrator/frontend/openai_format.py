@@ -72,10 +72,13 @@ class ChunkWriter:
         else:
             self._text_head = self._head + '"text":'
             self._text_tail = ',"logprobs":null,"finish_reason":null}]}\n\n'
+        # encoded once: one event is then two bytes joins around its JSON string (half the cost of encoding it all)
+        self._text_head_bytes, self._text_tail_bytes = self._text_head.encode(), self._text_tail.encode()
+        self._between = self._text_tail + self._text_head
 
     def delta(self, text: str, logprobs: dict | None = None) -> bytes:
         if self._role_sent and logprobs is None:
-            return (self._text_head + _json_string(text) + self._text_tail).encode()
+            return self._text_head_bytes + _json_string(text).encode() + self._text_tail_bytes
         if self.kind == "chat":
             if not self._role_sent:
                 self._role_sent = True
@@ -94,9 +97,9 @@ class ChunkWriter:
             first, texts = self.delta(texts[0]), texts[1:]
             if not texts:
                 return first
-        between = self._text_tail + self._text_head
-        return first + (self._text_head + between.join(map(_json_string, texts))
-                        + self._text_tail).encode()
+        if len(texts) == 1:
+            return first + self._text_head_bytes + _json_string(texts[0]).encode() + self._text_tail_bytes
+        return first + (self._text_head + self._between.join(map(_json_string, texts)) + self._text_tail).encode()
 
     def finish(self, reason: str) -> bytes:
         body = ('"delta":{}' if self._role_sent else '"delta":{"role":"assistant","content":""}') \
