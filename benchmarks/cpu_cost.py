@@ -7,7 +7,8 @@ streamed requests go through `orchestrator serve` and its CPU time (its threads'
 /proc/PID/task/*/schedstat, the same time utime + stime count in 10 ms ticks) is read before and after;
 the CPU per request is fitted by least squares as a + b * tokens, in rounds where the max_tokens values take
 turns (a and b are the medians of the rounds' fits; their range is printed), and so is the CPU of our gRPC client
-reading the same streams alone (the floor any Python gRPC consumer pays). The SSE events per streamed
+reading the same streams alone, its tokens counted where they arrive as serve writes them (the floor: what
+reading the streams costs without HTTP). The SSE events per streamed
 token are counted on the wire. Then, at concurrency 64, streamed tokens/s through the orchestrator against
 the same streams driven directly over gRPC (benchmarks/overhead.py's drivers), in interleaved rounds
 against the same workers (medians).

@@ -5,7 +5,8 @@
 Simulated workers at zero GPU cost (--time-scale 0), so every millisecond measured is software.
 For aggregated (1 worker) and disaggregated (1 prefill + 1 decode), at concurrency 1 and 64:
   (a) direct: our engine client drives the legs itself (disagg: context-only leg, then the
-      generation leg with the KV session), and
+      generation leg with the KV session; after the first tokens it counts them in the connection's
+      task, as serve writes them: engine/inbox.py's direct delivery), and
   (b) through `orchestrator serve` over HTTP/SSE (a lean keep-alive client, TCP_NODELAY),
 measured in the same run against the same worker processes (at concurrency 1 request by request in
 turn, so that both see the machine in the same state; at 64 one after the other). Prints streamed
@@ -100,13 +101,24 @@ class Direct:
         else:
             leg, client = full, self.clients["aggregated"]
         first, count = None, 0
+
+        def count_in_place(batch: list) -> list | None:
+            """Token events counted in the connection's task, as serve writes them (engine/inbox.py)."""
+            nonlocal count
+            if any(type(event) is not Tokens for event in batch):
+                return batch
+            count += sum(len(event.token_ids) for event in batch)
+            return None
+
         async with client.generate(leg) as stream:
             while batch := await stream.next_batch():
                 for event in batch:
                     if isinstance(event, Tokens):
                         if first is None:
                             first = time.perf_counter()
+                            stream.deliver_directly(count_in_place)
                         count += len(event.token_ids)
+            stream.deliver_directly(None)
         return first - start, count
 
 

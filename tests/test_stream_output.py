@@ -133,7 +133,8 @@ class WritesNowSink(RecordingSink):
         self.room = room
         self.written_now: list[tuple[str, tuple[int, ...], tuple]] = []
         self.flushes = 0
-        self.can_write_now = True
+
+    can_write_now = True
 
     def deltas_now(self, items) -> bool:
         self.written_now.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
@@ -199,9 +200,21 @@ async def test_what_the_socket_did_not_take_is_flushed_by_the_request_task_befor
     assert sink.text == "the river and the" and state.finished == DONE
 
 
-async def test_tokens_wait_for_the_request_task_while_the_sink_cannot_write_from_elsewhere():
-    sink = WritesNowSink(per_token=True)
-    sink.can_write_now = False  # e.g. a response over TLS, or one that is ending
+class WritesNowOnlyAtFirst(WritesNowSink):
+    """Writable when direct delivery is armed, not any more when tokens come (e.g. the response is ending)."""
+    checks = 0
+
+    @property
+    def can_write_now(self) -> bool:
+        self.checks += 1
+        return self.checks == 1
+
+
+@pytest.mark.parametrize("sink_class", [WritesNowOnlyAtFirst, WritesNowSink])
+async def test_tokens_wait_for_the_request_task_while_the_sink_cannot_write_from_elsewhere(sink_class):
+    sink = sink_class(per_token=True)
+    if sink_class is WritesNowSink:
+        sink.can_write_now = False  # never: e.g. a response over TLS
     await run_handing_over(READS, sink)
     assert sink.written_now == [] and sink.text == "the river and the bridge"
 

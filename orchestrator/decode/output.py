@@ -179,9 +179,9 @@ class DirectTokens:
         if not getattr(sink, "can_write_now", False) or getattr(stream, "deliver_directly", None) is None:
             return None  # e.g. a collecting sink, hypercorn, a replayed prefill answer, a test's stream
         direct = cls(sink, detokenizer, state, on_chunk)
-        return direct if stream.deliver_directly(direct) else None
+        return direct if stream.deliver_directly(direct.deliver) else None
 
-    def __call__(self, batch: list) -> list | None:
+    def deliver(self, batch: list) -> list | None:
         """Deal with the token events that arrived together (None), or leave what the request's task gets."""
         if not self.sink.can_write_now:
             return batch
