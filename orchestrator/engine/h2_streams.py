@@ -348,10 +348,14 @@ class _Connection:
         never sends its trailers cannot hold a stream slot forever."""
         for stream in self._lingering:
             if stream.id in self.streams:
-                self._cancel(stream)
-                stream._close(None)
-                self._forget(stream)
+                self._abandon(stream, None)
         self._lingering = [stream for stream in self.streams.values() if stream.let_end]
+
+    def _abandon(self, stream: H2Stream, error: BaseException | None) -> None:
+        """Give up on a call: reset it on the worker, end it for its reader with `error`, free its slot."""
+        self._cancel(stream)
+        stream._close(error)
+        self._forget(stream)
 
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:
@@ -411,9 +415,7 @@ class _Connection:
         except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
             error = EngineError(f"the worker sent a message that does not decode: {exc}", worker=self.channel.worker,
                                 rpc=stream.rpc)
-            self._cancel(stream)
-            stream._close(error)
-            self._forget(stream)
+            self._abandon(stream, error)
             return False
         if item is not None:  # None: a message that says nothing the reader needs (decode's choice)
             if not stream._items:
@@ -431,9 +433,7 @@ class _Connection:
             except Exception as exc:  # a bug in a reader's direct handler fails its own call, not the connection
                 log.exception("handing over the messages of %s stream %d from %s failed", stream.rpc, stream.id,
                               self.channel.authority)
-                self._cancel(stream)
-                stream._close(exc)
-                self._forget(stream)
+                self._abandon(stream, exc)
 
     def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
         for name, value in headers:

@@ -98,7 +98,7 @@ class ChunkWriter:
             if not texts:
                 return first
         if len(texts) == 1:
-            return first + self._text_head_bytes + _json_string(texts[0]).encode() + self._text_tail_bytes
+            return first + self.delta(texts[0])
         return first + (self._text_head + self._between.join(map(_json_string, texts)) + self._text_tail).encode()
 
     def finish(self, reason: str) -> bytes:
