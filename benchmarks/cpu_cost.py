@@ -11,7 +11,9 @@ reading the same streams alone, its tokens counted where they arrive as serve wr
 reading the streams costs without HTTP). The SSE events per streamed
 token are counted on the wire. Then, at concurrency 64, streamed tokens/s through the orchestrator against
 the same streams driven directly over gRPC (benchmarks/overhead.py's drivers), in interleaved rounds
-against the same workers (medians).
+against the same workers (medians), with who spent the CPU per token on each path (the workers, serve, this
+process: our direct client or the HTTP load generator) and how many cores were busy: on a box that the
+workers and the load generator share with serve, what 0.9 retained leaves serve per token is printed too.
 
 The targets (issue 12) are printed beside the figures: a <= 1.0 ms aggregated / 1.3 ms
 disaggregated, b <= 20 us per token with one event per token, c=64 retained fraction >= 0.9, idle
@@ -142,10 +144,35 @@ async def direct_points(mode: str, addresses: dict[str, str], prompt_ids, args,
     return points
 
 
-async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args) -> tuple[float, float]:
+class CpuSplit:
+    """Who spent the CPU of one c=64 run, per streamed token: the workers, serve, and this process (our
+    direct client on the direct path, the HTTP load generator through us), and how busy the box was."""
+
+    ROLES = ("workers", "serve", "client")
+
+    def __init__(self, worker_pids: list[int], serve_pid: int):
+        self._pids = {"workers": worker_pids, "serve": [serve_pid]}
+
+    def _now(self) -> dict[str, float]:
+        now = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self._pids.items()}
+        now["client"] = time.process_time()  # this process's threads only, not its children
+        return now
+
+    async def run(self, one, per_slot: int) -> tuple[float, dict[str, float]]:
+        """Runs `one` at c=64; returns (tokens/s, {role: us per token, "busy": cores busy on average})."""
+        before = self._now()
+        seconds, _, tokens = await run_slots(64, per_slot, one)
+        after = self._now()
+        split = {role: (after[role] - before[role]) * 1e6 / max(tokens, 1) for role in self.ROLES}
+        split["busy"] = sum(after[role] - before[role] for role in self.ROLES) / seconds
+        return tokens / seconds, split
+
+
+async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prompt_ids, args,
+                            split: CpuSplit) -> tuple[float, float, dict[str, dict[str, float]]]:
     """Streamed tokens/s at c=64: direct over gRPC (our fastest client, h2 streams: the reference for every
     variant), then through the orchestrator; `--retained-rounds` times, interleaved, so that a slow moment
-    of the machine hits both. Returns the median of each."""
+    of the machine hits both. Returns the median of each, and the median CPU split of each path."""
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
         clients = {role: await stack.enter_async_context(EngineClient.open(address, loop_thread))
                    for role, address in addresses.items()}
@@ -154,11 +181,15 @@ async def retained_fraction(mode: str, addresses: dict[str, str], url: str, prom
         await run_slots(8, 1, direct)  # warm-up both paths
         await run_slots(8, 1, through)
         rates: dict[str, list[float]] = {"direct": [], "through": []}
+        splits: dict[str, list[dict[str, float]]] = {"direct": [], "through": []}
         for _ in range(args.retained_rounds):
             for name, one in (("direct", direct), ("through", through)):
-                seconds, _, tokens = await run_slots(64, args.retained_per_slot, one)
-                rates[name].append(tokens / seconds)
-    return statistics.median(rates["direct"]), statistics.median(rates["through"])
+                rate, cpu = await split.run(one, args.retained_per_slot)
+                rates[name].append(rate)
+                splits[name].append(cpu)
+    medians = {name: {key: statistics.median(cpu[key] for cpu in runs) for key in runs[0]}
+               for name, runs in splits.items()}
+    return statistics.median(rates["direct"]), statistics.median(rates["through"]), medians
 
 
 def main(argv=None) -> int:
@@ -206,9 +237,11 @@ def main(argv=None) -> int:
                 points = [(statistics.median(p[0] for p in column), statistics.median(p[1] for p in column))
                           for column in zip(*rounds)]  # per max_tokens, over the rounds
                 floor = fit_line(trio.run(direct_points, mode, addresses, prompt_ids, args, transport))
-                direct, through = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args)
+                split = CpuSplit([w.process.pid for w in workers.started if w.process.alive()], server.process.pid)
+                direct, through, cpu = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args,
+                                                split)
                 label = f"{http_server} x{processes}" + (f" {transport}" if transport != default_transport else "")
-                rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor, fits))
+                rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor, fits, cpu))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
     finally:
@@ -218,12 +251,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def cpu_split_lines(cpu: dict[str, dict[str, float]]) -> list[str]:
+    d, t = cpu["direct"], cpu["through"]
+    return [f"c=64 CPU per token, direct: workers {d['workers']:.0f} + our client {d['client']:.0f} "
+            f"= {d['workers'] + d['client']:.0f} us, {d['busy']:.2f} cores busy",
+            f"c=64 CPU per token, via us: workers {t['workers']:.0f} + serve {t['serve']:.0f} + load generator "
+            f"{t['client']:.0f} = {t['workers'] + t['serve'] + t['client']:.0f} us, {t['busy']:.2f} cores busy"]
+
+
+def retained_budget_line(cpu: dict[str, dict[str, float]], direct_rate: float) -> str:
+    """What 0.9 retained asks of serve when the box is full: 0.9 of the direct rate on all cores leaves
+    cores / (0.9 * rate) of CPU per token, and the workers and load generator take their share first."""
+    through = cpu["through"]
+    budget = (os.cpu_count() or 1) / (0.9 * direct_rate) * 1e6
+    left = budget - through["workers"] - through["client"]
+    return (f"0.9 retained: 0.9 x {direct_rate:.0f} tok/s on {os.cpu_count()} full cores leaves {budget:.0f} us "
+            f"per token, serve's share {left:.0f} us after the workers and load generator as measured "
+            f"(it spent {through['serve']:.0f})")
+
+
 def report(rows, args) -> None:
     print(f"orchestrator serve CPU (run time), c={args.concurrency}, max_tokens {args.max_tokens}, "
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
     print(f"{'mode':14} {'server':15} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
-    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor, fits in rows:
+    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor, fits, cpu in rows:
         target_a, target_b = TARGETS[mode]
         print(f"{mode:14} {http_server:15} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
@@ -234,6 +286,9 @@ def report(rows, args) -> None:
               f"b {min(b_values):.1f}-{max(b_values):.1f} us/tok (the table has their medians)")
         print(f"{'':30} floor, our engine client alone (same transport, no HTTP): a {floor[0] * 1e3:.2f} ms, "
               f"b {floor[1] * 1e6:.1f} us/tok; serve/floor: a {a / floor[0]:.2f}x, b {b / floor[1]:.2f}x")
+        for line in cpu_split_lines(cpu):
+            print(f"{'':30} {line}")
+        print(f"{'':30} {retained_budget_line(cpu, direct)}")
     for mode in dict.fromkeys(row[0] for row in rows):
         by_label = {row[1]: row for row in rows if row[0] == mode}
         base = by_label.get("native x1")

@@ -34,6 +34,30 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
     assert len(re.findall(r"over 2 rounds: a -?[\d.]+--?[\d.]+ ms, b -?[\d.]+--?[\d.]+ us/tok", out)) == 2, out
 
 
+def test_cpu_cost_splits_the_c64_cpu_among_workers_serve_and_client_and_prints_what_0_9_leaves_serve():
+    out = run("cpu_cost.py", "--requests", "8", "--concurrency", "4", "--max-tokens", "1", "4",
+              "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
+              "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
+              "--idle-seconds", "0.2", "--fit-rounds", "1")
+    direct = re.search(r"direct: workers (\d+) \+ our client (\d+) = (\d+) us, ([\d.]+) cores busy", out)
+    through = re.search(r"via us: workers (\d+) \+ serve (\d+) \+ load generator (\d+) = (\d+) us, "
+                        r"([\d.]+) cores busy", out)
+    assert direct and through, out
+    workers, client, total = (int(direct.group(i)) for i in (1, 2, 3))
+    assert workers > 0 and client > 0 and abs(workers + client - total) <= 1
+    workers, serve, generator, total = (int(through.group(i)) for i in (1, 2, 3, 4))
+    assert workers > 0 and serve > 0 and generator > 0 and abs(workers + serve + generator - total) <= 2
+    assert 0 < float(through.group(5)) <= 2.05 * 2  # at most every core (schedstat rounding aside)
+    table = re.search(r"^aggregated\s+native x1\s+[\d.]+\s+1\.0\s+-?[\d.]+\s+20\s+[\d.]+\s+(\d+)", out, re.M)
+    budget = re.search(r"0\.9 x (\d+) tok/s on (\d+) full cores leaves (\d+) us per token, serve's share (-?\d+) us "
+                       r"after the workers and load generator as measured \(it spent (\d+)\)", out)
+    assert table and budget, out
+    rate, cores, left = int(budget.group(1)), int(budget.group(2)), int(budget.group(3))
+    assert rate == int(table.group(1))  # the c=64 direct rate of the table
+    assert abs(left - cores / (0.9 * rate) * 1e6) <= 1
+    assert abs(int(budget.group(4)) - (left - workers - generator)) <= 2 and int(budget.group(5)) == serve
+
+
 def test_http2_framing_prints_ours_against_h2():
     out = run("http2_framing.py", "--streams", "50", "--frames", "400")
     assert re.search(r"^ours \(engine/http2.py\)\s+[\d.]+\s+[\d.]+$", out, re.M), out
