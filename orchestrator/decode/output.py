@@ -96,11 +96,10 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
                     state.first_token_at = trio.current_time()
                 _count(ids, state, on_chunk)
                 items = token_deltas(ids, logprobs, sink.per_token, detokenizer)
-                if sink.per_token and len(ids) > 1:
-                    if items:
-                        await sink.deltas(items)
-                elif items:
+                if len(items) == 1:
                     await sink.delta(*items[0])
+                elif items:  # several: only a per-token sink gets them (token_deltas)
+                    await sink.deltas(items)
                 if detokenizer.stopped_on is not None:
                     state.stopped_on = detokenizer.stopped_on
                 elif may_arm and state.finished is None:  # (not for a stream that is over already)
