@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from orchestrator.config import Config
-from orchestrator.convert import ApiRequest, check_worker_media, full_leg, resolve_limits
+from orchestrator.convert import ApiRequest, check_worker_features, check_worker_media, full_leg, resolve_limits
 from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
@@ -82,7 +82,9 @@ class Coordinator:
             # A revision-3 decode worker refuses a request without a KV session: prefill it elsewhere.
             path, workers = "disaggregated", (self.pool.pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
-        check_worker_media(api, [(w.role, c) for w, c in zip(workers, caps)], disaggregated=path == "disaggregated")
+        touched = [(w.role, c) for w, c in zip(workers, caps)]
+        check_worker_media(api, touched, disaggregated=path == "disaggregated")
+        check_worker_features(api, touched)
         windows = [c.max_context_length for c in caps if c.max_context_length]
         outputs = [c.max_output_tokens for c in caps if c.max_output_tokens]
         limits = resolve_limits(api, prompt_tokens=len(prompt_ids), configured_window=self.config.model.context_window,

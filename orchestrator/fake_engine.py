@@ -21,7 +21,7 @@ import trio
 
 from orchestrator.discovery.registry import WorkerSpec
 from orchestrator.engine import EngineError
-from orchestrator.engine.capabilities import WorkerCapabilities
+from orchestrator.engine.capabilities import FeatureSupport, WorkerCapabilities
 from orchestrator.engine.events import Event, Failed, Finished, PrefillReady
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
@@ -55,11 +55,12 @@ Step = Wait | Send | Fail | Hang
 
 
 def capabilities(role: str = "unspecified", *, abort_cleanup: bool = False, window: int = 4096,
-                 schema_revision: int = 1) -> WorkerCapabilities:
+                 schema_revision: int = 1, handoff_profile: str = "") -> WorkerCapabilities:
     return WorkerCapabilities(instance_id="fake", role=role, engine="fake", schema_revision=schema_revision,
                               models=("m",), model_id="m", max_context_length=window, max_output_tokens=None,
                               supports_multimodal=False, multimodal=None, supports_abort_cleanup=abort_cleanup,
-                              total_kv_blocks=None)
+                              total_kv_blocks=None, handoff_profile=handoff_profile,
+                              output_logprobs=FeatureSupport(True, frozenset({"top_n"}), max_top_n=20))
 
 
 class _FakeStream:

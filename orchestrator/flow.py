@@ -22,6 +22,7 @@ from orchestrator.decode import (
     stream_output,
 )
 from orchestrator.engine import EngineError
+from orchestrator.engine.errors import StreamStalled
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import HandoffError, check_session
 from orchestrator.openengine.v1 import generation_pb2 as g
@@ -41,7 +42,8 @@ class RequestFlow:
         self._token_meter = coordinator.metrics.token_meter(plan.path)
 
     async def run(self) -> None:
-        self.c.metrics.by_path[self.plan.path].prompt_tokens.inc(self.plan.prompt_tokens)
+        series = self.c.metrics.by_path[self.plan.path]
+        series.prompt_tokens.inc(self.plan.prompt_tokens)
         try:
             if self.plan.path == "disaggregated":
                 await self._split(self.plan.full, *self.plan.workers)
@@ -50,6 +52,7 @@ class RequestFlow:
                 self.c.metrics.by_stage["decode"].observe(trio.current_time() - self.started)
         finally:
             self._token_meter.flush()  # whatever way the request ends
+        series.cached_tokens.inc(self.state.cached_tokens or 0)
 
     def _on_chunk(self, tokens: int) -> None:
         now = trio.current_time()
@@ -66,13 +69,15 @@ class RequestFlow:
 
     async def _split(self, full: g.GenerateRequest, prefill_worker, decode_worker) -> None:
         c, state = self.c, self.state
-        result = await c.prefill.run(prefill_worker, _abort_cleanup, full, decode_worker)
+        result = await c.prefill.run(prefill_worker, full, decode_worker)
         prefill_done = trio.current_time()
         c.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
             await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
             c.metrics.prefill_answers.inc()
-            await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens)
+            cached = state.settle_cached(self.plan.prompt_tokens, state.cached_tokens)
+            await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens,
+                                   cached_tokens=cached)
             return
         lease = result.lease
         try:
@@ -97,13 +102,16 @@ class RequestFlow:
     async def migrate(self, error: EngineError, failed_worker) -> None:
         """Continue the request elsewhere after `failed_worker` failed mid-stream (or let `error` stand)."""
         c, plan = self.c, self.plan
+        if isinstance(error, StreamStalled):
+            raise error  # we read too slowly; another worker would be read just as slowly
         stopping = plan.full.stopping
         if stopping.HasField("max_tokens") and len(self.state.token_ids) >= stopping.max_tokens:
             # It failed after the last token, before its finish: the answer is whole (a continuation would
             # have to ask for one token more than the client's max_tokens).
             log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
                         failed_worker.address, error.code_name)
-            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens)
+            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens,
+                                   cached_tokens=self.state.cached_tokens)
             return
         if self.migrations >= c.config.limits.migration_limit:
             raise error
@@ -128,8 +136,3 @@ class RequestFlow:
         else:
             await self._whole(decode_worker, leg)
 
-
-def _abort_cleanup(worker) -> bool:
-    """Whether this prefill worker can abort a session by kv_session (its ServerInfo says)."""
-    caps = worker.client.cached_capabilities if worker.client is not None else None
-    return caps is not None and caps.supports_abort_cleanup

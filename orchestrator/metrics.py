@@ -29,7 +29,7 @@ _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.0
 _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (conditional mode picks per request)
 ROUTES = ("chat", "completions")
 OUTCOMES = ("ok", "error", "client_error", "disconnected")
-KV_CLEANUP_WAYS = ("abort_session", "decode_pull", "decode_first_token")
+KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -57,6 +57,9 @@ class Metrics:
                              "times as gap/k)", ["mode"], buckets=_ITL, registry=r)
         self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens of requests sent to workers, by mode",
                                      ["mode"], registry=r)
+        self.cached_tokens = Counter("orchestrator_cached_prompt_tokens",
+                                     "Prompt tokens the engines found in their KV cache (usage.cached_prompt_tokens; a "
+                                     "split request: the prefill's), by mode", ["mode"], registry=r)
         self.output_tokens = Counter("orchestrator_output_tokens", "Tokens streamed to clients, by mode", ["mode"],
                                      registry=r)
         self.stage = Histogram("orchestrator_stage_duration_seconds",
@@ -81,7 +84,8 @@ class Metrics:
         # Every labelled series is created here, at 0; the ones used per request or per token are kept, since a
         # labels() call takes a lock and validates its arguments each time.
         self.by_path = {path: PathSeries(self.ttft.labels(path), self.prompt_tokens.labels(path),
-                                         self.output_tokens.labels(path), self.itl.labels(path))
+                                         self.output_tokens.labels(path), self.itl.labels(path),
+                                         self.cached_tokens.labels(path))
                         for path in _PATHS}
         for path in _PATHS:
             self.migrations.labels(path)
@@ -115,6 +119,7 @@ class PathSeries:
     prompt_tokens: Any
     output_tokens: Any
     itl: Any
+    cached_tokens: Any
 
 
 class TokenMeter:

@@ -10,6 +10,7 @@ good health check.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from contextlib import contextmanager
 from typing import Iterator
@@ -24,7 +25,7 @@ from orchestrator.roles import ROLES
 from orchestrator.worker_state import WorkerEvent, WorkerState, next_state, rereads_capabilities
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
-from orchestrator.routing import make_policy
+from orchestrator.routing import LoadSample, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Worker:
         self.detail = ""
         self.inflight = 0
         self.sent_since_load = 0
-        self.load_sample: tuple[float, int] | None = None  # (trio time, running + queued)
+        self.load_sample: LoadSample | None = None
         self.scope = trio.CancelScope()
         self.idle = trio.Event()
         self.idle.set()
@@ -50,10 +51,10 @@ class Worker:
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
 
-    def load_score(self, now: float, staleness: float) -> float | None:
-        if self.load_sample is None or now - self.load_sample[0] > staleness:
+    def fresh_load(self, now: float, staleness: float) -> LoadSample | None:
+        if self.load_sample is None or now - self.load_sample.at > staleness:
             return None
-        return float(self.load_sample[1])
+        return self.load_sample
 
     @property
     def routable(self) -> bool:
@@ -163,8 +164,6 @@ class WorkerPool:
                     if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
                     await self._check_identity(worker)
-                elif state == HealthState.HEALTH_STATE_DRAINING:
-                    self._on(worker, WorkerEvent.DRAINING, "worker reports DRAINING")
                 else:
                     self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
@@ -223,13 +222,15 @@ class WorkerPool:
     @staticmethod
     def _idle_load(worker: Worker) -> bool:
         """Nothing running there (last sample) and nothing of ours in flight."""
-        return worker.inflight == 0 and worker.load_sample is not None and worker.load_sample[1] == 0
+        return worker.inflight == 0 and worker.load_sample is not None and worker.load_sample.requests == 0
 
     @staticmethod
     def _on_load(worker: Worker, load) -> None:
-        worker.load_sample = (trio.current_time(), load.running_requests + load.queued_requests)
+        kv = load.HasField("used_kv_blocks") and load.HasField("total_kv_blocks") and load.total_kv_blocks > 0
+        worker.load_sample = LoadSample(trio.current_time(), load.running_requests + load.queued_requests,
+                                        load.used_kv_blocks if kv else None, load.total_kv_blocks if kv else None)
         worker.sent_since_load = 0
-        if worker.load_sample[1]:
+        if worker.load_sample.requests:
             worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again
 
     async def _poll_load(self, worker: Worker) -> None:
@@ -300,8 +301,26 @@ class WorkerPool:
         self._notify()
 
     def snapshot(self) -> list[dict]:
-        return [{"address": w.address, "role": w.role, "state": w.state, "detail": w.detail,
-                 "inflight": w.inflight} for w in self._every_worker()]
+        """The operator's view of every worker (/health): state, and what its engine last reported."""
+        return [_describe(w) for w in self._every_worker()]
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]
+
+
+def _describe(worker: Worker) -> dict:
+    view: dict = {"address": worker.address, "role": worker.role, "state": worker.state, "detail": worker.detail,
+                  "inflight": worker.inflight}
+    caps = worker.client.cached_capabilities if worker.client is not None else None
+    if caps is not None:
+        view["engine"] = {"name": caps.engine, "instance_id": caps.instance_id, "role": caps.role,
+                          "schema_revision": caps.schema_revision, "data_parallel_size": caps.data_parallel_size,
+                          "kv_block_size": caps.kv_block_size, "total_kv_blocks": caps.total_kv_blocks,
+                          "guided_decoding": caps.guided_decoding.supported,
+                          # e.g. trtllm_supports_dp_rank_targeting, trtllm_kv_event_hash_algo, trtllm_node
+                          "extra": {key: json.loads(value) for key, value in caps.extra}}
+    sample = worker.load_sample
+    if sample is not None:
+        view["load"] = {"requests": sample.requests, "used_kv_blocks": sample.used_kv_blocks,
+                        "total_kv_blocks": sample.total_kv_blocks}
+    return view

@@ -1,8 +1,10 @@
 """Worker choice per role: round robin, or least loaded from Control.GetLoad.
 
 Pure policies over candidate lists; the pool keeps the inputs (load samples, local in-flight
-counts) fresh. Least loaded scores a worker by its engine-reported running + queued requests plus
-the requests we sent it since that sample, so a burst does not all land on one stale minimum.
+counts) fresh. Least loaded scores a worker by the KV cache it has in use when every candidate's
+engine reports it (TensorRT-LLM fills used/total_kv_blocks when started with load metrics), else by its
+engine-reported running + queued requests; in both, the requests we sent it since that sample count
+too, so a burst does not all land on one stale minimum.
 """
 
 from __future__ import annotations
@@ -10,13 +12,36 @@ from __future__ import annotations
 import itertools
 from typing import Protocol, Sequence
 
+import attrs
+
+
+@attrs.frozen
+class LoadSample:
+    """One GetLoad answer, reduced to what routing uses."""
+
+    at: float  # trio time it arrived
+    requests: int  # running + queued
+    used_kv_blocks: int | None = None  # both None unless the engine reports KV usage
+    total_kv_blocks: int | None = None
+
+    @property
+    def reports_kv(self) -> bool:
+        return self.used_kv_blocks is not None and bool(self.total_kv_blocks)
+
+    def kv_load(self, sent_since: int) -> float:
+        """The fraction of the KV cache in use, with each request sent since the sample assumed to take as
+        many blocks as an average running one."""
+        used = self.used_kv_blocks or 0
+        per_request = used / self.requests if self.requests else 0.0
+        return (used + sent_since * per_request) / self.total_kv_blocks
+
 
 class Candidate(Protocol):
     address: str
     inflight: int
     sent_since_load: int
 
-    def load_score(self, now: float, staleness: float) -> float | None: ...
+    def fresh_load(self, now: float, staleness: float) -> LoadSample | None: ...
 
 
 class RoundRobin:
@@ -34,14 +59,19 @@ class LeastLoaded:
 
     def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
         turn = next(self._tiebreak)
+        samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
+        # KV usage only where every candidate reports it: a fraction and a request count do not compare.
+        by_kv = all(s is not None and s.reports_kv for s in samples)
 
-        def score(i_c: tuple[int, Candidate]) -> tuple[float, int]:
-            i, c = i_c
-            engine = c.load_score(now, self.staleness_s)
-            value = (engine + c.sent_since_load) if engine is not None else float(c.inflight)
-            return value, (i - turn) % len(candidates)  # rotate ties
+        def score(i: int) -> tuple[float, float, int]:
+            c, sample = candidates[i], samples[i]
+            rotation = (i - turn) % len(candidates)  # rotate ties
+            if sample is None:
+                return 0.0, float(c.inflight), rotation
+            requests = float(sample.requests + c.sent_since_load)
+            return (sample.kv_load(c.sent_since_load) if by_kv else 0.0), requests, rotation
 
-        return min(enumerate(candidates), key=score)[1]
+        return candidates[min(range(len(candidates)), key=score)]
 
 
 def make_policy(name: str, staleness_s: float):

@@ -1,8 +1,8 @@
 """Parse the field tables of the OpenEngine v1 spec (docs/openengine-v1.md) into plain data.
 
 The spec lists every message as `message `Name`: type name=N; optional type name=N (oneof x); ...`
-and every enum as `enum `Name`: A=0, B=1`. docs/openengine-revision-3.md uses the same lines, plus
-`fields `Name`: ...` for fields that revision 3 appends to a revision-1 message. The wire test compares
+and every enum as `enum `Name`: A=0, B=1`. docs/openengine-additions.md uses the same lines, plus
+`fields `Name`: ...` for fields a later branch appends to a v0.1.0 message. The wire test compares
 the merged tables with the descriptors compiled from our proto/ files, so a drift fails CI.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENDORED_SPEC = REPO / "docs" / "openengine-v1.md"
 SHARED_SPEC = REPO.parent / "shared" / "spec" / "openengine-v1.md"
-REVISION_3 = REPO / "docs" / "openengine-revision-3.md"
+ADDITIONS = REPO / "docs" / "openengine-additions.md"
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class SpecFile:
     messages: dict[str, list[SpecField]] = field(default_factory=dict)
     enums: dict[str, dict[str, int]] = field(default_factory=dict)
     services: dict[str, list[tuple[str, str, str, bool]]] = field(default_factory=dict)
-    appended: dict[str, list[SpecField]] = field(default_factory=dict)  # revision-3 `fields` lines
+    appended: dict[str, list[SpecField]] = field(default_factory=dict)  # `fields` lines of the additions
 
 
 _FIELD = re.compile(
@@ -80,9 +80,9 @@ def _parse_field(part: str, message: str) -> SpecField:
 
 
 def load_spec() -> dict[str, SpecFile]:
-    """Revision 1 (the shared spec) with the revision-3 additions merged in, fields in number order."""
+    """The shared spec (v0.1.0) with the additions merged in, fields in number order."""
     files = parse_spec(VENDORED_SPEC.read_text())
-    for path, additions in parse_spec(REVISION_3.read_text()).items():
+    for path, additions in parse_spec(ADDITIONS.read_text()).items():
         target = files[path]
         target.enums.update(additions.enums)
         target.messages.update(additions.messages)

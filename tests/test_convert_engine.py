@@ -1,5 +1,6 @@
-"""The context-window rule, media gating and engine-leg building (pure)."""
+"""The context-window rule, media and feature gating and engine-leg building (pure)."""
 
+import attrs
 import pytest
 from google.protobuf import json_format
 
@@ -7,11 +8,13 @@ from orchestrator.convert import (
     check_media_capability,
     check_media_options,
     check_media_sources,
+    check_worker_features,
     full_leg,
     parse_chat,
     resolve_limits,
 )
 from orchestrator.decode import generation_leg, release_leg
+from orchestrator.engine.capabilities import FeatureSupport
 from orchestrator.errors import InvalidRequest
 from orchestrator.kv import first_gen_tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
@@ -42,6 +45,26 @@ def test_text_max_tokens_defaults_to_the_room_left_and_is_clamped_to_max_output(
     assert limits(text_request(max_tokens=20), prompt=10).max_tokens == 20
 
 
+def test_an_explicit_max_tokens_past_the_window_is_clamped_to_the_room_as_trtllm_does():
+    """UPSTREAM clamp (tests/test_trtllm_conformance.py): TensorRT-LLM's executor clamps, it does not refuse."""
+    assert limits(text_request(max_tokens=500), prompt=90, max_output=None).max_tokens == 10
+    assert limits(text_request(max_tokens=35), prompt=10, configured=40, max_output=None).max_tokens == 30
+
+
+@pytest.mark.parametrize("extra, prompt, words", [
+    ({"min_tokens": 11}, 90, "min_tokens (11) exceeds the 10 tokens left for this request (context window 100, "
+                             "prompt 90 tokens)"),
+    ({"min_tokens": 8, "max_tokens": 5}, 10, "min_tokens (8) exceeds the 5 tokens left for this request (context "
+                                             "window 100, prompt 10 tokens, max_tokens 5)"),
+])
+def test_a_min_tokens_that_cannot_be_met_is_a_400_naming_both_numbers(extra, prompt, words):
+    """Dynamo's sidecar: reject_impossible_minimum. The engine would run into the window or max_tokens first."""
+    with pytest.raises(InvalidRequest) as info:
+        limits(text_request(**extra), prompt=prompt, max_output=None)
+    assert info.value.message == words and info.value.param == "min_tokens"
+    assert limits(text_request(min_tokens=10), prompt=90, max_output=None).max_tokens == 10  # exactly enough
+
+
 def test_a_prompt_at_or_over_the_window_is_a_400_naming_both_numbers():
     with pytest.raises(InvalidRequest) as info:
         limits(text_request(), prompt=100)
@@ -52,8 +75,6 @@ def test_a_prompt_at_or_over_the_window_is_a_400_naming_both_numbers():
 def test_a_configured_window_tighter_than_the_engine_applies_to_text():
     with pytest.raises(InvalidRequest, match="context window of 40"):
         limits(text_request(), prompt=45, configured=40)
-    with pytest.raises(InvalidRequest, match="exceed the context window of 40"):
-        limits(text_request(max_tokens=35), prompt=10, configured=40)
 
 
 def test_image_requests_under_a_tighter_configured_window_are_refused():
@@ -102,6 +123,16 @@ def test_full_leg_carries_prompt_media_sampling_stopping_logprobs_and_guides():
     assert (item.modality, item.url, item.uuid) == (g.MODALITY_IMAGE, "https://a.example/1.png", "cat")
 
 
+def test_logprobs_without_candidates_still_ask_the_engine_for_one():
+    """UPSTREAM logprobs-top-n: TensorRT-LLM computes the sampled token's logprob only when at least one
+    candidate is requested; the extra candidate is not shown to the client (openai_format trims to top_logprobs)."""
+    req = text_request(logprobs=True)
+    leg = full_leg(req, request_id="r", model="m", prompt_ids=[1], limits=limits(req))
+    assert leg.response.return_output_logprobs and leg.response.output_candidates.top_n == 1
+    plain = full_leg(text_request(), request_id="r", model="m", prompt_ids=[1], limits=limits(text_request()))
+    assert not plain.HasField("response")
+
+
 def test_the_leg_always_has_its_prompt_sampling_and_stopping_messages_and_their_order_of_conditions():
     """full_leg fills the message in place: it must serialize as one built from its parts would."""
     bare = text_request()
@@ -144,6 +175,7 @@ def test_generation_leg_carries_the_session_untouched_and_the_same_prompt_and_me
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
     session = _session()
     leg = generation_leg(full, session)
+    assert leg.request_id == "r-gen"  # its own id: one engine may run both legs (tests/test_trtllm_conformance.py)
     assert leg.kv.session == session
     assert leg.kv.session.SerializeToString(deterministic=True) == session.SerializeToString(deterministic=True)
     assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)
@@ -173,3 +205,50 @@ def test_media_options_go_only_to_workers_that_take_them_and_only_with_media():
         image_request(media_io_kwargs={"vision": {}})
     leg = full_leg(req, request_id="r", model="m", prompt_ids=[1], limits=limits(req))
     assert json_format.MessageToDict(leg.media_options) == {"image": {"max_pixels": 1024}}
+
+
+def _caps(**features):
+    from orchestrator.fake_engine import capabilities
+
+    return attrs.evolve(capabilities("decode"), instance_id="trtllm-d0", **features)
+
+
+def test_a_guide_goes_only_to_workers_that_advertise_guided_decoding_and_its_mode():
+    """UPSTREAM guided-capability: TensorRT-LLM advertises guided decoding only with a grammar backend, and the
+    sibling server ignores a guide without one (an unconstrained answer), so the check is ours, before any leg."""
+    guided = text_request(response_format={"type": "json_object"})
+    check_worker_features(guided, [("decode", _caps(guided_decoding=FeatureSupport(True)))])  # modes not listed
+    check_worker_features(guided, [("decode", _caps(guided_decoding=FeatureSupport(True, frozenset({"json_object"}))))])
+    check_worker_features(text_request(), [("decode", _caps())])  # no guide, nothing asked
+    with pytest.raises(InvalidRequest) as info:
+        check_worker_features(guided, [("prefill", _caps(guided_decoding=FeatureSupport(True))), ("decode", _caps())])
+    assert info.value.message.startswith("response_format json_object: the decode worker (trtllm-d0) cannot "
+                                         "constrain the output: guided decoding is not supported")
+    assert info.value.param == "response_format" and info.value.code == "guided_decoding_not_supported"
+    regex_only = _caps(guided_decoding=FeatureSupport(True, frozenset({"regex", "json_schema"})))
+    with pytest.raises(InvalidRequest, match="its guided decoding modes are json_schema, regex"):
+        check_worker_features(guided, [("decode", regex_only)])
+
+
+def test_logprobs_go_only_to_workers_that_return_them_within_their_candidate_limit():
+    top5 = FeatureSupport(True, frozenset({"top_n"}), max_top_n=5)
+    check_worker_features(text_request(logprobs=True, top_logprobs=5), [("decode", _caps(output_logprobs=top5))])
+    with pytest.raises(InvalidRequest, match=r"top_logprobs: the decode worker \(trtllm-d0\) returns at most 5 "
+                                             "candidates, 6 were asked for"):
+        check_worker_features(text_request(logprobs=True, top_logprobs=6), [("decode", _caps(output_logprobs=top5))])
+    for unsupported in (FeatureSupport(), FeatureSupport(True, frozenset({"token_ids"}))):
+        with pytest.raises(InvalidRequest, match="does not return output logprobs by top-n candidates"):
+            check_worker_features(text_request(logprobs=True), [("decode", _caps(output_logprobs=unsupported))])
+
+
+def test_feature_support_is_read_from_model_info():
+    from orchestrator.openengine.v1 import model_pb2
+
+    caps = model_pb2.GenerationCapabilities(
+        guided_decoding=model_pb2.GuidedDecodingCapabilities(
+            supported=True, modes=[model_pb2.GUIDED_DECODING_MODE_JSON_SCHEMA, model_pb2.GUIDED_DECODING_MODE_REGEX]),
+        output_logprobs=model_pb2.LogprobCapabilities(
+            supported=True, candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N], max_top_n=20))
+    assert FeatureSupport.guided(caps.guided_decoding) == FeatureSupport(True, frozenset({"json_schema", "regex"}))
+    assert FeatureSupport.logprobs(caps.output_logprobs) == FeatureSupport(True, frozenset({"top_n"}), 20)
+    assert FeatureSupport.guided(model_pb2.GuidedDecodingCapabilities()) == FeatureSupport()  # unsaid: unsupported

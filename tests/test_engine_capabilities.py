@@ -126,3 +126,29 @@ async def test_close_wakes_every_waiter_with_client_closed(nursery):
     assert all(isinstance(r, ClientClosed) for r in results.values()) and len(results) == 5
     with pytest.raises(ClientClosed, match="closed"):
         await cache.get()
+
+
+async def test_a_failed_re_read_keeps_the_last_known_capabilities(nursery):
+    """UPSTREAM server-info-unavailable: TensorRT-LLM answers GetServerInfo UNAVAILABLE while its node discovery
+    is pending. A worker re-read after a health blip stays routable on what it last reported."""
+    worker = FakeWorker()
+    worker.release.set()
+    cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
+    assert await cache.get() == "capabilities#1"
+    cache.invalidate()
+    worker.fail_with = EngineError("OpenEngine node discovery is unavailable", worker="w", rpc="GetServerInfo")
+    assert await cache.get() == "capabilities#1" and worker.calls == 2
+    assert cache.cached == "capabilities#1"  # kept: not asked again on every request
+    cache.invalidate()
+    worker.fail_with = None
+    assert await cache.get() == "capabilities#3"  # and replaced once a read works
+
+
+async def test_without_last_known_capabilities_a_failure_stands(nursery):
+    worker = FakeWorker()
+    worker.release.set()
+    worker.fail_with = EngineError("OpenEngine node discovery is unavailable", worker="w", rpc="GetServerInfo")
+    cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
+    cache.invalidate()
+    with pytest.raises(DiscoveryFailed, match="node discovery"):
+        await cache.get()

@@ -18,6 +18,7 @@ from orchestrator.engine import (
     WorkerNotReady,
     WorkerUnavailable,
 )
+from orchestrator.engine.errors import StreamStalled
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.testing import free_port, wait_for_load
@@ -169,11 +170,23 @@ async def test_refusals_as_grpc_statuses_are_typed_errors_with_code_status_and_w
 
 async def test_injected_retryable_error_keeps_its_flag(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--error-rate", "1",
+                               "--error-code", "ERROR_CODE_KV_TRANSFER_FAILED", "--error-retryable")
+    async with engine_client(worker.address) as client:
+        async with client.generate(request("x")) as stream:
+            (event,) = [e async for e in stream]
+    assert event.error.code == ErrorCode.ERROR_CODE_KV_TRANSFER_FAILED and event.error.retryable
+
+
+async def test_an_in_stream_overloaded_is_the_stall_watchdog_and_not_retryable(sim_workers, engine_client):
+    """tests/test_trtllm_conformance.py UPSTREAM stall-watchdog: TensorRT-LLM sends ERROR_CODE_OVERLOADED with
+    retryable=True only when its response stream was not read for 30 s; another worker would not help."""
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--error-rate", "1",
                                "--error-code", "ERROR_CODE_OVERLOADED", "--error-retryable")
     async with engine_client(worker.address) as client:
         async with client.generate(request("x")) as stream:
             (event,) = [e async for e in stream]
-    assert event.error.code == ErrorCode.ERROR_CODE_OVERLOADED and event.error.retryable
+    assert isinstance(event.error, StreamStalled) and not event.error.retryable
+    assert event.error.code == ErrorCode.ERROR_CODE_OVERLOADED
 
 
 async def test_unreachable_worker_is_a_typed_error_naming_the_address(engine_client):

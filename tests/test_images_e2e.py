@@ -224,8 +224,8 @@ async def test_the_engine_enforces_its_fetch_size_limit(tmp_path, sim_workers, o
 
 async def test_media_options_reach_revision_3_workers_that_take_them_and_are_refused_elsewhere(
         disagg, image_server, engine_client, tmp_path, sim_workers, orchestrator_servers):
-    """Revision 3 adds GenerateRequest.media_options and supports_per_request_media_options (docs/
-    openengine-revision-3.md); a revision-1 server would drop the field unseen, so it is never sent there."""
+    """The sibling server takes GenerateRequest.media_options and says so in supports_per_request_media_options
+    (docs/openengine-additions.md); a v0.1.0 server would drop the field unseen, so it is never sent there."""
     options = {"image": {"min_pixels": 3136}}
     async with httpx.AsyncClient(timeout=30) as http:
         taken = await http.post(disagg.url + "/v1/chat/completions",

@@ -41,7 +41,7 @@ def test_every_labelled_series_exists_at_zero_before_its_first_event(mode):
         assert sample(metrics, "orchestrator_output_tokens_total", mode=path) == 0
         assert sample(metrics, "orchestrator_migrations_total", mode=path) == 0
     assert sample(metrics, "orchestrator_retries_total", role="decode") == 0
-    assert sample(metrics, "orchestrator_kv_cleanups_total", way="abort_session") == 0
+    assert sample(metrics, "orchestrator_kv_cleanups_total", way="decode_pull") == 0
     assert sample(metrics, "orchestrator_engine_errors_total", code="ERROR_CODE_OVERLOADED") == 0
 
 

@@ -65,18 +65,32 @@ def test_the_finish_and_usage_chunks(kind, role_sent):
                                                          "total_tokens": 8}
 
 
-@given(TEXT, TEXT, st.integers(0, 2**40), st.integers(0, 2**31), st.integers(0, 2**31))
+@given(TEXT, TEXT, st.integers(0, 2**40), st.integers(0, 2**31), st.integers(0, 2**31),
+       st.none() | st.integers(0, 2**31))
 @settings(max_examples=200, deadline=None)
-def test_any_request_id_and_model_read_back_and_usage_adds_up(request_id, model, created, prompt, completion):
+def test_any_request_id_and_model_read_back_and_usage_adds_up(request_id, model, created, prompt, completion, cached):
     """The head and the usage chunk are spelled out by hand: they must be what the JSON encoder gives."""
     chunk_writer = fmt.ChunkWriter("chat", request_id, model, created)
     head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     assert parse(chunk_writer.delta("x")) == {**head, "choices": [{"index": 0, "delta": {
         "role": "assistant", "content": "x"}, "logprobs": None, "finish_reason": None}]}
-    usage = chunk_writer.usage(prompt, completion)
+    usage = chunk_writer.usage(prompt, completion, cached)
+    details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
     assert parse(usage) == {**head, "choices": [], "usage": {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
-    assert usage == fmt.sse({**head, "choices": [], "usage": fmt.usage(prompt, completion)})  # byte for byte
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, **details}}
+    assert usage == fmt.sse({**head, "choices": [], "usage": fmt.usage(prompt, completion, cached)})  # byte for byte
+
+
+def test_logprobs_show_only_the_candidates_the_client_asked_for():
+    """The engine is asked for at least one candidate (tests/test_convert_engine.py); top_logprobs 0 shows none."""
+    from orchestrator.engine.events import TokenLogprob
+
+    lp = [TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5)))]
+    text = str
+    assert fmt.chat_logprobs(lp, text, 0)["content"][0]["top_logprobs"] == []
+    assert [c["token"] for c in fmt.chat_logprobs(lp, text, 1)["content"][0]["top_logprobs"]] == ["7"]
+    assert fmt.completion_logprobs(lp, text, 0, 0)["top_logprobs"] == [{}]
+    assert fmt.completion_logprobs(lp, text, 0, 2)["top_logprobs"] == [{"7": -0.5, "8": -1.5}]
 
 
 @given(st.sampled_from(["chat", "completion"]), st.lists(TEXT, min_size=1, max_size=5), st.booleans())

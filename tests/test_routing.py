@@ -2,7 +2,7 @@
 
 import attrs
 
-from orchestrator.routing import LeastLoaded, RoundRobin, make_policy
+from orchestrator.routing import LeastLoaded, LoadSample, RoundRobin, make_policy
 
 
 @attrs.define
@@ -10,12 +10,12 @@ class FakeWorker:
     address: str
     inflight: int = 0
     sent_since_load: int = 0
-    sample: tuple[float, int] | None = None
+    sample: tuple | None = None  # LoadSample's fields: (at, requests[, used_kv_blocks, total_kv_blocks])
 
-    def load_score(self, now, staleness):
+    def fresh_load(self, now, staleness):
         if self.sample is None or now - self.sample[0] > staleness:
             return None
-        return float(self.sample[1])
+        return LoadSample(*self.sample)
 
 
 def test_round_robin_cycles_through_candidates():
@@ -30,6 +30,19 @@ def test_least_loaded_uses_fresh_engine_load_plus_what_we_sent_since():
     assert LeastLoaded(0.5).choose([busy, idle], now=10.1).address == "idle"
     idle.sent_since_load = 9  # a burst went there since the sample
     assert LeastLoaded(0.5).choose([busy, idle], now=10.1).address == "busy"
+
+
+def test_least_loaded_scores_by_kv_usage_when_every_engine_reports_it():
+    """UPSTREAM load-kv: TensorRT-LLM reports used/total_kv_blocks with load metrics on; a few long requests can
+    fill a worker's KV cache while many short ones leave another's nearly empty."""
+    long_ones = FakeWorker("long", sample=(10.0, 2, 900, 1000))
+    short_ones = FakeWorker("short", sample=(10.0, 6, 100, 1000))
+    assert LeastLoaded(0.5).choose([long_ones, short_ones], now=10.1).address == "short"
+    short_ones.sent_since_load = 50  # each assumed to take an average running request's blocks: 50 x 16.7
+    assert LeastLoaded(0.5).choose([long_ones, short_ones], now=10.1).address == "long"
+    no_kv = FakeWorker("no-kv", sample=(10.0, 3))  # one engine without KV figures: all compare by requests
+    assert LeastLoaded(0.5).choose([long_ones, FakeWorker("short", sample=(10.0, 6, 100, 1000)), no_kv],
+                                   now=10.1).address == "long"
 
 
 def test_least_loaded_falls_back_to_local_inflight_when_samples_are_stale():

@@ -6,6 +6,7 @@ upstream are cited in tests/test_trtllm_conformance.py. Here: the cost model, th
 
 import signal
 
+import grpc
 import pytest
 import trio
 from sim_helpers import (
@@ -25,9 +26,10 @@ from sim_helpers import (
 )
 
 from orchestrator.decode import generation_leg
-from orchestrator.engine import ErrorCode, WorkerUnavailable
+from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.prefill import context_only_leg
 from orchestrator.testing import wait_for_load
 
@@ -243,10 +245,11 @@ async def test_sigterm_drains_in_flight_work_then_exits_cleanly(sim_workers, eng
             await stream.__anext__()
             worker.process.signal(signal.SIGTERM)
             with trio.fail_after(5):
-                while await client.health() != HealthState.HEALTH_STATE_DRAINING:
+                while await client.health() != HealthState.HEALTH_STATE_NOT_READY:  # v0.1.0: no DRAINING
                     await trio.sleep(0.02)
             refused = await refusal(client, full_request("late", max_tokens=3))
-            assert refused.retryable and "draining" in refused.message
+            assert refused.retryable and refused.grpc_status == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in refused.message
             rest = [e async for e in stream]
         assert isinstance(terminal(rest), Finished) and terminal(rest).reason_name == "length"
     assert await trio.to_thread.run_sync(worker.process.process.wait, 10) == 0
@@ -272,3 +275,101 @@ async def test_lora_rpcs_answer_unimplemented_with_a_message(sim_workers):
         with pytest.raises(grpc.RpcError) as info:
             openengine_pb2_grpc.ControlStub(channel).ListLoras(lora_pb2.ListLorasRequest())
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "LoRA" in info.value.details()
+
+
+# ---- the TensorRT-LLM persona's behaviours of tests/test_trtllm_conformance.py (issue 27) ------------------
+
+async def test_the_sibling_server_answers_a_late_abort_by_session_but_frees_nothing(sim_workers, engine_client):
+    """UPSTREAM late-abort: after PrefillReady the context request is no longer active, so the abort only drops
+    the servicer's handle; the blocks stay held until a decode pulls them."""
+    pre = sim_workers.start("prefill", *FAST, "--schema-revision", "3")
+    dec = sim_workers.start("decode", *FAST, "--schema-revision", "3")
+    async with engine_client(pre.address) as p, engine_client(dec.address) as d:
+        full = full_request("late-abort", max_tokens=3)
+        session = terminal(await collect(p, context_only_leg(full))).kv_session
+        answer = await p.abort(kv_session=session)
+        assert answer.status == lifecycle_pb2.ABORT_STATUS_ABORTED and "Released KV session" in answer.message
+        load = await p.load()
+        assert load.active_kv_sessions == 1 and load.used_kv_blocks > 0 and attr(load, "late_session_aborts") == 1
+        assert isinstance(terminal(await collect(d, generation_leg(full, session))), Finished)  # a pull frees it
+        assert (await p.load()).active_kv_sessions == 0
+
+
+@pytest.mark.parametrize("revision, status", [("1", grpc.StatusCode.ALREADY_EXISTS),
+                                              ("3", grpc.StatusCode.INVALID_ARGUMENT)])
+async def test_a_request_id_already_active_is_refused_as_each_server_does(revision, status, sim_workers,
+                                                                          engine_client):
+    """UPSTREAM already-exists."""
+    worker = sim_workers.start("aggregated", "--time-scale", "1", "--schema-revision", revision)
+    async with engine_client(worker.address) as client:
+        async with client.generate(full_request("twice", max_tokens=200)) as first:
+            await first.__anext__()
+            refused = await refusal(client, full_request("twice"))
+    assert refused.grpc_status == status and "already active" in refused.message
+
+
+async def test_load_reports_follow_the_load_metrics_setting(sim_workers, engine_client):
+    """UPSTREAM load-kv, control-unavailable: without load metrics only the requests in service; a stale sample
+    is UNAVAILABLE."""
+    off = sim_workers.start("aggregated", *FAST, "--load-metrics", "off")
+    stale = sim_workers.start("aggregated", *FAST, "--load-metrics", "unavailable")
+    async with engine_client(off.address) as a, engine_client(stale.address) as b:
+        load = await a.load()
+        assert load.HasField("running_requests") and not load.HasField("used_kv_blocks")
+        assert not load.HasField("queued_requests") and not load.attributes.fields
+        with pytest.raises(EngineError) as info:
+            await b.load()
+        assert info.value.grpc_status == grpc.StatusCode.UNAVAILABLE
+        assert await b.health() == HealthState.HEALTH_STATE_READY  # the engine itself is fine
+
+
+@pytest.mark.parametrize("revision, backend, outcome", [
+    ("1", "none", "refused"),  # revision 1 refuses a mode its backend lacks (UNIMPLEMENTED)
+    ("3", "none", "ignored"),  # the sibling server passes it on; the engine ignores it
+    ("1", "xgrammar", "taken"), ("3", "llguidance", "taken"),
+])
+async def test_guides_and_the_guided_decoding_capability_follow_the_grammar_backend(revision, backend, outcome,
+                                                                                   sim_workers, engine_client):
+    """UPSTREAM guided-capability."""
+    worker = sim_workers.start("aggregated", *FAST, "--schema-revision", revision, "--guided-backend", backend)
+    guided = full_request("guided", max_tokens=2)
+    guided.guided.json_object.SetInParent()
+    async with engine_client(worker.address) as client:
+        caps = await client.capabilities()
+        if outcome == "refused":
+            assert (await refusal(client, guided)).grpc_status == grpc.StatusCode.UNIMPLEMENTED
+        else:
+            assert isinstance(terminal(await collect(client, guided)), Finished)
+    assert caps.guided_decoding.supported is (backend != "none")
+    assert ("json_object" in caps.guided_decoding.modes) is (backend != "none")
+    assert ("choice" in caps.guided_decoding.modes) is (backend != "none" and revision == "3")
+
+
+async def test_a_stream_nobody_reads_is_aborted_by_the_stall_watchdog(sim_workers, engine_client):
+    """UPSTREAM stall-watchdog: a raw HTTP/2 client that opens a Generate stream with a tiny flow-control window
+    and never reads. Once the server cannot hand on responses, the watchdog aborts the request (its blocks
+    come back) after the stall timeout; a slow engine alone never trips it."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--stall-timeout", "1",
+                               "--max-context-length", "60000")
+    host, port = worker.address.removeprefix("grpc://").rsplit(":", 1)
+    message = full_request("unread", max_tokens=50_000).SerializeToString()
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 64})
+    connection.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", f"{host}:{port}"),
+                                (":path", "/openengine.v1.Inference/Generate"), ("content-type", "application/grpc"),
+                                ("te", "trailers")])
+    connection.send_data(1, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(connection.data_to_send())  # and never read or acknowledge anything after this
+        async with engine_client(worker.address) as client:
+            load = await wait_for_load(client, lambda l: attr(l, "stalled_requests") == 1, timeout=20)
+            assert load.running_requests == 0 and load.used_kv_blocks == 0
+            # its request id is released: the same id is taken again at once
+            assert isinstance(terminal(await collect(client, full_request("unread", max_tokens=2))), Finished)

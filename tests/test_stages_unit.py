@@ -61,15 +61,15 @@ class Sink:
     def ending(self):
         pass
 
-    async def finish(self, reason, prompt_tokens, completion_tokens):
+    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
         self.finished = (reason, completion_tokens)
 
 
-def deployment(prefill_scripts=(), decode_scripts=(), abort_cleanup=False, abort_error=None, retries=1):
+def deployment(prefill_scripts=(), decode_scripts=(), abort_cleanup=False, retries=1):
     from orchestrator.fake_engine import capabilities
 
-    prefills = [FakeEngineClient(f"p{i}", capabilities("prefill", abort_cleanup=abort_cleanup), script,
-                                 abort_error=abort_error) for i, script in enumerate(prefill_scripts)]
+    prefills = [FakeEngineClient(f"p{i}", capabilities("prefill", abort_cleanup=abort_cleanup), script)
+                for i, script in enumerate(prefill_scripts)]
     decodes = [FakeEngineClient(f"d{i}", capabilities("decode"), script) for i, script in enumerate(decode_scripts)]
     pool = FakePool([fake_worker("prefill", c) for c in prefills] + [fake_worker("decode", c) for c in decodes])
     metrics = Metrics()
@@ -77,10 +77,6 @@ def deployment(prefill_scripts=(), decode_scripts=(), abort_cleanup=False, abort
     prefill = PrefillStage(pool, metrics, releaser, retries=retries, cleanup_timeout_s=5)
     decode = DecodeStage(pool, metrics, releaser, retries=retries, cleanup_timeout_s=5)
     return pool, prefills, decodes, prefill, decode, releaser, metrics
-
-
-def abort_capability(worker) -> bool:
-    return worker.client.cached_capabilities.supports_abort_cleanup
 
 
 def workers(pool, role):
@@ -92,7 +88,7 @@ def workers(pool, role):
 async def test_prefill_returns_a_lease_and_holds_back_the_context_token(autojump_clock):
     pool, (p,), _, prefill, *_ = deployment([prefill_script(Wait(0.05), Send(Tokens((WORD,))), Wait(0.01),
                                                               Send(PrefillReady(SESSION)))], [])
-    result = await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    result = await prefill.run(workers(pool, "prefill")[0], full())
     assert result.lease.session == SESSION and not result.lease.settled and not result.answer
     (leg,) = p.generated()
     assert leg.extra["request_type"] == "context_only" and leg.stopping.max_tokens == 1
@@ -101,7 +97,7 @@ async def test_prefill_returns_a_lease_and_holds_back_the_context_token(autojump
 async def test_a_prefill_that_stops_on_its_token_is_the_answer(autojump_clock):
     pool, _, _, prefill, *_ = deployment([prefill_script(Send(Tokens((WORD,))),
                                                          Send(Finished(FinishReason.FINISH_REASON_STOP)))], [])
-    result = await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+    result = await prefill.run(workers(pool, "prefill")[0], full())
     assert result.lease is None and [type(e) for e in result.answer] == [Tokens, Finished]
 
 
@@ -110,7 +106,7 @@ async def test_a_retryable_prefill_failure_moves_to_another_prefill_worker(autoj
     pool, (p0, p1), _, prefill, _, _, metrics = deployment(
         [prefill_script(Fail(busy)), prefill_script(Send(PrefillReady(SESSION)))], [])
     first = next(w for w in workers(pool, "prefill") if w.client is p0)
-    result = await prefill.run(first, abort_capability, full())
+    result = await prefill.run(first, full())
     assert result.lease.prefill_worker.client is p1
     assert len(p0.generated()) == len(p1.generated()) == 1
     assert 'orchestrator_retries_total{role="prefill"} 1.0' in metrics.render().decode()
@@ -120,7 +116,7 @@ async def test_a_non_retryable_prefill_failure_is_not_retried(autojump_clock):
     wrong = EngineError("bad", worker="p0", rpc="Generate", retryable=False)
     pool, (p0, p1), _, prefill, *_ = deployment([prefill_script(Fail(wrong)), prefill_script(Hang())], [])
     with pytest.raises(EngineError, match="bad"):
-        await prefill.run(next(w for w in workers(pool, "prefill") if w.client is p0), abort_capability, full())
+        await prefill.run(next(w for w in workers(pool, "prefill") if w.client is p0), full())
     assert p1.generated() == []
 
 
@@ -129,28 +125,26 @@ async def test_a_prefill_cancelled_mid_flight_is_aborted_and_nothing_is_held(can
     pool, (p,), (d,), prefill, *_ = deployment([prefill_script(Wait(0.05), Send(Tokens((WORD,))), Hang())],
                                                [lambda request: decode_tokens(1)])
     with trio.move_on_after(cancel_at):
-        await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
+        await prefill.run(workers(pool, "prefill")[0], full())
     assert p.aborts == ["r1"] and p.cancelled == ["r1"], (p.aborts, p.cancelled, p.calls)
     assert d.generated() == []  # no session appeared, so nothing to release
 
 
 @pytest.mark.parametrize("abort_cleanup", [False, True])
 async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_session(abort_cleanup, autojump_clock):
-    """The abort raced the handoff: the session exists, and is aborted or pulled by a release leg."""
+    """The abort raced the handoff: the session exists, and a release leg pulls it, even where the worker
+    advertises abort by session (an answered abort is not proof the blocks were freed)."""
     def script(request):
         return [Wait(0.05), Send(PrefillReady(SESSION))]
 
     pool, (p,), (d,), prefill, *_ = deployment([script], [lambda request: decode_tokens(1)],
                                                abort_cleanup=abort_cleanup)
     with trio.move_on_after(0.01):
-        await prefill.run(workers(pool, "prefill")[0], abort_capability, full())
-    assert "r1" in p.aborts
-    if abort_cleanup:
-        assert SESSION in p.aborts and d.generated() == []
-    else:
-        (release,) = d.generated()
-        assert release.request_id == "r1-kv-release" and release.kv.session == SESSION
-        assert release.stopping == g.StoppingOptions(max_tokens=1)
+        await prefill.run(workers(pool, "prefill")[0], full())
+    assert p.aborts == ["r1"]  # by request id only, never by session
+    (release,) = d.generated()
+    assert release.request_id == "r1-kv-release" and release.kv.session == SESSION
+    assert release.stopping == g.StoppingOptions(max_tokens=1)
 
 
 # ---- the decode stage ---------------------------------------------------------------------------------
@@ -162,8 +156,8 @@ async def run_decode(decode, worker, leg, lease=None, migrate=None):
     return sink, state
 
 
-def lease_on(pool, abort_cleanup=False):
-    return KvLease(workers(pool, "prefill")[0], SESSION, abort_cleanup)
+def lease_on(pool):
+    return KvLease(workers(pool, "prefill")[0], SESSION)
 
 
 async def test_decode_streams_the_text_and_marks_the_lease_pulled(autojump_clock):
@@ -202,27 +196,16 @@ async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_goes_to_t
 
 
 @pytest.mark.parametrize("abort_cleanup", [False, True])
-async def test_decode_cancelled_before_its_first_token_keeps_the_kv_rule(abort_cleanup, autojump_clock):
+async def test_decode_cancelled_before_its_first_token_is_kept_until_it_pulled(abort_cleanup, autojump_clock):
+    """Even where the prefill worker advertises supports_abort_cleanup: the sibling server answers an abort by
+    session ABORTED without freeing anything once the context request finished, so only a pull is proof."""
     pool, (p,), (d,), _, decode, *_ = deployment([prefill_script()], [lambda r: [Wait(0.2), *decode_tokens(3)]],
                                                  abort_cleanup=abort_cleanup)
-    lease = lease_on(pool, abort_cleanup)
+    lease = lease_on(pool)
     with trio.move_on_after(0.05):
         await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
-    if abort_cleanup:  # the session is aborted at once; the decode stream is dropped
-        assert p.aborts == [SESSION] and lease.released and not lease.pulled
-    else:  # the stream is kept until its first token: the decode worker then holds the KV
-        assert p.aborts == [] and lease.pulled
-    assert d.aborts == ["r1"] and d.cancelled == ["r1"]  # and the decode leg itself is let go
-
-
-async def test_a_failing_abort_by_session_falls_back_to_keeping_the_decode_until_its_first_token(autojump_clock):
-    unimplemented = EngineError("aborting by kv_session is not supported", worker="p0", rpc="Abort")
-    pool, (p,), (d,), _, decode, *_ = deployment([prefill_script()], [lambda r: [Wait(0.2), *decode_tokens(2)]],
-                                                 abort_cleanup=True, abort_error=unimplemented)
-    lease = lease_on(pool, abort_cleanup=True)
-    with trio.move_on_after(0.05):
-        await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
-    assert lease.pulled and not lease.released
+    assert p.aborts == [] and lease.pulled and not lease.released  # the decode worker holds the KV now
+    assert d.aborts == ["r1-gen"] and d.cancelled == ["r1-gen"]  # and the decode leg itself is let go
 
 
 async def test_decode_cancelled_mid_stream_aborts_the_leg_and_leaves_the_lease_alone(autojump_clock):
@@ -230,7 +213,7 @@ async def test_decode_cancelled_mid_stream_aborts_the_leg_and_leaves_the_lease_a
     lease = lease_on(pool)
     with trio.move_on_after(0.12):
         await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(max_tokens=10), SESSION), lease)
-    assert lease.pulled and p.aborts == [] and d.aborts == ["r1"] and d.cancelled == ["r1"]
+    assert lease.pulled and p.aborts == [] and d.aborts == ["r1-gen"] and d.cancelled == ["r1-gen"]
 
 
 # ---- the releaser and the retry rule ------------------------------------------------------------------
@@ -344,18 +327,25 @@ async def test_a_decode_worker_lost_after_the_last_token_ends_the_answer_without
     assert spare.generated() == [] and len(prefill.generated()) == 1  # no continuation anywhere
 
 
-async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_declares_revision_3(tmp_path,
-                                                                                          autojump_clock):
+@pytest.mark.parametrize("revision", [1, 3])
+async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_sibling_server(
+        tmp_path, revision, autojump_clock):
+    """A declared decode role that packs its handoff under a named profile (TensorRT-LLM's sibling server)
+    refuses a request without a KV session. Gated on those fields, whatever schema_revision says: upstream
+    relabelled the sibling server's fields revision 1."""
     from orchestrator.fake_engine import capabilities
+    from orchestrator.kv import TRTLLM_HANDOFF_PROFILE
 
-    prefill = FakeEngineClient("p0", capabilities("prefill", schema_revision=3),
-                               lambda r: [Send(PrefillReady(SESSION))])
-    decode = FakeEngineClient("d0", capabilities("decode", schema_revision=3), lambda r: decode_tokens(1))
+    sibling = {"schema_revision": revision, "handoff_profile": TRTLLM_HANDOFF_PROFILE}
+    prefill = FakeEngineClient("p0", capabilities("prefill", **sibling), lambda r: [Send(PrefillReady(SESSION))])
+    decode = FakeEngineClient("d0", capabilities("decode", **sibling), lambda r: decode_tokens(1))
     pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", decode)])
     c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096})
     assert (await c.plan(chat(), "e3")).path == "disaggregated"
     decode.caps = capabilities("unspecified")
     assert (await c.plan(chat(), "e4")).path == "local"
+    decode.caps = capabilities("decode", schema_revision=3)  # a declared decode role without the profile
+    assert (await c.plan(chat(), "e5")).path == "local"
 
 
 async def timed_request(tmp_path, script, request_id):
@@ -420,10 +410,10 @@ async def test_a_request_whose_answer_completes_after_its_deadline_passed_is_not
     though a watcher task (plain ASGI) is cancelled after it, in the nursery whose deadline has passed."""
 
     class SlowFinish(Sink):
-        async def finish(self, reason, prompt_tokens, completion_tokens):
+        async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
             with trio.CancelScope(shield=True):
                 await trio.sleep(3)
-            await super().finish(reason, prompt_tokens, completion_tokens)
+            await super().finish(reason, prompt_tokens, completion_tokens, cached_tokens=cached_tokens)
 
     _, c, plan = await timed_request(tmp_path, lambda r: decode_tokens(3), "e8")
     sink = SlowFinish()

@@ -47,7 +47,7 @@ class RecordingSink:
     def ending(self):
         self.ended_after = len(self.received)
 
-    async def finish(self, reason, prompt_tokens, completion_tokens):
+    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
         raise AssertionError("stream_output does not finish the response; the coordinator does")
 
     @property

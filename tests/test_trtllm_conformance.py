@@ -6,9 +6,14 @@ cases run the orchestrator against the simulated worker, whose default persona b
 (orchestrator/sim/persona.py).
 
 Sources (repository, path @ commit):
-- R1 = NVIDIA/TensorRT-LLM tensorrt_llm/grpc/openengine/ (schema revision 1, proto/manifest.json @ 30725957)
-- R3 = NVIDIA/TensorRT-LLM tensorrt_llm/openengine/ (the revision-3 sibling server, OPENENGINE_COMMIT f1a71893)
-- DYN = ai-dynamo/dynamo lib/sidecar/trtllm/src/tests/disagg.rs @ 1d54a636193d
+- R1 = NVIDIA/TensorRT-LLM tensorrt_llm/grpc/openengine/, the server TensorRT-LLM ships (merged: PR #17084 added
+  it, PR #17992 wired Generate to the engine with disaggregated serving). Its schema: proto/manifest.json
+  @ 4c5eefe973fb, openengine tag v0.1.0 = b5f2bd93, BSR release 768a93c7, schema_revision 1.
+- R3 = NVIDIA/TensorRT-LLM tensorrt_llm/openengine/, the sibling server: an OPEN pull request (#16336), not
+  merged; its KV-event follow-up #19440 is open too. servicer.py @ 58132ce1 pins openengine a66ff6f, which
+  reports schema_revision 3; openengine has since relabelled those fields revision 1 (8ce850d).
+- DYN = ai-dynamo/dynamo lib/sidecar/trtllm/src/ (the OpenEngine TensorRT-LLM sidecar: open PRs #14349, #15087;
+  disagg.rs @ 1d54a636193d).
 """
 
 from __future__ import annotations
@@ -18,20 +23,24 @@ import signal
 import subprocess
 import time
 
+import grpc
 import httpx
 import pytest
 import trio
 from google.protobuf import json_format
 from serve_helpers import chat_body
 
-from orchestrator.convert import full_leg, parse_chat, resolve_limits
+from orchestrator.convert import check_worker_media, full_leg, parse_chat, resolve_limits
 from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.engine.capabilities import WorkerCapabilities
+from orchestrator.engine.errors import from_engine_error, from_grpc_status
 from orchestrator.engine.events import FinishReason
+from orchestrator.errors import InvalidRequest
+from orchestrator.frontend.errors import to_api_error
 from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, KvAction, check_session, unpulled_session_action
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.openengine.v1 import kv_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
 from orchestrator.testing import free_port, python_command, wait_for_load, write_config
@@ -71,6 +80,45 @@ UPSTREAM = {
     "r3-images": ("R3 server.py @ 01138754b3f4 GetModelInfo", "supports_multimodal = bool(aggregate); "
                   "multimodal_capabilities lists image per path (aggregate, prefill_decode) and the source types"),
     "no-max-output": ("R1 control.py @ 06cb2191b0be GetModelInfo", "max_output_tokens stays unset"),
+    "wire-numbering": ("R1 proto/manifest.json @ 4c5eefe973fb; proto/openengine/v1/*.proto @ 5e7024430d2d",
+                       "openengine v0.1.0: ERROR_CODE_INTERNAL = 11, HEALTH_STATE_NOT_READY = 4, "
+                       "KvConnectorInfo.schema_version = 8; no DRAINING value and no supports_drain"),
+    "health-states": ("R1 control.py @ 06cb2191b0be Health / server.py @ 06cb2191b0be",
+                      "NOT_READY once the engine is down; no draining state; shutdown is server.stop(grace)"),
+    "late-abort": ("R3 servicer.py @ 58132ce1 Abort; tensorrt_llm/serve/request_tracker.py @ 6953e49d abort",
+                   "Abort(kv_session) of a context request no longer active answers ABORTED ('Released KV "
+                   "session') and only drops its own handle: the engine is not told, the blocks stay held"),
+    "guided-capability": ("R1 control.py @ 06cb2191b0be GetModelInfo; capabilities.py @ 1262edbc3809; R3 "
+                          "servicer.py @ 58132ce1 GetModelInfo / _validate_generate",
+                          "guided_decoding.supported = bool(guided_decoding_backend), modes per backend; the "
+                          "sibling server passes a guide on without a backend (not refused, unconstrained)"),
+    "revisions-relabelled": ("ai-dynamo/openengine 8ce850d version.proto; R3 _schema_pin.py @ 58132ce1",
+                             "the later-branch fields are revision 1 upstream now, while the sibling server "
+                             "reports 3: gate on each capability field, never on schema_revision"),
+    "logprobs-top-n": ("DYN convert.rs (PR #14349) output_candidates; R1 request_mapping.py @ e416b94d7b91",
+                       "TensorRT-LLM computes the sampled token's logprob only when at least one candidate is "
+                       "asked for: top_n is floored to 1 and the extra candidate is not shown"),
+    "min-tokens": ("DYN convert.rs (PR #14349) reject_impossible_minimum",
+                   "a min_tokens above the tokens left for the request is invalid, naming both numbers"),
+    "cached-tokens": ("R1 formatting.py @ 385d11ab2dfc _usage; DYN convert.rs prefill_usage / convert_finished",
+                      "usage.cached_prompt_tokens = the engine's cached tokens, also on PrefillReady; a decode "
+                      "leg reports the prefill's count (the decode engine counts pulled blocks), clamped"),
+    "stall-watchdog": ("R1 streaming.py @ 45e807d7f0cb StallWatchdog; DYN convert.rs engine_error",
+                       "a response not read for RESPONSE_STALL_TIMEOUT_SECONDS = 30 aborts the request, which "
+                       "ends with ERROR_CODE_OVERLOADED retryable=True: not load, not migratable"),
+    "failed-precondition": ("R3 servicer.py @ 58132ce1 Generate; R1 control.py @ 06cb2191b0be",
+                            "FAILED_PRECONDITION: an adapter not loaded (R3), KV event sources incomplete (R1)"),
+    "already-exists": ("R1 servicer.py @ 06cb2191b0be Generate; R3 servicer.py @ 58132ce1",
+                       "a request_id already active is ALREADY_EXISTS (R1) or INVALID_ARGUMENT (R3)"),
+    "control-unavailable": ("R1 control.py @ 06cb2191b0be GetServerInfo / GetLoad",
+                            "UNAVAILABLE while node discovery is pending, or when load metrics are on but the "
+                            "sample is missing or older than 30 s: the engine is fine"),
+    "load-kv": ("R1 control.py @ 06cb2191b0be GetLoad", "used/total_kv_blocks only with load metrics on (per DP "
+                "rank with include_per_rank); running_requests is the active count; queued_requests unset"),
+    "server-info-extra": ("R1 control.py @ 06cb2191b0be GetServerInfo; node.py @ 2361706f3283",
+                          "extra: trtllm_supports_dp_rank_targeting, trtllm_supports_subagent_affinity, "
+                          "trtllm_kv_event_hash_algo ('v2_sha256_64', with ZMQ KV events), trtllm_node; "
+                          "parallelism.data_parallel_size; capacity.kv_block_size / total_kv_blocks"),
     "terminal-status": ("R1 servicer.py @ 06cb2191b0be Generate", "a request is marked terminal (engine_terminal) "
                         "only when the generator resumes after yielding its last response; a stream closed before "
                         "that makes its finally abort the engine request (abort_request('response stream closed'))"),
@@ -85,20 +133,24 @@ def test_every_fact_names_its_source():
 
 # ---- pure cases ---------------------------------------------------------------------------------------
 
-def _caps(role=server_pb2.ENGINE_ROLE_UNSPECIFIED, revision=1, model=None) -> WorkerCapabilities:
+def _caps(role=server_pb2.ENGINE_ROLE_UNSPECIFIED, revision=1, model=None, profile="") -> WorkerCapabilities:
     server = server_pb2.ServerInfo(engine_role=role, schema_revision=revision, supported_models=["m"])
+    server.kv_connector.handoff_profile = profile
     return WorkerCapabilities.from_protos(server, model or model_pb2.ModelInfo(model_id="m"))
 
 
-def test_role_unspecified_serves_every_role_and_a_declared_role_only_itself():
-    """UPSTREAM role-unspecified, role-declared."""
+@pytest.mark.parametrize("revision", [1, 3])
+def test_role_unspecified_serves_every_role_and_a_declared_role_only_itself(revision):
+    """UPSTREAM role-unspecified, role-declared, revisions-relabelled: the sibling server is known by its named
+    handoff profile, whichever revision it reports."""
     unspecified = _caps()
     assert unspecified.role == "unspecified"
     assert all(unspecified.serves_role(r) for r in ("aggregated", "prefill", "decode"))
-    declared = _caps(server_pb2.ENGINE_ROLE_PREFILL, revision=3)
+    declared = _caps(server_pb2.ENGINE_ROLE_PREFILL, revision=revision)
     assert declared.serves_role("prefill") and not declared.serves_role("decode")
     assert unspecified.runs_whole_requests_on_decode
-    assert not _caps(server_pb2.ENGINE_ROLE_DECODE, revision=3).runs_whole_requests_on_decode
+    sibling_decode = _caps(server_pb2.ENGINE_ROLE_DECODE, revision=revision, profile=TRTLLM_HANDOFF_PROFILE)
+    assert not sibling_decode.runs_whole_requests_on_decode
 
 
 def _r1_session(shape: str) -> kv_pb2.KvSessionRef:
@@ -202,13 +254,11 @@ def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_th
     assert not leg.HasField("kv")
 
 
-def test_the_kv_rule_pulls_when_a_worker_cannot_abort_by_session():
-    """UPSTREAM no-abort-cleanup, held-until-exit."""
+def test_the_kv_rule_frees_a_session_only_by_pulling_it():
+    """UPSTREAM no-abort-cleanup, held-until-exit, late-abort: no revision's abort by session is proof."""
     rule = unpulled_session_action
-    assert rule(supports_abort_cleanup=True, decode_leg_in_flight=True) is KvAction.ABORT_SESSION
-    assert rule(supports_abort_cleanup=False, decode_leg_in_flight=True) is \
-        KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
-    assert rule(supports_abort_cleanup=False, decode_leg_in_flight=False) is KvAction.PULL_WITH_RELEASE_LEG
+    assert rule(decode_leg_in_flight=True) is KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
+    assert rule(decode_leg_in_flight=False) is KvAction.PULL_WITH_RELEASE_LEG
 
 
 def test_image_support_needs_every_signal_and_follows_the_path():
@@ -227,7 +277,8 @@ def test_image_support_needs_every_signal_and_follows_the_path():
 
 def test_the_simulators_default_persona_is_revision_1_trtllm():
     """UPSTREAM role-unspecified, no-abort-cleanup, held-until-exit, extensions, r3-max-tokens, clamp,
-    no-max-output: the persona table says what the simulator does by default."""
+    no-max-output, stall-watchdog, already-exists, guided-capability: the persona table says what the simulator
+    does by default."""
     r1, r3 = Persona(), Persona(schema_revision=3)
     assert not r1.declares_role and r3.declares_role
     assert not r1.abort_by_session and r3.abort_by_session
@@ -236,6 +287,12 @@ def test_the_simulators_default_persona_is_revision_1_trtllm():
     assert r1.omitted_max_tokens == "room" and r3.omitted_max_tokens == 32
     assert r1.clamps_max_tokens and not r1.advertises_max_output_tokens
     assert not r1.default_multimodal() and r3.default_multimodal()
+    # stall-watchdog, already-exists, guided-capability
+    assert r1.default_stall_timeout_s == 30.0 and r3.default_stall_timeout_s is None
+    assert (r1.duplicate_id_status, r3.duplicate_id_status) == ("ALREADY_EXISTS", "INVALID_ARGUMENT")
+    assert not r1.ignores_unsupported_guides and r3.ignores_unsupported_guides
+    assert r1.guide_modes("none") == () and "choice" not in r1.guide_modes("xgrammar")
+    assert "structural_tag" not in r3.guide_modes("llguidance") and "choice" in r3.guide_modes("llguidance")
 
 
 # ---- process cases ------------------------------------------------------------------------------------
@@ -375,14 +432,17 @@ async def test_calls_that_sent_their_terminal_response_are_never_cancelled(tmp_p
         assert fields["cancelled_by_client"].number_value == 0, role
 
 
+@pytest.mark.parametrize("revision", ["1", "3"])
 async def test_a_failed_decode_leg_releases_its_session_through_another_decode_worker(
-        tmp_path, sim_workers, orchestrator_servers, engine_client):
-    """UPSTREAM no-abort-cleanup, held-until-exit: a decode leg that fails before pulling leaves the session on
-    a revision-1 prefill worker for good, unless a one-token release leg pulls it."""
-    prefill = sim_workers.start("prefill", *FAST)
-    broken = sim_workers.start("decode", *FAST, "--error-rate", "1", "--error-phase", "decode",
+        tmp_path, revision, sim_workers, orchestrator_servers, engine_client):
+    """UPSTREAM no-abort-cleanup, held-until-exit, late-abort: a decode leg that fails before pulling leaves the
+    session held on the prefill worker (revision 1: for good; the sibling server: an abort by session is
+    answered ABORTED and frees nothing), unless a one-token release leg pulls it."""
+    flags = (*FAST, "--schema-revision", revision)
+    prefill = sim_workers.start("prefill", *flags)
+    broken = sim_workers.start("decode", *flags, "--error-rate", "1", "--error-phase", "decode",
                                "--error-code", "ERROR_CODE_INTERNAL")
-    healthy = sim_workers.start("decode", *FAST)
+    healthy = sim_workers.start("decode", *flags)
     server = orchestrator_servers.start(write_config(
         tmp_path / "release.yaml", "disaggregated", {"prefill": [prefill.address],
                                                      "decode": [broken.address, healthy.address]},
@@ -399,6 +459,7 @@ async def test_a_failed_decode_leg_releases_its_session_through_another_decode_w
     async with engine_client(prefill.address) as client:
         load = await wait_for_load(client, lambda l: l.active_kv_sessions == 0 and l.used_kv_blocks == 0, timeout=10)
     assert load.attributes.fields["kv_sessions_pulled"].number_value == 6
+    assert load.attributes.fields["late_session_aborts"].number_value == 0  # no abort by session was tried
     assert f'orchestrator_kv_cleanups_total{{way="decode_pull"}} {failed}.0' in metrics
     releases = [r for r in await _recent(engine_client, healthy) if r["id"].endswith("-kv-release")]
     assert len(releases) == failed and all(r["stopping"] == {"max_tokens": 1} for r in releases)
@@ -484,3 +545,181 @@ def test_serve_obeys_sigterm_while_it_waits_for_workers(tmp_path):
             process.kill()
             process.wait()
     assert "stopped during start-up" in log_path.read_text()
+
+
+# ---- issue 27: the wire and its semantics as TensorRT-LLM has them ---------------------------------------
+
+def test_trtllm_wire_bytes_read_as_trtllm_means_them():
+    """UPSTREAM wire-numbering: bytes a real TensorRT-LLM worker sends. A stub numbered like openengine main
+    read INTERNAL (11) as DRAINING, NOT_READY (4) as DRAINING and schema_version (8) as supports_drain."""
+    error = error_pb2.EngineError.FromString(bytes([0x08, 11, 0x12, 0x04]) + b"boom")
+    assert error.code == error_pb2.ERROR_CODE_INTERNAL
+    api = to_api_error(from_engine_error(error, worker="w", rpc="Generate"))
+    assert (api.status, api.code, api.retry_after) == (502, "internal", None)
+    assert lifecycle_pb2.HealthResponse.FromString(bytes([0x08, 4])).state == lifecycle_pb2.HEALTH_STATE_NOT_READY
+    connector = kv_pb2.KvConnectorInfo.FromString(bytes([0x40, 1]))  # field 8, varint 1
+    assert connector.HasField("schema_version") and connector.schema_version == 1
+    for enum in (error_pb2.ErrorCode, lifecycle_pb2.HealthState):
+        assert not [name for name in enum.keys() if "DRAINING" in name]
+
+
+def test_grpc_statuses_map_to_what_the_servers_mean():
+    """UPSTREAM failed-precondition: not a role mismatch (an adapter not loaded), a 400 the client can act on."""
+    error = from_grpc_status(grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapter 'x' is not loaded", worker="w",
+                             rpc="Generate")
+    api = to_api_error(error)
+    assert error.code == error_pb2.ERROR_CODE_INVALID_ARGUMENT and not error.retryable
+    assert api.status == 400 and "not loaded" in api.message
+    duplicate = to_api_error(from_grpc_status(grpc.StatusCode.ALREADY_EXISTS, "request_id 'x' is already active",
+                                              worker="w", rpc="Generate"))
+    assert duplicate.status == 500 and duplicate.code == "duplicate_engine_request"  # ours to avoid, not a 409
+
+
+def test_media_options_are_gated_on_the_capability_not_the_revision_number():
+    """UPSTREAM revisions-relabelled: a server that reports revision 1 with the per-request media options
+    capability takes them; one without it does not, whatever revision it reports."""
+    mm = model_pb2.MultimodalCapabilities(aggregate_modalities=[g.MODALITY_IMAGE],
+                                          supports_per_request_media_options=True)
+    relabelled = _caps(revision=1, model=model_pb2.ModelInfo(model_id="m", supports_multimodal=True,
+                                                             multimodal_capabilities=mm))
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://a.example/1.png"}}]}],
+        "media_io_kwargs": {"image": {"max_pixels": 1024}}})
+    check_worker_media(req, [("aggregated", relabelled)], disaggregated=False)
+    with pytest.raises(InvalidRequest, match="does not take per-request media options"):
+        check_worker_media(req, [("aggregated", _caps(revision=3, model=model_pb2.ModelInfo(
+            model_id="m", supports_multimodal=True, multimodal_capabilities=model_pb2.MultimodalCapabilities(
+                aggregate_modalities=[g.MODALITY_IMAGE]))))], disaggregated=False)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+async def test_a_guide_the_workers_cannot_apply_is_a_400_before_any_leg(tmp_path, mode, sim_workers,
+                                                                       orchestrator_servers, engine_client):
+    """UPSTREAM guided-capability: the sibling server without a grammar backend ignores a guide (an unconstrained
+    200); the orchestrator checks ModelInfo.generation.guided_decoding first and no worker is touched."""
+    roles = ("prefill", "decode") if mode == "disaggregated" else ("aggregated",)
+    plain = {role: sim_workers.start(role, *FAST, *REVISION_3) for role in roles}
+    async with engine_client(plain[roles[0]].address) as client:  # the sibling server alone would answer 200
+        async with client.generate(g.GenerateRequest(
+                request_id="direct", model="tiny-chat", token_ids=g.TokenIds(ids=[5, 6, 7]),
+                stopping=g.StoppingOptions(max_tokens=2),
+                guided=g.GuidedDecoding(json_object=g.JsonObjectConstraint()))) as stream:
+            assert isinstance([e async for e in stream][-1], (Finished, PrefillReady))
+    server = orchestrator_servers.start(write_config(tmp_path / "plain.yaml", mode,
+                                                     {r: [w.address] for r, w in plain.items()}))
+    body = chat_body(max_tokens=4, response_format={"type": "json_object"})
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        refused = await http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "guided_decoding_not_supported" and error["param"] == "response_format"
+    assert f"the {roles[0]} worker" in error["message"] and "guided decoding is not supported" in error["message"]
+    for worker in plain.values():
+        assert [r["id"] for r in await _recent(engine_client, worker)] in ([], ["direct"])
+
+    backed = {role: sim_workers.start(role, *FAST, *REVISION_3, "--guided-backend", "xgrammar") for role in roles}
+    server = orchestrator_servers.start(write_config(tmp_path / "backed.yaml", mode,
+                                                     {r: [w.address] for r, w in backed.items()}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        served = await http.post("/v1/chat/completions", json=body)
+    assert served.status_code == 200, served.text
+    for worker in backed.values():
+        assert [r["guided"] for r in await _recent(engine_client, worker)] == ["json_object"]
+
+
+async def test_logprobs_ask_for_one_candidate_and_show_the_ones_asked_for(tmp_path, sim_workers,
+                                                                         orchestrator_servers, engine_client):
+    """UPSTREAM logprobs-top-n."""
+    prefill, decode = sim_workers.start("prefill", *FAST), sim_workers.start("decode", *FAST)
+    server = orchestrator_servers.start(write_config(tmp_path / "lp.yaml", "disaggregated",
+                                                     {"prefill": [prefill.address], "decode": [decode.address]}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True))
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(t["top_logprobs"] == [] and t["logprob"] <= 0 for t in content)
+    for worker in (prefill, decode):
+        assert [r["top_n"] for r in await _recent(engine_client, worker)] == [1]
+
+
+async def test_max_tokens_past_the_window_is_clamped_and_an_unreachable_min_tokens_is_a_400(
+        tmp_path, sim_workers, orchestrator_servers):
+    """UPSTREAM clamp, min-tokens."""
+    worker = sim_workers.start("aggregated", *FAST, "--max-context-length", "64")
+    server = orchestrator_servers.start(write_config(tmp_path / "window.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        clamped = await http.post("/v1/chat/completions", json=chat_body(max_tokens=5000, ignore_eos=True))
+        refused = await http.post("/v1/chat/completions", json=chat_body(max_tokens=20, min_tokens=30))
+    assert clamped.status_code == 200, clamped.text
+    usage = clamped.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    assert clamped.json()["choices"][0]["finish_reason"] == "length"
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    assert "min_tokens (30) exceeds the 20 tokens left" in refused.json()["error"]["message"]
+
+
+async def test_a_stalled_stream_is_a_502_neither_retried_nor_moved(tmp_path, sim_workers, orchestrator_servers,
+                                                                  engine_client):
+    """UPSTREAM stall-watchdog: the in-stream OVERLOADED says our reader was too slow, not that the worker is
+    loaded: not a 429, and another worker would be read just as slowly."""
+    stalled = sim_workers.start("aggregated", *FAST, "--error-rate", "1", "--error-code", "ERROR_CODE_OVERLOADED",
+                                "--error-retryable")
+    spare = sim_workers.start("aggregated", *FAST)
+    server = orchestrator_servers.start(write_config(
+        tmp_path / "stall.yaml", "aggregated", {"aggregated": [stalled.address, spare.address]},
+        routing={"aggregated": "round_robin"}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        statuses = [(await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))) for _ in range(4)]
+    refused = [r for r in statuses if r.status_code != 200]
+    assert len(refused) == 2 and {r.status_code for r in refused} == {502}
+    assert {r.json()["error"]["code"] for r in refused} == {"stream_stalled"} and "retry-after" not in refused[0].headers
+    assert len(await _recent(engine_client, spare)) == 2  # only its own turns
+
+
+async def test_one_worker_serving_both_roles_gets_distinct_leg_ids(tmp_path, sim_workers, orchestrator_servers,
+                                                                   engine_client):
+    """UPSTREAM already-exists, role-unspecified: a revision-1 worker serves either phase, so one may be listed as
+    prefill and decode; it marks a request finished only after its status, so the decode leg must not reuse the
+    context leg's request_id (ALREADY_EXISTS)."""
+    both = sim_workers.start("prefill", *FAST, "--status-delay", "0.3")
+    server = orchestrator_servers.start(write_config(tmp_path / "both.yaml", "disaggregated",
+                                                     {"prefill": [both.address], "decode": [both.address]}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+    assert response.status_code == 200, response.text
+    ids = [r["id"] for r in await _recent(engine_client, both)]
+    assert len(ids) == 2 and len(set(ids)) == 2
+
+
+async def test_the_operator_view_shows_what_the_engine_reports_and_a_load_outage_keeps_it_routable(
+        tmp_path, sim_workers, orchestrator_servers):
+    """UPSTREAM server-info-extra, load-kv, control-unavailable."""
+    reporting = sim_workers.start("aggregated", *FAST)
+    silent = sim_workers.start("aggregated", *FAST, "--load-metrics", "unavailable")
+    server = orchestrator_servers.start(write_config(
+        tmp_path / "view.yaml", "aggregated", {"aggregated": [reporting.address, silent.address]},
+        routing={"aggregated": "least_loaded"}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        for _ in range(4):
+            assert (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
+        await trio.sleep(0.5)  # a few health and load rounds
+        workers = {w["address"]: w for w in (await http.get("/health")).json()["workers"]}
+    seen, outage = workers[reporting.address], workers[silent.address]
+    assert seen["state"] == outage["state"] == "ready"
+    engine = seen["engine"]
+    assert engine["data_parallel_size"] == 1 and engine["kv_block_size"] == 32 and engine["total_kv_blocks"] > 0
+    assert engine["extra"]["trtllm_supports_dp_rank_targeting"] is True and engine["guided_decoding"] is False
+    assert seen["load"]["total_kv_blocks"] == engine["total_kv_blocks"] and "load" not in outage
+
+
+async def test_cached_prompt_tokens_reach_the_client(tmp_path, sim_workers, orchestrator_servers):
+    """UPSTREAM cached-tokens, through the real frontend: the usage says what the engine said (none: no field)."""
+    worker = sim_workers.start("aggregated", *FAST)
+    server = orchestrator_servers.start(write_config(tmp_path / "cached.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        usage = (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).json()["usage"]
+        metrics = (await http.get("/metrics")).text
+    assert usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) <= usage["prompt_tokens"]
+    assert 'orchestrator_cached_prompt_tokens_total{mode="aggregated"}' in metrics

@@ -1,4 +1,4 @@
-"""Our proto/ files match the OpenEngine v1 spec tables (revision 1 plus the revision-3 additions) field by field,
+"""Our proto/ files match the OpenEngine v1 spec tables (v0.1.0 plus the later-branch additions) field by field,
 and the committed stubs are current."""
 
 import filecmp
@@ -58,7 +58,7 @@ def test_vendored_spec_is_the_shared_one():
 
 def test_spec_covers_every_file():
     assert set(SPEC) == set(MODULES)
-    # 63 messages in revision 1; revision 3 adds KvBootstrap, MultimodalCapabilities and TokenizerInfo.
+    # 63 messages in v0.1.0; the additions bring KvBootstrap, MultimodalCapabilities and TokenizerInfo.
     assert sum(len(f.messages) for f in SPEC.values()) == 66
 
 

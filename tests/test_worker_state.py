@@ -5,7 +5,7 @@ import pytest
 from orchestrator.worker_state import TRANSITIONS, WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 S, E = WorkerState, WorkerEvent
-ACTIVE = [S.CONNECTING, S.READY, S.UNHEALTHY, S.DRAINING, S.MISCONFIGURED]
+ACTIVE = [S.CONNECTING, S.READY, S.UNHEALTHY, S.MISCONFIGURED]
 
 
 def test_the_table_covers_every_state_and_event():
@@ -15,7 +15,7 @@ def test_the_table_covers_every_state_and_event():
 @pytest.mark.parametrize("state", ACTIVE)
 @pytest.mark.parametrize("event, target", [
     (E.HEALTHY, S.READY), (E.IDENTITY_MISMATCH, S.MISCONFIGURED), (E.UNHEALTHY, S.UNHEALTHY),
-    (E.DRAINING, S.DRAINING), (E.UNREACHABLE, S.UNHEALTHY), (E.REMOVED, S.REMOVING),
+    (E.UNREACHABLE, S.UNHEALTHY), (E.REMOVED, S.REMOVING),
 ])
 def test_what_an_event_does_does_not_depend_on_the_state_before_it(state, event, target):
     assert next_state(state, event) is target
@@ -27,8 +27,15 @@ def test_removing_is_final(event):
 
 
 @pytest.mark.parametrize("previous, rereads", [
-    (S.CONNECTING, False), (S.READY, False), (S.UNHEALTHY, True), (S.DRAINING, True), (S.MISCONFIGURED, True),
+    (S.CONNECTING, False), (S.READY, False), (S.UNHEALTHY, True), (S.MISCONFIGURED, True),
 ])
 def test_a_worker_back_from_trouble_is_asked_again_what_it_can_do(previous, rereads):
     assert rereads_capabilities(previous, E.HEALTHY) is rereads
     assert not rereads_capabilities(previous, E.UNHEALTHY)
+
+
+def test_there_is_no_draining_state_because_trtllm_has_none():
+    """openengine v0.1.0 (what TensorRT-LLM serves) has no DRAINING health state: a draining worker says
+    NOT_READY, which is UNHEALTHY here (tests/test_trtllm_conformance.py, UPSTREAM health-states)."""
+    assert "draining" not in {state.value for state in S}
+    assert "draining" not in {event.value for event in E}

@@ -2,7 +2,7 @@
 
 - api: parse and validate request bodies (chat, completions) into ApiRequest
 - media: image part rules, ordering and UUIDs
-- engine: the context-window rule, media gating, and the full engine leg
+- engine: the context-window rule, media and feature gating, and the full engine leg
 Failures are orchestrator.errors.InvalidRequest (a domain error; its HTTP status is the frontend's).
 """
 
@@ -12,6 +12,7 @@ from orchestrator.convert.engine import (
     check_media_capability,
     check_media_options,
     check_media_sources,
+    check_worker_features,
     check_worker_media,
     full_leg,
     resolve_limits,
@@ -19,4 +20,5 @@ from orchestrator.convert.engine import (
 from orchestrator.convert.media import ImageRef, MediaLimits
 
 __all__ = ["ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability",
-           "check_media_options", "check_media_sources", "check_worker_media", "full_leg", "parse_chat", "parse_completion", "resolve_limits"]
+           "check_media_options", "check_media_sources", "check_worker_features",
+           "check_worker_media", "full_leg", "parse_chat", "parse_completion", "resolve_limits"]

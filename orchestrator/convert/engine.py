@@ -34,8 +34,9 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
                    engine_window: int | None, max_output_tokens: int | None) -> Limits:
     """Apply the context-window rule.
 
-    Text: a prompt at or over the window is a 400 naming both numbers; max_tokens is the client's
-    (clamped to max_output_tokens, and it must fit the window), or else window - prompt tokens.
+    Text: a prompt at or over the window is a 400 naming both numbers; max_tokens is the client's or else
+    window - prompt tokens, clamped to that room and to max_output_tokens; a min_tokens above the result is a
+    400 naming both numbers.
     Media: the prompt length is only known engine-side, so a configured window tighter than the
     engine's cannot be enforced: refuse. Without a client max_tokens the budget is window - text
     tokens, an upper bound that TensorRT-LLM clamps to its real room (max_seq_len - prompt, images
@@ -62,13 +63,17 @@ def resolve_limits(req: ApiRequest, *, prompt_tokens: int, configured_window: in
                       f"{window} tokens", param="messages" if req.kind == "chat" else "prompt",
                       code="context_length_exceeded")
     room = window - prompt_tokens
-    if req.max_tokens is not None:
-        max_tokens = min(req.max_tokens, max_output_tokens) if max_output_tokens else req.max_tokens
-        if max_tokens > room:
-            raise invalid(f"max_tokens of {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context "
-                          f"window of {window} tokens", param="max_tokens", code="context_length_exceeded")
-    else:
-        max_tokens = min(room, max_output_tokens) if max_output_tokens else room
+    # An explicit max_tokens larger than the room left is clamped to it, as TensorRT-LLM's executor does
+    # (_deduce_max_tokens: "using default_max_tokens instead"), so a client sees the same answer through us.
+    max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
+    if max_output_tokens:
+        max_tokens = min(max_tokens, max_output_tokens)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        # It could never be met: the engine would run into the window (Dynamo: reject_impossible_minimum).
+        raise invalid(f"min_tokens ({req.min_tokens}) exceeds the {max_tokens} tokens left for this request "
+                      f"(context window {window}, prompt {prompt_tokens} tokens"
+                      f"{f', max_tokens {req.max_tokens}' if req.max_tokens is not None else ''})",
+                      param="min_tokens", code="min_tokens_unreachable")
     return Limits(max_tokens, window)
 
 
@@ -89,8 +94,32 @@ def check_worker_media(req: ApiRequest, workers: list[tuple[str, WorkerCapabilit
         check_media_capability(req, [(role, *caps.image_support(disaggregated)) for role, caps in workers])
         check_media_sources(req, [(role, caps.multimodal.source_types if caps.multimodal else frozenset())
                                   for role, caps in workers])
-    check_media_options(req, [(role, caps.schema_revision >= 3 and caps.multimodal is not None
-                               and caps.multimodal.per_request_media_options) for role, caps in workers])
+    # Gated on the capability field itself, never on schema_revision (upstream relabelled the revisions).
+    check_media_options(req, [(role, caps.multimodal is not None and caps.multimodal.per_request_media_options)
+                              for role, caps in workers])
+
+
+def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabilities]]) -> None:
+    """Every generation feature the request needs, against what each worker it touches advertises
+    (ModelInfo.generation), before any leg starts. Both legs of a split request carry the guide and the
+    logprobs (the first token is sampled on the prefill worker), so every worker must take them."""
+    for role, caps in workers:
+        where = f"the {role} worker{f' ({caps.instance_id})' if caps.instance_id else ''}"
+        if req.guided is not None and not caps.guided_decoding.takes(req.guided.kind):
+            said = ("guided decoding is not supported (ModelInfo.generation.guided_decoding.supported is not "
+                    "true: TensorRT-LLM has no grammar backend configured)" if not caps.guided_decoding.supported
+                    else f"its guided decoding modes are {', '.join(sorted(caps.guided_decoding.modes))}")
+            raise invalid(f"response_format {req.guided.kind}: {where} cannot constrain the output: {said}",
+                          param="response_format", code="guided_decoding_not_supported")
+        if req.logprobs:
+            logprobs, top_n = caps.output_logprobs, candidates_asked(req)
+            if not logprobs.takes("top_n"):
+                raise invalid(f"logprobs: {where} does not return output logprobs by top-n candidates "
+                              "(ModelInfo.generation.output_logprobs)", param="logprobs",
+                              code="logprobs_not_supported")
+            if logprobs.max_top_n is not None and top_n > logprobs.max_top_n:
+                raise invalid(f"top_logprobs: {where} returns at most {logprobs.max_top_n} candidates, "
+                              f"{top_n} were asked for", param="top_logprobs", code="logprobs_not_supported")
 
 
 def check_media_options(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:
@@ -128,6 +157,11 @@ def media_items(images: tuple[ImageRef, ...]) -> list[g.MediaItem]:
             item.data_uri = image.data_uri
         items.append(item)
     return items
+
+
+def candidates_asked(req: ApiRequest) -> int:
+    """The top_n a leg asks the engine for when the client wants logprobs."""
+    return max(1, req.top_logprobs)
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -170,8 +204,9 @@ def full_leg(req: ApiRequest, *, request_id: str, model: str, prompt_ids: list[i
         request.media_options.update(json.loads(req.media_options))
     if req.logprobs:
         request.response.return_output_logprobs = True
-        if req.top_logprobs:
-            request.response.output_candidates.top_n = req.top_logprobs
+        # TensorRT-LLM computes the sampled token's own logprob only when at least one candidate is asked for
+        # (Dynamo's sidecar convert.rs floors it to 1 for this reason); the extra candidate is not shown.
+        request.response.output_candidates.top_n = candidates_asked(req)
     if req.guided is not None:
         if req.guided.kind == "json_schema":
             request.guided.json_schema = req.guided.json_schema

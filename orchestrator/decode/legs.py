@@ -12,9 +12,16 @@ from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 
 
+GENERATION_SUFFIX = "-gen"
+
+
 def generation_leg(full: g.GenerateRequest, session: kv_pb2.KvSessionRef) -> g.GenerateRequest:
     leg = g.GenerateRequest()
     leg.CopyFrom(full)
+    # Its own request_id: a revision-1 worker serves either phase, so the same engine may run both legs, and it
+    # marks the context request finished only after that call's status; a reused id is ALREADY_EXISTS. The KV is
+    # found through the session (its session_id / disagg_request_id), never through this id.
+    leg.request_id = full.request_id + GENERATION_SUFFIX
     leg.kv.session.CopyFrom(session)
     if not decode_needs_media(session):
         del leg.media[:]

@@ -33,7 +33,9 @@ class OutputSink(Protocol):
     def ending(self) -> None:
         """The engine has finished: what is delivered from now on may be written together with the finish."""
 
-    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
+                     cached_tokens: int | None = None) -> None:
+        """`cached_tokens`: of the prompt, how many the engine found cached (None: it did not say)."""
 
     # Optional, for direct delivery (DirectTokens): a sink that can write from another task has
     # can_write_now: bool -- whether deltas_now may be called at this moment;
@@ -49,12 +51,18 @@ class StreamState:
     token_ids: list[int] = attrs.Factory(list)  # what was streamed, for a continuation elsewhere (migration)
     resent_tokens: int = 0  # of those, how many a continuation sent back as prompt (not the client's prompt)
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # the engine's usage.cached_prompt_tokens (a decode leg's: see the stage)
     finished: Finished | None = None
     stopped_on: str | None = None
 
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.stopped_on is not None
+
+    def settle_cached(self, prompt_tokens: int, reported: int | None) -> int | None:
+        """Record what the client is told of cached prompt tokens: `reported`, never more than the prompt."""
+        self.cached_tokens = None if reported is None else min(reported, prompt_tokens)
+        return self.cached_tokens
 
 
 async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
@@ -82,6 +90,7 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
                     state.finished = event
                     if event.usage is not None:
                         state.prompt_tokens = event.usage.prompt_tokens
+                        state.cached_tokens = event.usage.cached_prompt_tokens
                     break
                 elif isinstance(event, Failed):
                     raise event.error

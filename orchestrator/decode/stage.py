@@ -5,9 +5,9 @@
   were streamed goes to `migrate` when one is given (the seam for request migration), else it stands.
 - Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
   Control.Abort makes sure the engine lets go as well.
-- KV rule on cancellation, when the leg consumes a KV lease that is not pulled yet: abort the session
-  where the prefill worker can; otherwise keep the stream until its first token (the decode worker
-  has then pulled the KV) and only then let it go. Anything else that leaves a lease unpulled is the
+- KV rule on cancellation, when the leg consumes a KV lease that is not pulled yet: keep the stream until
+  its first token (the decode worker has then pulled the KV) and only then let it go; an abort by session
+  is never trusted to free it (orchestrator.kv.lease). Anything else that leaves a lease unpulled is the
   caller's to release (orchestrator.kv.release).
 """
 
@@ -21,7 +21,7 @@ import trio
 from orchestrator.decode.output import OutputSink, StreamState, finish_reason, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
 from orchestrator.engine.errors import ErrorCode
-from orchestrator.kv.lease import KvAction, KvLease
+from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.retry import with_retries
@@ -79,7 +79,10 @@ class DecodeStage:
             raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
                               code=ErrorCode.ERROR_CODE_INTERNAL)
         engine_prompt = state.prompt_tokens - state.resent_tokens if state.prompt_tokens else None
-        await sink.finish(finish_reason(state), engine_prompt or prompt_tokens, state.completion_tokens)
+        prompt = engine_prompt or prompt_tokens
+        # A decode leg's engine counts the blocks it pulled as cached: what the prefill found cached is the answer.
+        cached = state.settle_cached(prompt, lease.cached_tokens if lease is not None else state.cached_tokens)
+        await sink.finish(finish_reason(state), prompt, state.completion_tokens, cached_tokens=cached)
 
     async def _abort(self, worker, request_id: str) -> None:
         # The RPC is cancelled already; Abort makes sure the engine lets go as well.
@@ -94,8 +97,6 @@ class DecodeStage:
         """KV rule for a cancellation between prefill_ready and the decode's first token."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s
-            if lease.action(decode_leg_in_flight=True) is KvAction.ABORT_SESSION and await self.releaser.abort(lease):
-                return
             while not state.terminal and state.completion_tokens == streamed_before:
                 batch = await stream.next_batch()
                 if not batch:

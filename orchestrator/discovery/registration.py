@@ -3,7 +3,7 @@
 Used by the `orchestrator register` sidecar (on the orchestrator's asyncio loop thread) and by
 `orchestrator sim-worker --etcd` (in the simulator's own loop): one implementation of the rules.
 - registered while `is_healthy()` is true: a lease of `ttl` seconds, kept alive every ttl/3;
-- withdrawn (lease revoked, key gone) at once when the worker turns unhealthy or draining;
+- withdrawn (lease revoked, key gone) at once when the worker turns unhealthy (NOT_READY: also how a draining worker says it);
 - kept through an etcd outage: the lease is not given up on a connection error. After a restart etcd
   restores it with a fresh TTL, so the first thing a reconnect does is refresh it; a new lease and key
   are written only when etcd says the old one is gone. Retries back off up to TTL/3 (so the restored

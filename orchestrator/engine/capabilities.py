@@ -6,21 +6,29 @@ The cache's contract, each point tested in tests/test_engine_capabilities.py:
 - a failure is shared: every caller waiting on that attempt gets the same error;
 - the next call after a failure tries again;
 - a caller cancelled while waiting does not cancel the discovery for the others;
-- closing the cache wakes every waiter with ClientClosed.
+- closing the cache wakes every waiter with ClientClosed;
+- a re-read (after `invalidate`) that fails keeps the last known value: TensorRT-LLM answers GetServerInfo
+  UNAVAILABLE while its node discovery is pending, and a worker whose health is fine stays routable on the
+  facts it last reported instead of failing every request.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Awaitable, Callable, Generic, TypeVar
 
 import attrs
 import trio
+from google.protobuf import json_format
 
 from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
+from orchestrator.log import cause_chain
 from orchestrator.openengine.v1 import generation_pb2, model_pb2, server_pb2
 from orchestrator.roles import Role
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Revision-1 TensorRT-LLM (tensorrt_llm/grpc/openengine/control.py) reports ENGINE_ROLE_UNSPECIFIED:
 # "the same build serves either phase; the role is per request". Such a worker takes any role.
@@ -56,6 +64,44 @@ class MultimodalSupport:
 
 
 @attrs.frozen
+class FeatureSupport:
+    """One generation feature as ModelInfo.generation advertises it (guided decoding, output logprobs).
+
+    TensorRT-LLM fills these from its configuration: guided decoding is `supported` only with a grammar backend,
+    and its modes are that backend's (control.py / capabilities.py). A worker that does not say a feature is
+    supported does not get requests that need it: without a backend TensorRT-LLM ignores a guide silently.
+    """
+
+    supported: bool = False
+    modes: frozenset[str] = frozenset()  # lower-case mode names ("json_schema", "top_n"); empty: none listed
+    max_top_n: int | None = None  # logprobs only
+
+    def takes(self, mode: str) -> bool:
+        return self.supported and (not self.modes or mode in self.modes)
+
+    @classmethod
+    def guided(cls, caps: model_pb2.GuidedDecodingCapabilities) -> "FeatureSupport":
+        return cls(supported=caps.supported if caps.HasField("supported") else False,
+                   modes=frozenset(_mode_name(model_pb2.GuidedDecodingMode, "GUIDED_DECODING_MODE_", m)
+                                   for m in caps.modes))
+
+    @classmethod
+    def logprobs(cls, caps: model_pb2.LogprobCapabilities) -> "FeatureSupport":
+        return cls(supported=caps.supported if caps.HasField("supported") else False,
+                   modes=frozenset(_mode_name(model_pb2.CandidateTokenSelectionMode,
+                                              "CANDIDATE_TOKEN_SELECTION_MODE_", m)
+                                   for m in caps.candidate_selection_modes),
+                   max_top_n=caps.max_top_n if caps.HasField("max_top_n") else None)
+
+
+def _mode_name(enum, prefix: str, value: int) -> str:
+    try:
+        return enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return f"mode_{value}"  # a mode from a newer schema: listed, never asked for
+
+
+@attrs.frozen
 class WorkerCapabilities:
     instance_id: str
     role: str  # "aggregated" | "prefill" | "decode" | "unspecified" (any role)
@@ -69,8 +115,13 @@ class WorkerCapabilities:
     multimodal: MultimodalSupport | None  # revision 3 only
     supports_abort_cleanup: bool
     total_kv_blocks: int | None
-    handoff_profile: str = ""  # revision 3: KvConnectorInfo.handoff_profile
-    tokenizer_source: str = ""  # revision 3: ModelInfo.tokenizer.source
+    handoff_profile: str = ""  # an addition: KvConnectorInfo.handoff_profile (docs/openengine-additions.md)
+    tokenizer_source: str = ""  # an addition: ModelInfo.tokenizer.source
+    guided_decoding: FeatureSupport = FeatureSupport()
+    output_logprobs: FeatureSupport = FeatureSupport()
+    data_parallel_size: int = 1
+    kv_block_size: int | None = None
+    extra: tuple[tuple[str, str], ...] = ()  # ServerInfo.extra, each value as JSON (the operator's view)
 
     def serves_role(self, role: str) -> bool:
         return self.role in (role, UNSPECIFIED_ROLE)
@@ -78,9 +129,11 @@ class WorkerCapabilities:
     @property
     def runs_whole_requests_on_decode(self) -> bool:
         """Whether a decode worker takes a request without a KV session (conditional disaggregation's local
-        path). Revision-3 TensorRT-LLM's declared decode role refuses one ("Decode requests require a prefill
-        KV session")."""
-        return self.role == UNSPECIFIED_ROLE or self.schema_revision < 3
+        path). Gated on what the worker says, not on a revision number (revisions were relabelled upstream):
+        a worker with one build for every role (ENGINE_ROLE_UNSPECIFIED) runs anything; a declared decode role
+        that packs its handoff under a named profile is TensorRT-LLM's sibling server, which refuses one
+        ("Decode requests require a prefill KV session")."""
+        return self.role == UNSPECIFIED_ROLE or not self.handoff_profile
 
     def image_support(self, disaggregated: bool) -> tuple[bool, str]:
         """Whether this worker takes images on this path, and the signals that said so.
@@ -123,6 +176,13 @@ class WorkerCapabilities:
             total_kv_blocks=capacity.total_kv_blocks if capacity.HasField("total_kv_blocks") else None,
             handoff_profile=kv.handoff_profile,
             tokenizer_source=model.tokenizer.source if model.HasField("tokenizer") else "",
+            guided_decoding=FeatureSupport.guided(model.generation.guided_decoding),
+            output_logprobs=FeatureSupport.logprobs(model.generation.output_logprobs),
+            data_parallel_size=(server.parallelism.data_parallel_size
+                                if server.parallelism.HasField("data_parallel_size") else 1),
+            kv_block_size=capacity.kv_block_size if capacity.HasField("kv_block_size") else None,
+            extra=tuple(sorted((key, json.dumps(value, sort_keys=True))
+                               for key, value in json_format.MessageToDict(server.extra).items())),
         )
 
 
@@ -148,6 +208,7 @@ class SingleFlightCache(Generic[T]):
         self._worker = worker
         self._what = what
         self._value: T | None = None
+        self._last_known: T | None = None  # kept across invalidate(), for a re-read that fails
         self._attempt: _Attempt[T] | None = None
         self._closed = False
         self.attempts = 0  # how many times the worker was asked (observable in tests and metrics)
@@ -157,6 +218,8 @@ class SingleFlightCache(Generic[T]):
         return self._value
 
     def invalidate(self) -> None:
+        """Read again on next use; the current value stays the fallback if that read fails."""
+        self._last_known = self._value or self._last_known
         self._value = None
 
     async def get(self) -> T:
@@ -190,7 +253,12 @@ class SingleFlightCache(Generic[T]):
             attempt.error = EngineError(f"no answer within {self._timeout:g} s", worker=self._worker,
                                         rpc="GetServerInfo/GetModelInfo", retryable=True)
         except EngineError as exc:
-            attempt.error = exc
+            if self._last_known is not None and not isinstance(exc, ClientClosed):
+                log.warning("%s of %s failed; keeping the capabilities it last reported: %s", self._what,
+                            self._worker, cause_chain(exc))
+                self._value = attempt.value = self._last_known
+            else:
+                attempt.error = exc
         except BaseException:  # cancelled: the owning client is closing
             if attempt.error is None:
                 attempt.error = self._closed_error()

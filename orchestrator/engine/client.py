@@ -52,8 +52,10 @@ from orchestrator.openengine.v1 import (
 
 log = logging.getLogger(__name__)
 
-# The schema revision this client speaks: revision 1 (the shared spec) plus the revision-3 additions in
-# docs/openengine-revision-3.md. Older servers are fine: revision-3 fields are read when present.
+# The schema revision this client accepts as a worker's minimum_client_revision: openengine v0.1.0 (what
+# TensorRT-LLM ships, revision 1) plus the later-branch fields in docs/openengine-additions.md, which the
+# sibling server (revision 3 at its pinned commit) serves. Capabilities are gated on the presence of each
+# field, never on this number.
 CLIENT_SCHEMA_REVISION = 3
 HealthState = lifecycle_pb2.HealthState
 

@@ -19,7 +19,9 @@ _STATUS_MAP: dict[grpc.StatusCode, tuple[int, bool]] = {
     grpc.StatusCode.OUT_OF_RANGE: (ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False),
     grpc.StatusCode.NOT_FOUND: (ErrorCode.ERROR_CODE_MODEL_NOT_FOUND, False),
     grpc.StatusCode.UNIMPLEMENTED: (ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE, False),
-    grpc.StatusCode.FAILED_PRECONDITION: (ErrorCode.ERROR_CODE_ROLE_MISMATCH, False),
+    # Not a role mismatch: TensorRT-LLM's sibling server says FAILED_PRECONDITION for an adapter it has not
+    # loaded. The request cannot run as asked; Dynamo's sidecar reports it as invalid too.
+    grpc.StatusCode.FAILED_PRECONDITION: (ErrorCode.ERROR_CODE_INVALID_ARGUMENT, False),
     grpc.StatusCode.ALREADY_EXISTS: (ErrorCode.ERROR_CODE_DUPLICATE_REQUEST, False),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (ErrorCode.ERROR_CODE_OVERLOADED, True),
     grpc.StatusCode.UNAVAILABLE: (ErrorCode.ERROR_CODE_INTERNAL, True),
@@ -70,6 +72,13 @@ class WorkerUnavailable(EngineError):
     """The worker could not be reached, or the call timed out."""
 
 
+class StreamStalled(EngineError):
+    """TensorRT-LLM ended the stream because we did not read it: its servicer's watchdog aborts a request whose
+    response waited RESPONSE_STALL_TIMEOUT_SECONDS (30 s) to be read, then sends ERROR_CODE_OVERLOADED
+    (retryable=True). The worker is not overloaded and another worker would not help (our reader, or the
+    client behind it, was too slow), so it is neither retried elsewhere nor migrated."""
+
+
 class IncompatibleWorker(EngineError):
     """The worker speaks a schema revision we cannot use."""
 
@@ -117,5 +126,8 @@ def from_grpc_status(status: grpc.StatusCode, details: str | None, *, worker: st
 
 
 def from_engine_error(proto: error_pb2.EngineError, *, worker: str, rpc: str) -> EngineError:
-    return EngineError(proto.message or code_name(proto.code), worker=worker, rpc=rpc,
-                       code=proto.code, retryable=proto.retryable)
+    """A terminal GenerateResponse.error as our error."""
+    message = proto.message or code_name(proto.code)
+    if proto.code == ErrorCode.ERROR_CODE_OVERLOADED:
+        return StreamStalled(message, worker=worker, rpc=rpc, code=proto.code, retryable=False)
+    return EngineError(message, worker=worker, rpc=rpc, code=proto.code, retryable=proto.retryable)

@@ -284,18 +284,20 @@ class _StreamingSink:
     def _event(self, text, logprobs) -> bytes:
         lp = None
         if self.api.logprobs and logprobs:
-            lp = (fmt.chat_logprobs(logprobs, self.token_text) if self.writer.kind == "chat"
-                  else fmt.completion_logprobs(logprobs, self.token_text, self.offset))
+            top = self.api.top_logprobs
+            lp = (fmt.chat_logprobs(logprobs, self.token_text, top) if self.writer.kind == "chat"
+                  else fmt.completion_logprobs(logprobs, self.token_text, self.offset, top))
         self.offset += len(text)
         return self.writer.delta(text, lp)
 
     def ending(self) -> None:
         self.response.ending = True
 
-    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
+                     cached_tokens: int | None = None) -> None:
         data = self.writer.finish(reason)
         if self.api.include_usage:
-            data += self.writer.usage(prompt_tokens, completion_tokens)
+            data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
 
 
@@ -308,6 +310,7 @@ class _CollectingSink:
         self.logprobs: list = []
         self.reason = "stop"
         self.prompt_tokens = self.completion_tokens = 0
+        self.cached_tokens: int | None = None
 
     async def delta(self, text, token_ids, logprobs) -> None:
         self.parts.append(text)
@@ -316,16 +319,19 @@ class _CollectingSink:
     def ending(self) -> None:
         pass
 
-    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
+                     cached_tokens: int | None = None) -> None:
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
+        self.cached_tokens = cached_tokens
 
     def response(self, request_id: str, model: str, created: int) -> dict:
         lp = None
         if self.api.logprobs:
-            lp = (fmt.chat_logprobs(self.logprobs, self.token_text) if self.kind == "chat"
-                  else fmt.completion_logprobs(self.logprobs, self.token_text, 0))
+            top = self.api.top_logprobs
+            lp = (fmt.chat_logprobs(self.logprobs, self.token_text, top) if self.kind == "chat"
+                  else fmt.completion_logprobs(self.logprobs, self.token_text, 0, top))
         return fmt.full_response(self.kind, request_id, model, created, "".join(self.parts), self.reason,
-                                 self.prompt_tokens, self.completion_tokens, lp)
+                                 self.prompt_tokens, self.completion_tokens, lp, self.cached_tokens)
 
 
 # ---- ASGI plumbing -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import re
 
 from orchestrator import errors
 from orchestrator.engine import EngineError, WorkerUnavailable
-from orchestrator.engine.errors import ErrorCode
+from orchestrator.engine.errors import ErrorCode, StreamStalled
 
 
 class ApiError(Exception):
@@ -46,9 +46,7 @@ _ENGINE_STATUS = {
     ErrorCode.ERROR_CODE_INVALID_ARGUMENT: 400,
     ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE: 400,
     ErrorCode.ERROR_CODE_MODEL_NOT_FOUND: 404,
-    ErrorCode.ERROR_CODE_OVERLOADED: 429,
-    ErrorCode.ERROR_CODE_DRAINING: 503,
-    ErrorCode.ERROR_CODE_DUPLICATE_REQUEST: 409,
+    ErrorCode.ERROR_CODE_OVERLOADED: 429,  # RESOURCE_EXHAUSTED statuses; an in-stream OVERLOADED is StreamStalled
     ErrorCode.ERROR_CODE_INTERNAL: 502,
     ErrorCode.ERROR_CODE_ROLE_MISMATCH: 502,
     ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND: 502,
@@ -78,6 +76,13 @@ def from_engine_error(error: EngineError) -> ApiError:
     if isinstance(error, WorkerUnavailable):
         return ApiError(503, f"a worker became unavailable during {error.rpc}", code="worker_unavailable",
                         retry_after=1)
+    if isinstance(error, StreamStalled):
+        return ApiError(502, "the worker ended the stream because it was not read in time (TensorRT-LLM's stall "
+                        "watchdog); the client or the orchestrator read too slowly", code="stream_stalled")
+    if error.code == ErrorCode.ERROR_CODE_DUPLICATE_REQUEST:  # leg ids are ours: not the client's fault
+        return ApiError(500, scrub(f"the worker already runs a request with this engine request id ({error.message})"
+                                   "; engine request ids are the orchestrator's own, so this is an orchestrator bug "
+                                   "or two orchestrators sharing an id prefix"), code="duplicate_engine_request")
     status = _ENGINE_STATUS.get(error.code, 500)
     code = error.code_name.removeprefix("ERROR_CODE_").lower()
     message = error.message if status < 500 else scrub(f"the engine failed ({error.code_name}): {error.message}")

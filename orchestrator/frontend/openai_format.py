@@ -25,30 +25,36 @@ def sse(payload: dict) -> bytes:
     return b"data: " + _dumps(payload).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """`cached_tokens`: prompt tokens the engine found in its KV cache; left out when it did not say."""
+    body: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
-def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], top: int) -> dict:
+    """`top`: the candidates the client asked for (the engine is always asked for at least one)."""
     content = []
     for lp in logprobs:
         text = token_text(lp.token_id)
         content.append({
             "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
             "top_logprobs": [{"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
-                             for tid, value in lp.top],
+                             for tid, value in lp.top[:top]],
         })
     return {"content": content}
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], offset: int) -> dict:
+def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], offset: int,
+                        top: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for lp in logprobs:
         text = token_text(lp.token_id)
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({token_text(tid): value for tid, value in lp.top})
+        tops.append({token_text(tid): value for tid, value in lp.top[:top]})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -106,11 +112,12 @@ class ChunkWriter:
             if self.kind == "chat" else '"text":""'
         return (self._head + body + ',"logprobs":null,"finish_reason":' + _json_string(reason) + "}]}\n\n").encode()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
         head = self._head[: -len('{"index":0,')]
         prompt, completion = int(prompt_tokens), int(completion_tokens)  # usage(), spelled out
+        details = "" if cached_tokens is None else f',"prompt_tokens_details":{{"cached_tokens":{int(cached_tokens)}}}'
         return (f'{head}],"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
-                f'"total_tokens":{prompt + completion}}}}}\n\n').encode()
+                f'"total_tokens":{prompt + completion}{details}}}}}\n\n').encode()
 
 
 def error_event(body: dict) -> bytes:
@@ -118,7 +125,8 @@ def error_event(body: dict) -> bytes:
 
 
 def full_response(kind: str, request_id: str, model: str, created: int, text: str, reason: str,
-                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None) -> dict:
+                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None,
+                  cached_tokens: int | None = None) -> dict:
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": reason}
@@ -127,4 +135,4 @@ def full_response(kind: str, request_id: str, model: str, created: int, text: st
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -2,8 +2,8 @@
 
 The prefill stage makes the lease; the decode stage consumes it and marks it `pulled` when its first
 token arrives (that token means the decode worker has the KV). What frees a session nobody pulled is
-one small pure table, `unpulled_session_action`: the prefill worker's capability × whether a decode
-leg is on its way. orchestrator.kv.release carries the action out.
+one small pure rule, `unpulled_session_action`: whether a decode leg is on its way.
+orchestrator.kv.release carries the action out.
 """
 
 from __future__ import annotations
@@ -16,20 +16,19 @@ from orchestrator.openengine.v1 import kv_pb2
 
 
 class KvAction(enum.Enum):
-    ABORT_SESSION = "abort_session"  # Control.Abort(kv_session) on the prefill worker
     KEEP_DECODE_UNTIL_FIRST_TOKEN = "keep_decode_until_first_token"  # its first token means it pulled
     PULL_WITH_RELEASE_LEG = "pull_with_release_leg"  # a one-token decode leg pulls and frees it
 
 
-def unpulled_session_action(*, supports_abort_cleanup: bool, decode_leg_in_flight: bool) -> KvAction:
+def unpulled_session_action(*, decode_leg_in_flight: bool) -> KvAction:
     """What frees a session that no decode has pulled (yet), so no prefill blocks are stranded.
 
-    Revision-1 TensorRT-LLM cannot abort by session and holds such a session until its process exits,
-    so only a pull frees it: the decode leg already on its way, or else a release leg. Where an abort by
-    session fails, the caller falls back to the same no-abort action.
+    Only a pull is proof, on every revision. Revision-1 TensorRT-LLM cannot abort by session and holds such
+    a session until its process exits. The sibling server answers Abort(kv_session) ABORTED, but once the
+    context request has finished (always so once PrefillReady was sent) it only drops its own handle: nothing
+    reaches the engine and the blocks stay held. So the decode leg already on its way is kept until its
+    first token, or else a one-token release leg pulls the session.
     """
-    if supports_abort_cleanup:
-        return KvAction.ABORT_SESSION
     if decode_leg_in_flight:
         return KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
     return KvAction.PULL_WITH_RELEASE_LEG
@@ -39,14 +38,13 @@ def unpulled_session_action(*, supports_abort_cleanup: bool, decode_leg_in_fligh
 class KvLease:
     prefill_worker: object  # orchestrator.pool.Worker (kept loose: this module is pure)
     session: kv_pb2.KvSessionRef
-    supports_abort_cleanup: bool
+    cached_tokens: int | None = None  # what the prefill found cached (its PrefillReady usage)
     pulled: bool = False  # a decode leg streamed a token: the worker holds nothing for us any more
-    released: bool = False  # aborted or pulled by a release leg
+    released: bool = False  # pulled by a release leg
 
     @property
     def settled(self) -> bool:
         return self.pulled or self.released
 
     def action(self, *, decode_leg_in_flight: bool) -> KvAction:
-        return unpulled_session_action(supports_abort_cleanup=self.supports_abort_cleanup,
-                                       decode_leg_in_flight=decode_leg_in_flight)
+        return unpulled_session_action(decode_leg_in_flight=decode_leg_in_flight)

@@ -1,8 +1,9 @@
 """Carrying out the KV rule: free a session no decode leg will pull.
 
-Abort it by kv_session where the prefill worker can (and fall back if that fails), or pull it with a
-one-token release leg on a decode worker: the request's own, else any other routable one. Always
-shielded from the request's cancellation and bounded by limits.kv_cleanup_timeout_s.
+Pull it with a one-token release leg on a decode worker: the request's own, else any other routable one.
+Never by Control.Abort(kv_session): an answered abort is no proof that the engine freed the blocks
+(orchestrator.kv.lease). Always shielded from the request's cancellation and bounded by
+limits.kv_cleanup_timeout_s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import trio
 from orchestrator.decode.legs import release_leg
 from orchestrator.engine import EngineError, Failed
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.kv.lease import KvAction, KvLease
+from orchestrator.kv.lease import KvLease
 from orchestrator.openengine.v1 import generation_pb2 as g
 
 log = logging.getLogger(__name__)
@@ -26,28 +27,12 @@ class KvReleaser:
         self.metrics = metrics
         self.cleanup_timeout_s = cleanup_timeout_s
 
-    async def abort(self, lease: KvLease) -> bool:
-        """Control.Abort(kv_session); False if the worker refused (e.g. UNIMPLEMENTED although it claimed
-        abort cleanup): then the caller pulls instead."""
-        worker = lease.prefill_worker
-        try:
-            await worker.client.abort(kv_session=lease.session, timeout=5.0)
-        except EngineError as exc:
-            log.warning("abort of kv session %s on %s failed (%s); pulling it instead", lease.session.session_id,
-                        worker.address, exc)
-            return False
-        lease.released = True
-        self.metrics.kv_cleanups.labels("abort_session").inc()
-        return True
-
     async def release_unpulled(self, lease: KvLease, full: g.GenerateRequest, decode_worker) -> None:
         """The session will not be read by any decode leg (cancelled, failed, retries exhausted, refused)."""
         if lease.settled:
             return
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s
-            if lease.action(decode_leg_in_flight=False) is KvAction.ABORT_SESSION and await self.abort(lease):
-                return
             candidates = [decode_worker] if decode_worker is not None and decode_worker.routable else []
             try:
                 candidates.append(self.pool.pick("decode", exclude=tuple(candidates)))

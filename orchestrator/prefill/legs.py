@@ -35,6 +35,7 @@ class PrefillOutcome:
     answer: tuple[Event, ...] = ()  # tokens + Finished: the request is complete (the first token stopped it)
     error: str | None = None
     failed: Failed | None = None
+    cached_tokens: int | None = None  # PrefillReady's usage.cached_prompt_tokens: what this prompt found cached
 
 
 def prefill_outcome(events: Sequence[Event]) -> PrefillOutcome | None:
@@ -47,7 +48,8 @@ def prefill_outcome(events: Sequence[Event]) -> PrefillOutcome | None:
     """
     for event in events:
         if isinstance(event, PrefillReady):
-            return PrefillOutcome(session=event.kv_session)
+            cached = event.usage.cached_prompt_tokens if event.usage is not None else None
+            return PrefillOutcome(session=event.kv_session, cached_tokens=cached)
         if isinstance(event, Failed):
             return PrefillOutcome(failed=event)
         if isinstance(event, Finished):

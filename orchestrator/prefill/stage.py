@@ -38,15 +38,13 @@ class PrefillStage:
         self.pool, self.metrics, self.releaser = pool, metrics, releaser
         self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
 
-    async def run(self, first_worker, supports_abort_cleanup, full: g.GenerateRequest,
-                  decode_worker=None) -> PrefillResult:
-        """`supports_abort_cleanup(worker)`: whether that prefill worker can abort by kv_session."""
+    async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None) -> PrefillResult:
         leg = context_only_leg(full)
 
         async def attempt(worker) -> PrefillResult:
-            outcome = await self._one_attempt(worker, leg, full, supports_abort_cleanup, decode_worker)
+            outcome = await self._one_attempt(worker, leg, full, decode_worker)
             if outcome.session is not None:
-                return PrefillResult(lease=KvLease(worker, outcome.session, supports_abort_cleanup(worker)))
+                return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens))
             if outcome.answer:
                 return PrefillResult(answer=outcome.answer)
             raise (outcome.failed.error if outcome.failed is not None else
@@ -57,7 +55,7 @@ class PrefillStage:
                                        what=f"prefill of {leg.request_id}")
         return result
 
-    async def _one_attempt(self, worker, leg: g.GenerateRequest, full: g.GenerateRequest, supports_abort_cleanup,
+    async def _one_attempt(self, worker, leg: g.GenerateRequest, full: g.GenerateRequest,
                            decode_worker) -> PrefillOutcome:
         with self.pool.lease(worker):
             async with worker.client.generate(leg) as stream:
@@ -73,7 +71,7 @@ class PrefillStage:
                             log.warning("abort of prefill %s on %s failed: %s", leg.request_id, worker.address, exc)
                         else:
                             if outcome.session is not None:  # it finished before the abort landed
-                                lease = KvLease(worker, outcome.session, supports_abort_cleanup(worker))
+                                lease = KvLease(worker, outcome.session)
                                 await self.releaser.release_unpulled(lease, full, decode_worker)
                     raise
 

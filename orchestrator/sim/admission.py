@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -26,9 +27,7 @@ _STATUS_OF = {E.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
               E.ERROR_CODE_UNSUPPORTED_FEATURE: grpc.StatusCode.UNIMPLEMENTED,
               E.ERROR_CODE_DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
               E.ERROR_CODE_ROLE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
-              E.ERROR_CODE_MODEL_NOT_FOUND: grpc.StatusCode.INVALID_ARGUMENT,
-              E.ERROR_CODE_DRAINING: grpc.StatusCode.UNAVAILABLE,
-              E.ERROR_CODE_OVERLOADED: grpc.StatusCode.UNAVAILABLE}
+              E.ERROR_CODE_MODEL_NOT_FOUND: grpc.StatusCode.INVALID_ARGUMENT}
 
 
 class EngineFailure(Exception):
@@ -40,6 +39,28 @@ class EngineFailure(Exception):
         self.code, self.message, self.retryable, self.in_stream = code, message, retryable, in_stream
 
 
+class StallWatch:
+    """Revision-1 TensorRT-LLM's StallWatchdog (streaming.py): only the time a response waits to be read counts,
+    so a slow engine never trips it; a reader that stops reading does, after `timeout` seconds."""
+
+    def __init__(self, timeout: float, on_stall):
+        self.timeout, self.on_stall = timeout, on_stall
+        self.waiting_since: float | None = None  # set while a response waits at the yield
+        self.stalled = False
+
+    async def run(self) -> None:
+        while not self.stalled:
+            await asyncio.sleep(self.timeout / 4)
+            since = self.waiting_since
+            if since is not None and time.monotonic() - since >= self.timeout:
+                self.stalled = True
+                self.on_stall()
+
+
+class EngineUnavailable(Exception):
+    """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
+
+
 class AdmissionService:
     """Inference.Generate and its admission rules; mixed into SimWorker (orchestrator.sim.server)."""
 
@@ -48,21 +69,38 @@ class AdmissionService:
         outbox = Outbox()
         sim_request: SimRequest | None = None
         terminal_in_flight = False  # suspended at the yield of the last response
+        watch: StallWatch | None = None
+        watchdog: asyncio.Task | None = None
         try:
             try:
                 sim_request = await self._admit(request, outbox)
+            except EngineUnavailable as refusal:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
                 if self.persona.errors_as_status and not failure.in_stream and failure.code in _STATUS_OF:
                     await context.abort(_STATUS_OF[failure.code], failure.message)
                 yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
                     code=failure.code, message=failure.message, retryable=failure.retryable))
                 return
+            timeout = self.config.stall_timeout
+            if timeout is not None:
+                watch = StallWatch(timeout, on_stall=lambda: self._on_stall(sim_request))
+                watchdog = asyncio.create_task(watch.run())
             while True:
                 batch = await outbox.drain()
                 last = len(batch) - 1 if outbox.closed else -1  # a closed outbox: the batch ends with the terminal
                 for index, response in enumerate(batch):
                     terminal_in_flight = index == last
-                    yield response
+                    if watch is not None:
+                        watch.waiting_since = time.monotonic()
+                    yield response  # returns when the transport took it: a reader that does not read blocks here
+                    if watch is not None:
+                        watch.waiting_since = None
+                        if watch.stalled:  # the request was aborted meanwhile: say why, now that we can
+                            yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
+                                code=E.ERROR_CODE_OVERLOADED, retryable=True,
+                                message=f"response stream not read for {timeout:g} s; request aborted"))
+                            return
                     if terminal_in_flight and self.config.status_delay_s > 0:
                         await asyncio.sleep(self.config.status_delay_s)  # still "at the yield" upstream
                 terminal_in_flight = False
@@ -76,12 +114,23 @@ class AdmissionService:
                 log.info("request %s was cancelled after its terminal response was sent", rid)
             raise
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             if sim_request is not None:
                 self.active.pop(rid, None)
                 if self.scheduler.cancel(sim_request):
                     self.cancelled_by_client += 1
                     log.info("request %s cancelled by the client", rid)
                 self._remember_finished(rid)
+
+    def _on_stall(self, sim_request: SimRequest) -> None:
+        """The watchdog's verdict, as upstream's on_stall: abort the engine request (its blocks come back, if it
+        still runs) and release its request id, while the stream itself may stay blocked."""
+        self.scheduler.cancel(sim_request)
+        self.active.pop(sim_request.request_id, None)
+        self.stalled_requests += 1
+        log.warning("request %s aborted: its response stream was not read for %g s", sim_request.request_id,
+                    self.config.stall_timeout)
 
     def _remember_finished(self, rid: str) -> None:
         self.finished_ids[rid] = None
@@ -131,14 +180,16 @@ class AdmissionService:
 
     async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox) -> SimRequest:
         c, persona = self.config, self.persona
-        if self.draining:
-            raise EngineFailure(E.ERROR_CODE_DRAINING, "worker is draining", retryable=True)
+        if self.draining:  # a stopping grpc server refuses new calls UNAVAILABLE; there is no DRAINING code
+            raise EngineUnavailable("worker is draining")
         if self.health_state() != HS.HEALTH_STATE_READY:
-            raise EngineFailure(E.ERROR_CODE_OVERLOADED, "worker is not ready", retryable=True)
+            raise EngineUnavailable("worker is not ready")
         if not request.request_id:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "request_id must be non-empty")
         if request.request_id in self.active:
-            raise EngineFailure(E.ERROR_CODE_DUPLICATE_REQUEST, f"request_id '{request.request_id}' is already active")
+            code = (E.ERROR_CODE_INVALID_ARGUMENT if persona.duplicate_id_status == "INVALID_ARGUMENT"
+                    else E.ERROR_CODE_DUPLICATE_REQUEST)
+            raise EngineFailure(code, f"request_id '{request.request_id}' is already active")
         if persona.revision_1_trtllm:
             if not request.model:  # any non-empty name is served by the loaded model
                 raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "model must be non-empty")
@@ -156,8 +207,11 @@ class AdmissionService:
                                     if unknown else "Media options must be objects")
         if request.HasField("guided"):
             guide = request.guided.WhichOneof("guide")
-            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not supported "
-                                "by the 'configured' grammar backend")
+            if guide not in persona.guide_modes(c.guided_backend) and not persona.ignores_unsupported_guides:
+                raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not "
+                                    f"supported by the '{c.guided_backend}' grammar backend")
+            # Taken (a backend that has the mode), or passed on and ignored by the engine (the sibling server
+            # without a backend): either way the simulated text is not constrained.
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")
@@ -181,6 +235,8 @@ class AdmissionService:
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
                             "logprobs": request.response.return_output_logprobs,
+                            "top_n": request.response.output_candidates.top_n,
+                            "guided": request.guided.WhichOneof("guide") if request.HasField("guided") else None,
                             "media_options": json_format.MessageToDict(request.media_options), "media": [
             {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
              if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}

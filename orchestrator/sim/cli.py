@@ -11,7 +11,7 @@ from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
 from orchestrator.roles import ROLES
 from orchestrator.sim.media import MediaLimits
-from orchestrator.sim.persona import HANDOFF_SHAPES, IMAGE_PATHS, PERSONAS, Persona
+from orchestrator.sim.persona import GUIDED_BACKENDS, HANDOFF_SHAPES, IMAGE_PATHS, LOAD_METRICS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 log = logging.getLogger("orchestrator.sim")
@@ -52,6 +52,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="revision 3: where multimodal_capabilities lists MODALITY_IMAGE")
     p.add_argument("--max-context-length", type=int, default=None)
     p.add_argument("--total-kv-blocks", type=int, default=None)
+    p.add_argument("--guided-backend", choices=GUIDED_BACKENDS, default="none",
+                   help="the grammar backend TensorRT-LLM was started with; none: guided decoding unsupported "
+                        "(the simulated text is never constrained: only the capability and admission are modelled)")
+    p.add_argument("--load-metrics", choices=LOAD_METRICS, default="on",
+                   help="GetLoad as TensorRT-LLM answers it with load metrics on, off (requests only), or "
+                        "unavailable (UNAVAILABLE, as when its load sample is stale)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds a response may wait to be read before the request is aborted with "
+                        "ERROR_CODE_OVERLOADED (default: the persona's; revision 1: 30, as TensorRT-LLM's watchdog)")
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
     p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
     p.add_argument("--drain-grace", type=float, default=30.0)
@@ -101,7 +110,8 @@ def config_from_args(args: argparse.Namespace):
         drop_kv_sessions=args.drop_kv_sessions,
         not_ready=args.not_ready, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
-        eos_probability=args.eos_probability, seed=args.seed,
+        eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
+        load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout,
     )
 
 

@@ -47,6 +47,9 @@ class SimConfig:
     fail_model_info: bool = False
     eos_probability: float = 0.0
     seed: int = 0
+    guided_backend: str = "none"  # TensorRT-LLM's guided_decoding_backend (persona.GUIDED_BACKENDS)
+    load_metrics: str = "on"  # persona.LOAD_METRICS
+    stall_timeout_s: float | None = None  # None: the persona's; 0: no watchdog
     media_limits: media.MediaLimits = media.MediaLimits()
 
     @property
@@ -60,6 +63,12 @@ class SimConfig:
     @property
     def multimodal(self) -> bool:
         return self.persona.default_multimodal() if self.supports_multimodal is None else self.supports_multimodal
+
+    @property
+    def stall_timeout(self) -> float | None:
+        if self.stall_timeout_s is None:
+            return self.persona.default_stall_timeout_s
+        return self.stall_timeout_s or None
 
     @property
     def abort_cleanup(self) -> bool:

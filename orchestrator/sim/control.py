@@ -26,9 +26,8 @@ class ControlService:
     """Control RPCs; mixed into SimWorker (orchestrator.sim.server), which owns the state."""
 
     def health_state(self) -> int:
-        if self.draining:
-            return HS.HEALTH_STATE_DRAINING
-        if self.config.not_ready:
+        # openengine v0.1.0 has no DRAINING state: TensorRT-LLM says NOT_READY once its engine stops serving.
+        if self.draining or self.config.not_ready:
             return HS.HEALTH_STATE_NOT_READY
         if time.monotonic() - self.started_at < self.config.warmup_s:
             return HS.HEALTH_STATE_STARTING
@@ -46,7 +45,7 @@ class ControlService:
             local_endpoints=[kv_pb2.KvEndpoint(host=c.host, port=self.kv_port, protocol=kv_transfer.PROTOCOL)],
             supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=True,
             supports_decode_pull=not self.persona.trtllm or self.persona.schema_revision >= 3,
-            supports_abort_cleanup=c.abort_cleanup, supports_drain=True, schema_version=c.schema_revision)
+            supports_abort_cleanup=c.abort_cleanup, schema_version=c.schema_revision)
         if self.persona.session_profile:
             kv.handoff_profile = handoff.TRTLLM_PROFILE
             kv.supports_client_bootstrap = False
@@ -64,7 +63,10 @@ class ControlService:
                 kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
                 max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
             extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale, "persona": self.persona.name,
-                           "handoff_shape": self.persona.handoff_shape}),
+                           "handoff_shape": self.persona.handoff_shape,
+                           # what revision-1 TensorRT-LLM advertises without conversation affinity (control.py)
+                           **({"trtllm_supports_dp_rank_targeting": True, "trtllm_supports_subagent_affinity": False}
+                              if self.persona.revision_1_trtllm else {})}),
         )
 
     async def GetModelInfo(self, request, context):
@@ -81,7 +83,10 @@ class ControlService:
                 output_logprobs=model_pb2.LogprobCapabilities(
                     supported=True, candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N],
                     max_top_n=20),
-                guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
+                guided_decoding=model_pb2.GuidedDecodingCapabilities(
+                    supported=c.guided_backend != "none",
+                    modes=[model_pb2.GuidedDecodingMode.Value("GUIDED_DECODING_MODE_" + mode.upper())
+                           for mode in self.persona.guide_modes(c.guided_backend)]),
                 max_num_sequences=1, supports_stop_in_output=True),
             supports_lora=False, supports_multimodal=c.multimodal,
         )
@@ -104,6 +109,12 @@ class ControlService:
     async def GetLoad(self, request, context):
         self.load_calls += 1
         s = self.scheduler
+        if self.config.load_metrics == "unavailable":  # control.py: a stale or missing load sample
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "load metrics are stale")
+        if self.config.load_metrics == "off":
+            # Without load metrics TensorRT-LLM reports only the requests it is serving (queued ones included).
+            return server_pb2.LoadInfo(instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
+                                       running_requests=s.running + len(s.waiting))
         prefill_tokens, decode_batch = s.last_step
         return server_pb2.LoadInfo(
             instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
@@ -117,6 +128,8 @@ class ControlService:
                                 "kv_sessions_pulled": self.sessions.pulled,
                                 "cancelled_by_client": self.cancelled_by_client,
                                 "cancelled_after_terminal": self.cancelled_after_terminal,
+                                "late_session_aborts": self.late_session_aborts,
+                                "stalled_requests": self.stalled_requests,
                                 "model_info_calls": self.model_info_calls,
                                 "load_calls": self.load_calls,
                                 "recent_requests": list(self.recent)}),
@@ -143,7 +156,15 @@ class ControlService:
                     status=lifecycle_pb2.ABORT_STATUS_UNSPECIFIED,
                     message="abort by kv_session is not supported (supports_abort_cleanup is false); "
                             "blocks are released when a decode pulls them or the transfer timeout expires")
-            if self.sessions.drop(request.kv_session.session_id):
+            session_id = request.kv_session.session_id
+            if self.persona.trtllm and session_id in self.sessions.sessions:
+                # The sibling server (servicer.py Abort) answers ABORTED, but once the context request has
+                # finished (always so after PrefillReady) it only drops its own handle: the engine is not told
+                # and the blocks stay held. An answered abort is not proof.
+                self.late_session_aborts += 1
+                return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,
+                                                   message=f"Released KV session {session_id}")
+            if self.sessions.drop(session_id):
                 return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED)
         if target == "all_requests":

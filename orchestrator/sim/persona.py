@@ -25,6 +25,15 @@ from __future__ import annotations
 import attrs
 
 PERSONAS = ("trtllm", "strict")
+GUIDED_BACKENDS = ("none", "xgrammar", "llguidance")  # TensorRT-LLM's guided_decoding_backend
+LOAD_METRICS = ("on", "off", "unavailable")
+# The guide modes each backend takes, as each server advertises them in ModelInfo.generation.guided_decoding:
+# revision 1 (capabilities.py GUIDE_SUPPORT_BY_BACKEND) never offers choice; the sibling server (servicer.py
+# GetModelInfo) does, and structural_tag only with xgrammar.
+_GUIDE_MODES = {1: {"xgrammar": ("json_schema", "regex", "ebnf_grammar", "structural_tag", "json_object"),
+                    "llguidance": ("json_schema", "regex", "ebnf_grammar", "json_object")},
+                3: {"xgrammar": ("json_schema", "regex", "ebnf_grammar", "choice", "json_object", "structural_tag"),
+                    "llguidance": ("json_schema", "regex", "ebnf_grammar", "choice", "json_object")}}
 HANDOFF_SHAPES = ("both", "endpoint", "opaque")  # revision-1 TensorRT-LLM builds: ZMQ info, inline state, both
 IMAGE_PATHS = ("both", "aggregate", "none")  # revision 3: where MODALITY_IMAGE is listed
 
@@ -94,3 +103,26 @@ class Persona:
 
     def default_multimodal(self) -> bool:
         return not self.revision_1_trtllm
+
+    def guide_modes(self, backend: str) -> tuple[str, ...]:
+        """The guide modes advertised with this grammar backend (none: guided decoding unsupported)."""
+        return () if backend == "none" else _GUIDE_MODES[self.schema_revision][backend]
+
+    @property
+    def ignores_unsupported_guides(self) -> bool:
+        """The sibling server passes a guide on without a grammar backend, and the engine ignores it: an
+        unconstrained answer (servicer.py _validate_generate checks only guided.backend). Revision 1 refuses a
+        mode its backend lacks (UNIMPLEMENTED); the strict persona refuses too."""
+        return self.trtllm and self.schema_revision == 3
+
+    @property
+    def duplicate_id_status(self) -> str:
+        """How a request_id that is already active is refused: revision 1 ALREADY_EXISTS (servicer.py); the
+        sibling server raises ValueError, so INVALID_ARGUMENT."""
+        return "INVALID_ARGUMENT" if self.trtllm and self.schema_revision == 3 else "ALREADY_EXISTS"
+
+    @property
+    def default_stall_timeout_s(self) -> float | None:
+        """Revision 1's StallWatchdog (streaming.py RESPONSE_STALL_TIMEOUT_SECONDS): a response not read for 30 s
+        aborts the request, which then ends with ERROR_CODE_OVERLOADED (retryable)."""
+        return 30.0 if self.revision_1_trtllm else None

@@ -64,6 +64,8 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.http: httpx.AsyncClient | None = None
         self.cancelled_by_client = 0
         self.cancelled_after_terminal = 0  # cancels that raced the status of a call already over (admission.py)
+        self.late_session_aborts = 0  # aborts by session answered ABORTED that freed nothing (control.py)
+        self.stalled_requests = 0  # aborted by the stall watchdog (admission.py)
         self.model_info_calls = 0
         self.load_calls = 0  # GetLoad calls, so tests can see how often a router polls
         self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
@@ -125,7 +127,7 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
         await on_ready(worker, address)
     print(f"ready {address}", flush=True)
     await stop.wait()
-    worker.draining = True  # health says DRAINING at once, so a registration withdraws now
+    worker.draining = True  # health says NOT_READY at once, so a registration withdraws now
     await worker.drain(drain_grace_s)
     for task in worker.background:
         task.cancel()
