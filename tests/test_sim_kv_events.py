@@ -29,7 +29,8 @@ from sim_helpers import PrefillReady, collect, full_request, terminal, token_ids
 
 from orchestrator.openengine.v1 import kv_pb2, openengine_pb2_grpc, server_pb2
 from orchestrator.prefill import context_only_leg
-from orchestrator.sim.prefix_cache import ROOT_KEY, block_key, wire_hash
+from orchestrator.sim.kv_events import proto_event, wire_batch, wire_event
+from orchestrator.sim.prefix_cache import ROOT_KEY, BlockRemoved, BlockStored, MmKey, block_key, wire_hash
 
 FAST = ("--time-scale", "0")
 BLOCK = 32  # the default profile's kv_block_size
@@ -104,6 +105,43 @@ def live_hashes(batches) -> set[int]:
     return live
 
 
+def zmq_source(worker) -> kv_pb2.KvEventSource:
+    channel, stub = control(worker)
+    with channel:
+        (source,) = stub.GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()).sources
+    return source
+
+
+async def start_subscriber(nursery, read, *args) -> list:
+    """Run the blocking subscriber `read(*args)` in a thread; the list its messages land in, once connected."""
+    received: list = []
+
+    async def subscribe():
+        received.extend(await trio.to_thread.run_sync(read, *args))
+
+    nursery.start_soon(subscribe)
+    await trio.sleep(0.5)  # PUB/SUB and a fresh stream: what is published before the subscription lands is not seen
+    return received
+
+
+# ---- the encoders, pure -----------------------------------------------------------------------------------
+
+def test_an_image_block_goes_out_with_its_digest_as_hex_and_its_segments_on_zmq_but_fails_closed_on_grpc():
+    digest = bytes(range(32))
+    stored = BlockStored((-5,), 7, (1, digest, 1001, 1002), 4, ((MmKey(digest.hex(), 0),),))
+    assert wire_event(stored, mm_keys=True) == {
+        "type": "BlockStored", "block_hashes": [-5], "parent_block_hash": 7, "token_ids": [1, digest.hex(), 1001, 1002],
+        "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+        "mm_keys": [[{"type": "mm_key", "hash": digest.hex(), "start_offset": 0}]]}
+    assert "mm_keys" not in wire_event(stored, mm_keys=False)
+    # _kv_batch: a block whose tokens are not all integers cannot be represented; the index is cleared instead
+    assert proto_event(stored).WhichOneof("event") == "all_blocks_cleared"
+    text = proto_event(BlockStored((-5,), None, (1, 2, 3, 4), 4))
+    assert text.block_stored.block_hashes[0] == kv_pb2.KvBlockHash(value=b"-5", encoding="decimal_int64")
+    assert msgpack.unpackb(wire_batch([BlockRemoved((3,))], 1, timestamp=2.5, mm_keys=False)) == [
+        2.5, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}], 1]
+
+
 # ---- the prefix cache as requests see it ------------------------------------------------------------------
 
 async def test_a_second_request_sharing_a_prefix_reports_cached_tokens_and_costs_less_prefill(sim_workers,
@@ -171,18 +209,10 @@ async def test_revision_1_advertises_one_zmq_source_per_rank_only_while_events_a
 async def test_revision_1_events_read_by_a_plain_zmq_subscriber_match_the_cache(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--kv-events", "--kv-events-replay-port", "0",
                                "--kv-events-topic", "kv", "--total-kv-blocks", "10")
-    channel, stub = control(worker)
-    with channel:
-        (source,) = stub.GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()).sources
+    source = zmq_source(worker)
     endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
     async with engine_client(worker.address) as client, trio.open_nursery() as nursery:
-        received: list = []
-
-        async def subscribe():
-            received.extend(await trio.to_thread.run_sync(zmq_messages, endpoint, 3))
-
-        nursery.start_soon(subscribe)
-        await trio.sleep(0.5)  # PUB/SUB: what is published before the subscription lands is not seen
+        received = await start_subscriber(nursery, zmq_messages, endpoint, 3)
         # batch 0: the first prompt's 3 blocks; batch 1: the block its answer filled; batch 2: the second
         # request needs 7 of the 6 free blocks, so that answer block is evicted, then its own 6 are stored
         prompts = [SYSTEM + (1,), tuple(range(3000, 3200))]
@@ -216,18 +246,10 @@ async def test_revision_1_events_read_by_a_plain_zmq_subscriber_match_the_cache(
 
 async def test_the_drop_fault_shows_as_a_sequence_gap_on_zmq(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--kv-events", "--drop-kv-events", "2")
-    channel, stub = control(worker)
-    with channel:
-        (source,) = stub.GetKvEventSources(kv_pb2.GetKvEventSourcesRequest()).sources
+    source = zmq_source(worker)
     endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
     async with engine_client(worker.address) as client, trio.open_nursery() as nursery:
-        received: list = []
-
-        async def subscribe():
-            received.extend(await trio.to_thread.run_sync(zmq_messages, endpoint, 2))
-
-        nursery.start_soon(subscribe)
-        await trio.sleep(0.5)
+        received = await start_subscriber(nursery, zmq_messages, endpoint, 2)
         for i in range(4):  # one stored batch each
             await collect(client, full_request(f"g{i}", ids=tuple(range(i * 100, i * 100 + 40)), max_tokens=2))
         load = await client.load()
@@ -274,13 +296,7 @@ async def test_revision_3_serves_events_over_grpc_numbered_from_1_and_matching_t
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     prompts = [SYSTEM + (1,), tuple(range(3000, 3200))]
     async with engine_client(worker.address) as client, trio.open_nursery() as nursery:
-        received: list = []
-
-        async def subscribe():
-            received.extend(await trio.to_thread.run_sync(grpc_batches, worker.target, 4))
-
-        nursery.start_soon(subscribe)
-        await trio.sleep(0.5)
+        received = await start_subscriber(nursery, grpc_batches, worker.target, 4)
         answers = [await collect(client, full_request("r0", ids=prompts[0], max_tokens=40)),
                    await collect(client, full_request("r1", ids=prompts[1], max_tokens=8))]
         load = await client.load()
@@ -313,13 +329,7 @@ async def test_revision_3_refuses_a_subscription_while_events_are_off_and_drops_
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     lossy = sim_workers.start("aggregated", *FAST, "--schema-revision", "3", "--kv-events", "--drop-kv-events", "3")
     async with engine_client(lossy.address) as client, trio.open_nursery() as nursery:
-        received: list = []
-
-        async def subscribe():
-            received.extend(await trio.to_thread.run_sync(grpc_batches, lossy.target, 3))
-
-        nursery.start_soon(subscribe)
-        await trio.sleep(0.5)
+        received = await start_subscriber(nursery, grpc_batches, lossy.target, 3)
         for i in range(4):
             await collect(client, full_request(f"g{i}", ids=tuple(range(i * 100, i * 100 + 40)), max_tokens=2))
     assert [b.sequence_number for b in received] == [1, 2, 4]

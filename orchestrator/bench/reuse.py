@@ -17,8 +17,6 @@ figures a KV-aware router has to beat.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import math
 import os
@@ -34,6 +32,7 @@ import yaml
 from orchestrator.bench.compare import _fmt, _json_default
 from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import percentile
+from orchestrator.bench.plan import VirtualClock
 from orchestrator.config import POLICIES, ConfigError, build_attrs
 from orchestrator.routing import make_policy
 from orchestrator.sim.output import Vocabulary, request_key
@@ -181,8 +180,7 @@ class _Worker:
         self.role, self.address = role, f"{role}-{index}"
         self.scheduler = Scheduler(profile, role, Vocabulary(list(VOCABULARY), eos_id=0), id_offset=id_offset)
         self.step = None
-        self.inflight = 0
-        self.sent_since_load = 0  # the load is read fresh on every choice here
+        self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
 
     def load_score(self, now: float, staleness: float) -> float:
         s = self.scheduler
@@ -199,8 +197,9 @@ class TurnRecord:
     e2e_s: float
 
 
-class ReuseCluster:
+class ReuseCluster(VirtualClock):
     def __init__(self, topology: ReuseTopology, policy: str, profile: Profile):
+        super().__init__()
         self.topology, self.profile = topology, profile
         # image tokens after the first are ids above the vocabulary, as in the worker (prefix_cache.py)
         self.id_offset = VOCABULARY.stop
@@ -209,31 +208,9 @@ class ReuseCluster:
         self.workers = {role: [_Worker(role, i, profile, self.id_offset) for i in range(n)]
                         for role, n in roles.items()}
         self.policies = {role: make_policy(policy, staleness_s=1.0) for role in roles}
-        self.now = 0.0
-        self._events: list = []
-        self._seq = itertools.count()
-
-    def _at(self, when: float, action: Callable, *args) -> None:
-        heapq.heappush(self._events, (when, next(self._seq), action, args))
 
     def _pick(self, role: str) -> _Worker:
         return self.policies[role].choose(self.workers[role], self.now)
-
-    def _submit(self, worker: _Worker, request: SimRequest) -> None:
-        worker.inflight += 1
-        worker.scheduler.submit(request)
-        if worker.step is None:
-            self._start_step(worker)
-
-    def _start_step(self, worker: _Worker) -> None:
-        worker.step = worker.scheduler.plan_step()
-        if worker.step is not None:
-            self._at(self.now + worker.step.ms / 1000.0, self._finish_step, worker)
-
-    def _finish_step(self, worker: _Worker) -> None:
-        worker.scheduler.finish_step(worker.step)
-        worker.step = None
-        self._start_step(worker)
 
     def run(self, sessions: list[Session], concurrency: int) -> list[TurnRecord]:
         queue = list(reversed(sessions))
@@ -260,9 +237,7 @@ class ReuseCluster:
 
         for _ in range(concurrency):
             next_session()
-        while self._events:
-            self.now, _, action, args = heapq.heappop(self._events)
-            action(*args)
+        self.run_events()
         return records
 
     def _send(self, session: Session, turn: int, prompt: tuple[Token, ...], records: list[TurnRecord],
@@ -275,33 +250,30 @@ class ReuseCluster:
             if not first:
                 first.append(self.now)
 
-        def finished(request: SimRequest, cached: int) -> None:
-            records.append(TurnRecord(session.index, turn + 1, len(prompt), cached, first[0] - start,
-                                      self.now - start))
-            then(tuple(request.output_ids))
+        def finished_after(prefilled: SimRequest):
+            """The answer's on_finish; the cached tokens are counted where the prompt was prefilled."""
+            def on_finish(request: SimRequest, reason: str, match) -> None:
+                records.append(TurnRecord(session.index, turn + 1, len(prompt), prefilled.cached, first[0] - start,
+                                          self.now - start))
+                then(tuple(request.output_ids))
+            return on_finish
 
         def leg(kind: str, **extra) -> SimRequest:
             return SimRequest(request_id=f"s{session.index}t{turn}", kind=kind, prompt_len=len(prompt), key=key,
                               max_tokens=session.outputs[turn], ignore_eos=True, tokens=prompt, on_token=on_token,
                               **extra)
 
-        def done(worker: _Worker, cached: Callable[[], int]):
-            def on_finish(request: SimRequest, reason: str, match) -> None:
-                worker.inflight -= 1
-                finished(request, cached())
-            return on_finish
-
         if self.topology.mode == "aggregated":
             worker = self._pick("aggregated")
             request = leg(FULL)
-            request.on_finish = done(worker, lambda: request.cached)
+            request.on_finish = finished_after(request)
             self._submit(worker, request)
             return
 
         owner = self._pick("prefill")
 
         def on_context_done(context: SimRequest, first_token: int) -> None:
-            owner.inflight -= 1  # the client sees the first token when the decode streams it, after the pull
+            # the client sees the first token when the decode streams it, after the pull
             blocks, lease, rank = context.blocks, context.lease, context.rank
             context.blocks, context.lease = 0, None
 
@@ -309,7 +281,7 @@ class ReuseCluster:
                 owner.scheduler.release_blocks(blocks, rank, lease)
                 decode = self._pick("decode")
                 generation = leg(GENERATION_ONLY, first_gen_tokens=(first_token,))
-                generation.on_finish = done(decode, lambda: context.cached)
+                generation.on_finish = finished_after(context)
                 self._submit(decode, generation)
 
             self._at(self.now + self.profile.kv_transfer_ms(len(prompt)) / 1000.0, pulled)
