@@ -17,8 +17,8 @@ as a signed int64 (`StreamingEventSink::wireHash`, cpp/.../kv_cache_manager_v2/s
 Rules, each as the engine has it:
 - Only full blocks are cached and published (the streaming sink suppresses partial blocks).
 - A request reuses at most the full blocks of its prompt minus its last token: the engine computes at
-  least one prompt token to get the first output's logits (router_utils.compute_token_ids_block_hashes:
-  "in KvCacheManager, the last token is not included in the block key").
+  least one prompt token to get the first output's logits (tensorrt_llm/serve/router_utils.py @305304fe94e3
+  compute_token_ids_block_hashes: "in KvCacheManager, the last token is not included in the block key").
 - Blocks a request uses are pinned until it ends; unpinned blocks stay resident and are evicted least
   recently used first, leaves before their parents (a child is unreachable without its parent).
 - Consecutive stores that extend one chain are one BlockStored event; consecutive removals are one
@@ -272,7 +272,8 @@ class PrefixCache:
         self.events.append(BlockRemoved((block.hash,)))
 
     def _mm_keys(self, block: _Block) -> tuple[MmKey, ...]:
-        """The image segments of a block, as decodeEventBlock derives them (eventData.cpp): a digest
+        """The image segments of a block, as decodeEventBlock derives them (cpp/tensorrt_llm/batch_manager/
+        kv_cache_manager_v2/eventData.cpp @3e0a0df65be8): a digest
         starts one at offset 0; a run of synthetic ids continues the last image seen, at id - id_offset."""
         keys: list[MmKey] = []
         digest = block.parent.last_digest if block.parent else None
