@@ -49,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--aiconfigurator", default=None, metavar="PYTHON",
                       help="an interpreter that can import aiconfigurator: its recommendation goes in the report")
     plan.set_defaults(run=plan_command)
+    reuse = sub.add_parser("reuse", help="prefix-cache hit rates and TTFT by turn for conversations and shared "
+                                         "system prompts, per topology and routing policy (virtual clock)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    reuse.add_argument("file", type=Path, help="e.g. configs/bench/reuse.yaml")
+    reuse.add_argument("--out", type=Path, default=None, help="also write results.json and report.md here")
+    reuse.set_defaults(run=reuse_command)
     bench.set_defaults(run=lambda args: bench.print_help() or 2)
 
 
@@ -96,3 +102,9 @@ def plan_command(args: argparse.Namespace) -> int:
     from orchestrator.bench.plan import main_plan
 
     return main_plan(args.file, args.out, args.aiconfigurator)
+
+
+def reuse_command(args: argparse.Namespace) -> int:
+    from orchestrator.bench.reuse import main_reuse
+
+    return main_reuse(args.file, args.out)

@@ -125,14 +125,11 @@ class _Worker:
         return s.running + len(s.waiting)
 
 
-class VirtualCluster:
-    """Workers of one topology on a shared virtual clock; closed-loop users send the requests."""
+class VirtualClock:
+    """Simulated workers' step loops on one virtual clock (also orchestrator.bench.reuse's). A worker has a
+    `scheduler` and the `step` in flight; `run_events` plays everything scheduled until nothing is left."""
 
-    def __init__(self, topology: Topology, profile: Profile, max_local_prefill_length: int):
-        self.topology, self.profile = topology, profile
-        self.max_local = max_local_prefill_length if topology.mode == "conditional" else -1
-        self.workers = {role: [_Worker(role, profile) for _ in range(getattr(topology, role))]
-                        for role in ROLES}
+    def __init__(self) -> None:
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -140,8 +137,10 @@ class VirtualCluster:
     def _at(self, when: float, action, *args) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
 
-    def _least_loaded(self, role: str) -> _Worker:
-        return min(self.workers[role], key=lambda w: w.load)
+    def run_events(self) -> None:
+        while self._events:
+            self.now, _, action, args = heapq.heappop(self._events)
+            action(*args)
 
     def _submit(self, worker: _Worker, request: SimRequest) -> None:
         worker.scheduler.submit(request)
@@ -158,6 +157,20 @@ class VirtualCluster:
         worker.scheduler.finish_step(worker.step)
         worker.step = None
         self._start_step(worker)
+
+
+class VirtualCluster(VirtualClock):
+    """Workers of one topology on a shared virtual clock; closed-loop users send the requests."""
+
+    def __init__(self, topology: Topology, profile: Profile, max_local_prefill_length: int):
+        super().__init__()
+        self.topology, self.profile = topology, profile
+        self.max_local = max_local_prefill_length if topology.mode == "conditional" else -1
+        self.workers = {role: [_Worker(role, profile) for _ in range(getattr(topology, role))]
+                        for role in ROLES}
+
+    def _least_loaded(self, role: str) -> _Worker:
+        return min(self.workers[role], key=lambda w: w.load)
 
     def run(self, prompts: list[tuple[int, int]], concurrency: int) -> list[RequestRecord]:
         """`prompts`: (input tokens, output tokens) per request, sent by `concurrency` closed-loop users."""
@@ -208,9 +221,7 @@ class VirtualCluster:
 
         for _ in range(concurrency):
             send()
-        while self._events:
-            self.now, _, action, args = heapq.heappop(self._events)
-            action(*args)
+        self.run_events()
         return records
 
 

@@ -12,7 +12,7 @@ import httpx
 from google.protobuf import json_format
 
 from orchestrator.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2
-from orchestrator.sim import handoff, kv_transfer, media, output
+from orchestrator.sim import handoff, kv_transfer, media, output, prefix_cache
 from orchestrator.sim.responses import Outbox
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, SimRequest
 
@@ -264,6 +264,8 @@ class AdmissionService:
             stop_token_ids=frozenset(cond.stop_token_id for cond in stopping.conditions
                                      if cond.WhichOneof("condition") == "stop_token_id"),
             include_stop=stopping.include_stop_in_output, first_gen_tokens=first_gen,
+            tokens=prefix_cache.prompt_tokens(prompt_ids, media_ids, image_tokens=c.profile.image_tokens,
+                                              id_offset=self.vocab_size, placeholder=self.image_token_id),
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
         token_response = self._token_response(rid, want_logprobs, top_n)

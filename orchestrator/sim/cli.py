@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 from orchestrator.engine.errors import ErrorCode
@@ -61,6 +62,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds a response may wait to be read before the request is aborted with "
                         "ERROR_CODE_OVERLOADED (default: the persona's; revision 1: 30, as TensorRT-LLM's watchdog)")
+    p.add_argument("--attention-dp-size", type=int, default=None,
+                   help="attention-DP ranks, each with its share of the KV blocks, its own prefix cache and KV event "
+                        "publisher (default: the profile's)")
+    p.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt in full (TensorRT-LLM's enable_block_reuse=False)")
+    events = p.add_argument_group("KV events (off unless --kv-events, as in TensorRT-LLM)")
+    events.add_argument("--kv-events", action="store_true",
+                        help="publish KV cache events: revision 1 over ZMQ (msgpack, one PUB socket per DP rank), "
+                             "revision 3 through Control.SubscribeKvEvents")
+    events.add_argument("--kv-events-port", type=int, default=0,
+                        help="revision 1: the PUB socket's base port, rank r binds base + r (0: a free port per rank)")
+    events.add_argument("--kv-events-replay-port", type=int, default=None,
+                        help="revision 1: also serve replay on a ROUTER socket at this base port (0: a free one)")
+    events.add_argument("--kv-events-topic", default="", help="revision 1: the topic frame of every message")
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
     p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
     p.add_argument("--drain-grace", type=float, default=30.0)
@@ -84,6 +99,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds between a call's last response and its status (a busy engine loop)")
     faults.add_argument("--slow-start", type=float, default=0.0, help="seconds before the port is bound")
     faults.add_argument("--drop-kv-sessions", action="store_true", help="forget KV sessions right after prefill")
+    faults.add_argument("--drop-kv-events", type=int, default=0, metavar="N",
+                        help="lose every Nth KV event batch after numbering it, so subscribers see a sequence gap")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
     faults.add_argument("--report-schema-revision", type=int, default=None,
@@ -94,8 +111,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from orchestrator.sim.config import SimConfig
+    from orchestrator.sim.kv_events import KvEventsConfig
 
     persona = Persona(args.persona, args.schema_revision, args.handoff)
+    for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1), ("--kv-events-port", args.kv_events_port, 0),
+                             ("--kv-events-replay-port", args.kv_events_replay_port, 0),
+                             ("--drop-kv-events", args.drop_kv_events, 0)):
+        if value is not None and not low <= value <= 65535:
+            raise SimFlagError(f"{flag} must be an integer from {low} to 65535, got {value}")
+    kv_events = KvEventsConfig(enabled=args.kv_events, port=args.kv_events_port,
+                               replay_port=args.kv_events_replay_port, topic=args.kv_events_topic,
+                               drop_every=args.drop_kv_events)
     return SimConfig(
         role=args.role, host=args.host, port=args.port, model=args.model, model_dir=args.model_dir,
         profile=PROFILES[args.profile], time_scale=args.time_scale, instance_id=args.instance_id,
@@ -111,14 +137,23 @@ def config_from_args(args: argparse.Namespace):
         not_ready=args.not_ready, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
         eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
-        load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout,
+        load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout, attention_dp_size=args.attention_dp_size,
+        prefix_caching=args.prefix_caching, kv_events=kv_events,
     )
+
+
+class SimFlagError(ValueError):
+    """A sim-worker flag with a value the simulator cannot use; the message names the flag."""
 
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.sim.server import serve
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except SimFlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     on_ready = None
     if args.etcd:
         from orchestrator.sim.registration import sim_self_registration

@@ -7,6 +7,7 @@ from pathlib import Path
 import attrs
 
 from orchestrator.sim import media
+from orchestrator.sim.kv_events import KvEventsConfig
 from orchestrator.sim.persona import Persona
 from orchestrator.sim.profiles import Profile
 
@@ -29,6 +30,10 @@ class SimConfig:
     image_paths: str = "both"  # revision 3: where MODALITY_IMAGE is listed (both | aggregate | none)
     max_context_length: int | None = None
     total_kv_blocks: int | None = None
+    attention_dp_size: int | None = attrs.field(  # None: the profile's
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
+    prefix_caching: bool = True  # TensorRT-LLM reuses KV blocks by default (kv_cache_config.enable_block_reuse)
+    kv_events: KvEventsConfig = KvEventsConfig()
     reported_schema_revision: int | None = None  # fault: claim another ServerInfo.schema_revision
     minimum_client_revision: int = 1
     tls_cert: Path | None = None  # serve TLS with this certificate chain and key (PEM)
@@ -55,6 +60,10 @@ class SimConfig:
     @property
     def context_window(self) -> int:
         return self.max_context_length or self.profile.max_context_length
+
+    @property
+    def dp_size(self) -> int:
+        return self.attention_dp_size or self.profile.attention_dp_size
 
     @property
     def schema_revision(self) -> int:

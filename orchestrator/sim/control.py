@@ -9,7 +9,7 @@ from google.protobuf import struct_pb2
 
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.roles import Role
-from orchestrator.sim import handoff, kv_transfer
+from orchestrator.sim import handoff, kv_events, kv_transfer, prefix_cache
 
 
 HS = lifecycle_pb2.HealthState
@@ -54,8 +54,10 @@ class ControlService:
             # Revision-1 TensorRT-LLM: "the same build serves either phase; the role is per request".
             engine_role=Role(c.role).engine_role if self.persona.declares_role else server_pb2.ENGINE_ROLE_UNSPECIFIED,
             instance_id=self.instance_id, supported_models=[c.model],
+            # one KV event publisher per attention-DP rank: a subscriber needs the count to know it has all
             parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                                   data_parallel_size=1, data_parallel_rank=0),
+                                                   data_parallel_size=len(self.scheduler.ranks),
+                                                   data_parallel_rank=0),
             kv_connector=kv, minimum_client_revision=c.minimum_client_revision,
             schema_revision=c.schema_revision if c.reported_schema_revision is None else c.reported_schema_revision,
             schema_release=SCHEMA_RELEASES[c.schema_revision],
@@ -63,11 +65,18 @@ class ControlService:
                 kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
                 max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
             extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale, "persona": self.persona.name,
-                           "handoff_shape": self.persona.handoff_shape,
+                           "handoff_shape": self.persona.handoff_shape, **self._kv_event_extra(),
                            # what revision-1 TensorRT-LLM advertises without conversation affinity (control.py)
                            **({"trtllm_supports_dp_rank_targeting": True, "trtllm_supports_subagent_affinity": False}
                               if self.persona.revision_1_trtllm else {})}),
         )
+
+    def _kv_event_extra(self) -> dict:
+        # Revision-1 TensorRT-LLM names the hash of the blocks it publishes, only while events are on
+        # (control.py @06cb2191b0be); revision 3 advertises nothing in ServerInfo.extra.
+        if self.persona.revision_1_trtllm and self.config.kv_events.enabled:
+            return {"trtllm_kv_event_hash_algo": prefix_cache.HASH_ALGO}
+        return {}
 
     async def GetModelInfo(self, request, context):
         c = self.config
@@ -132,8 +141,22 @@ class ControlService:
                                 "stalled_requests": self.stalled_requests,
                                 "model_info_calls": self.model_info_calls,
                                 "load_calls": self.load_calls,
-                                "recent_requests": list(self.recent)}),
+                                "recent_requests": list(self.recent), **self._prefix_cache_attributes()}),
+            ranks=[server_pb2.RankLoadInfo(data_parallel_rank=rank.index, running_requests=rank.active,
+                                           used_kv_blocks=rank.used_blocks, total_kv_blocks=rank.total_blocks)
+                   for rank in s.ranks] if request.include_per_rank else [],
         )
+
+    def _prefix_cache_attributes(self) -> dict:
+        """How the prefix cache did: what tests and the bench read (figures in simulated GPU time)."""
+        s = self.scheduler
+        caches = [rank.cache for rank in s.ranks]
+        events = self.kv_event_counts()
+        return {"prompt_tokens_total": s.prompt_tokens_total, "cached_prompt_tokens_total": s.cached_tokens_total,
+                "prefill_tokens_computed": s.prefill_tokens_computed, "prefill_ms_total": s.prefill_ms_total,
+                "cached_blocks": sum(c.resident for c in caches),
+                "cached_blocks_evicted": sum(c.evicted_total for c in caches),
+                "kv_event_batches_published": events[0], "kv_event_batches_dropped": events[1]}
 
     async def Abort(self, request, context):
         target = request.WhichOneof("target")
@@ -180,11 +203,46 @@ class ControlService:
 
     LoadLora = UnloadLora = ListLoras = _unimplemented
 
+    # KV events: what each persona's engine does is in orchestrator/sim/kv_events.py.
     async def GetKvEventSources(self, request, context):
-        return kv_pb2.GetKvEventSourcesResponse()
+        if not self.config.kv_events.enabled:
+            return kv_pb2.GetKvEventSourcesResponse()  # implemented, nothing to publish
+        ranks = len(self.scheduler.ranks)
+        unknown = sorted(set(request.data_parallel_ranks) - set(range(ranks)))
+        if self.persona.revision_1_trtllm:
+            if unknown:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"no KV event source for data-parallel rank(s) {unknown}; this engine "
+                                    f"publishes ranks 0..{ranks - 1}")
+            wanted = sorted(set(request.data_parallel_ranks)) or range(ranks)
+            return kv_pb2.GetKvEventSourcesResponse(sources=[self.zmq_publishers[r].source() for r in wanted])
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Unknown data-parallel ranks: {unknown}")
+        return kv_pb2.GetKvEventSourcesResponse(sources=[
+            kv_pb2.KvEventSource(transport="grpc", endpoint_addr=kv_pb2.KvEndpoint(
+                host=self.config.host, port=self.grpc_port, protocol="grpc"), data_parallel_rank=rank,
+                encoding="protobuf", schema_version=1, max_queue_size=kv_events.FANOUT_BUFFER)
+            for rank in sorted(set(request.data_parallel_ranks) or range(ranks))])
 
     async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not published by the simulated worker")
+        if self.persona.revision_1_trtllm:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents is not implemented; use "
+                                "GetKvEventSources and subscribe directly over ZMQ")
+        if not self.config.kv_events.enabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV event collection is disabled")
+        if request.include_snapshot or request.start_sequence_number:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "KV event snapshot and replay subscriptions are not implemented")
+        unknown = sorted(set(request.data_parallel_ranks) - set(range(len(self.scheduler.ranks))))
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Unknown data-parallel ranks: {unknown}")
+        async for batch in self.kv_fanout.subscribe(request.data_parallel_ranks):
+            yield kv_pb2.SubscribeKvEventsResponse(batch=batch)
+
+    def kv_event_counts(self) -> tuple[int, int]:
+        """(published, dropped) batches over every publisher."""
+        publishers = list(self.zmq_publishers) + ([self.kv_fanout] if self.kv_fanout is not None else [])
+        return sum(p.published for p in publishers), sum(p.dropped for p in publishers)
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

@@ -52,12 +52,14 @@ class HeldSession:
     media_digest: str
     opaque_state: str
     first_gen_tokens: list[int]
+    rank: int = 0  # the attention-DP rank whose blocks it holds
+    lease: object = None  # its prefill's hold on the prefix cache (prefix_cache.PrefixLease), released with it
 
 
 class SessionStore:
     """Prefill side: sessions waiting for their decode, with a transfer timeout (None: held until exit)."""
 
-    def __init__(self, release_blocks: Callable[[int], None], timeout_s: float | None):
+    def __init__(self, release_blocks: Callable[[int, int, object], None], timeout_s: float | None):
         self._release_blocks = release_blocks
         self.timeout_s = timeout_s
         self.sessions: dict[str, HeldSession] = {}
@@ -80,7 +82,7 @@ class SessionStore:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
-        self._release_blocks(session.blocks)
+        self._release_blocks(session.blocks, session.rank, session.lease)
         return True
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -38,6 +38,7 @@ class Profile:
     image_tokens: int  # prompt tokens one image expands into
     max_context_length: int
     max_output_tokens: int
+    attention_dp_size: int = 1  # attention-DP ranks: each has its share of the KV blocks and its own prefix cache
 
     def prefill_ms(self, chunks: list[int]) -> float:
         if not chunks:

@@ -9,7 +9,7 @@ import uuid as uuidlib
 
 from orchestrator.openengine.v1 import generation_pb2
 from orchestrator.sim import handoff, kv_transfer, output
-from orchestrator.sim.scheduler import SimRequest
+from orchestrator.sim.scheduler import GENERATION_ONLY, SimRequest
 
 
 class Outbox:
@@ -81,8 +81,7 @@ class ResponseCallbacks:
                 request_id=rid,
                 finished=generation_pb2.GenerationFinished(output_index=0, reason=reasons[reason],
                                                            stop_match=stop_match),
-                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=request.generated,
-                                           total_tokens=prompt_len + request.generated)), last=True)
+                usage=_usage(request, prompt_len, request.generated)), last=True)
 
         return on_finish
 
@@ -96,8 +95,8 @@ class ResponseCallbacks:
                 text = self.tokenizer.decode([first_token])
                 stop = next((s for s in stop_texts if s in text), None)
                 if stop is not None:  # the one token stopped the request: no KV to hand off
-                    self.scheduler.release_blocks(request.blocks)
-                    request.blocks = 0
+                    self.scheduler.release_blocks(request.blocks, request.rank, request.lease)
+                    request.blocks, request.lease = 0, None
                     request.generated = 1
                     request.on_finish(request, "stop", ("stop_text", stop))
                     return
@@ -106,22 +105,30 @@ class ResponseCallbacks:
             held = kv_transfer.HeldSession(
                 session_id=context_id, blocks=request.blocks, tokens=prompt_len,
                 prompt_digest=output.prompt_digest(prompt_ids), media_digest=output.media_digest(media_ids),
-                opaque_state=opaque, first_gen_tokens=[first_token])
-            request.blocks = 0  # the blocks now belong to the session, not the request
+                opaque_state=opaque, first_gen_tokens=[first_token], rank=request.rank, lease=request.lease)
+            request.blocks, request.lease = 0, None  # the blocks now belong to the session, not the request
             if not c.drop_kv_sessions:
                 self.sessions.hold(held)
             else:
-                self.scheduler.release_blocks(held.blocks)
+                self.scheduler.release_blocks(held.blocks, held.rank, held.lease)
             session = handoff.encode(self.persona, handoff.Handoff(
                 session_key=context_id, kv_host=c.host, kv_port=self.kv_port, opaque_state=opaque,
                 first_gen_tokens=(first_token,), requires_decode_media=bool(media_ids), prompt_tokens=prompt_len,
                 first_gen_log_probs=(_logprob(first_token, 0),) if want_logprobs else ()))
             outbox.put(generation_pb2.GenerateResponse(
                 request_id=rid, prefill_ready=generation_pb2.PrefillReady(kv_session=session),
-                usage=generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=0,
-                                           total_tokens=prompt_len)), last=True)
+                usage=_usage(request, prompt_len, 0)), last=True)
 
         return on_context_done
+
+
+def _usage(request: SimRequest, prompt_len: int, completion: int) -> generation_pb2.Usage:
+    usage = generation_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=completion,
+                                 total_tokens=prompt_len + completion)
+    if request.tokens is not None and request.kind != GENERATION_ONLY:
+        # what the prefix cache saved this request's prefill (TensorRT-LLM: result.cached_tokens)
+        usage.cached_prompt_tokens = request.cached
+    return usage
 
 
 def _logprob(token: int, position: int) -> float:

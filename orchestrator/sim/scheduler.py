@@ -5,6 +5,13 @@ budget; the step costs `profile.step_ms(...)` scaled by `time_scale`. KV blocks 
 prompt + max_tokens at admission (TRT-LLM's GUARANTEED_NO_EVICT policy); requests queue while the
 cache or the batch is full. In the aggregated role prefill chunks share steps with decodes: that
 interference is what disaggregation removes.
+
+Each attention-DP rank has its own share of the KV blocks and its own prefix cache (prefix_cache.py). A
+request whose prompt starts with cached blocks reserves and prefills only the rest: its prefill starts at
+the cached length, so the cost model prices only the uncached tokens (chunks are priced as they always
+were, without the attention over the cached context, as a chunk of a long prompt already is). Blocks
+the cache retains after their request ended are evicted when an admission needs the room, so a worker
+that never reuses anything admits and prices exactly as it did without the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Callable
 import attrs
 
 from orchestrator.sim.output import Vocabulary, advance
+from orchestrator.sim.prefix_cache import Event, PrefixCache, PrefixLease, Token
 from orchestrator.sim.profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,11 @@ class SimRequest:
     blocks: int = 0
     state: str = "waiting"  # waiting | prefill | decode | stalled | done
     output_ids: list[int] = attrs.field(factory=list)
+    # the prompt as the prefix cache keys it (prefix_cache.prompt_tokens); None: the request takes no part
+    tokens: tuple[Token, ...] | None = None
+    rank: int = 0  # its attention-DP rank
+    cached: int = 0  # prompt tokens found in the prefix cache at admission
+    lease: PrefixLease | None = None
 
 
 @attrs.frozen
@@ -64,17 +77,48 @@ class Faults:
     eos_probability: float = 0.0
 
 
+class Rank:
+    """One attention-DP rank: its share of the KV blocks, what live requests reserved of them, its cache."""
+
+    def __init__(self, index: int, total_blocks: int, cache: PrefixCache):
+        self.index, self.total_blocks, self.cache = index, total_blocks, cache
+        self.used_blocks = 0
+        self.active = 0  # requests admitted here and not yet released
+
+    def make_room(self, need: int) -> bool:
+        """Whether `need` more blocks fit, evicting retained cache blocks if that is what it takes."""
+        over = self.used_blocks + need + self.cache.retained - self.total_blocks
+        if over <= 0:
+            return True
+        if over > self.cache.unpinned:
+            return False
+        self.cache.evict(over)
+        return True
+
+
 class Scheduler:
     def __init__(self, profile: Profile, role: str, vocab: Vocabulary, *, time_scale: float = 1.0,
-                 faults: Faults | None = None, total_kv_blocks: int | None = None, context_stops: bool = False):
+                 faults: Faults | None = None, total_kv_blocks: int | None = None, context_stops: bool = False,
+                 attention_dp_size: int = 1, prefix_caching: bool = True, mm_keys: bool = False,
+                 id_offset: int = 0):
         self.profile = profile
         self.context_stops = context_stops
         self.role = role
         self.vocab = vocab
         self.time_scale = time_scale
         self.faults = faults or Faults()
-        self.total_blocks = total_kv_blocks or profile.total_kv_blocks
-        self.used_blocks = 0
+        total = total_kv_blocks or profile.total_kv_blocks
+        # the worker's KV capacity is shared out among its ranks; each rank caches on its own
+        self.ranks = [Rank(i, total // attention_dp_size + (i < total % attention_dp_size),
+                           PrefixCache(profile.kv_block_size, enabled=prefix_caching, mm_keys=mm_keys,
+                                       id_offset=id_offset))
+                      for i in range(attention_dp_size)]
+        # on_kv_events(rank, events): what each rank's cache did in a step, once per step (an iteration)
+        self.on_kv_events: Callable[[int, list[Event]], None] | None = None
+        self.prompt_tokens_total = 0  # prompts admitted, and how much of them was found cached
+        self.cached_tokens_total = 0
+        self.prefill_tokens_computed = 0  # what the cost model priced for prefill: tokens and ms
+        self.prefill_ms_total = 0.0
         self.waiting: collections.deque[SimRequest] = collections.deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[SimRequest] = []
@@ -83,6 +127,14 @@ class Scheduler:
         self.steps = 0
         self.last_step = (0, 0)  # (prefill tokens, decode batch) of the last step, for GetLoad
         self._wake = asyncio.Event()
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(rank.total_blocks for rank in self.ranks)
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(rank.used_blocks for rank in self.ranks)
 
     # ---- requests in and out -------------------------------------------------------------------
     def blocks_needed(self, request: SimRequest) -> int:
@@ -105,9 +157,13 @@ class Scheduler:
         self._release(request)
         return True
 
-    def release_blocks(self, blocks: int) -> None:
-        """Blocks held outside a request (a KV session) are given back."""
-        self.used_blocks -= blocks
+    def release_blocks(self, blocks: int, rank: int = 0, lease: PrefixLease | None = None) -> None:
+        """Blocks held outside a request (a KV session) are given back; what of them the session's prefill
+        stored stays cached."""
+        target = self.ranks[rank]
+        target.used_blocks -= blocks
+        if lease is not None:
+            target.cache.release(lease)
         self._wake.set()
 
     @property
@@ -119,26 +175,55 @@ class Scheduler:
         return not (self.waiting or self.running)
 
     def _release(self, request: SimRequest) -> None:
+        rank = self.ranks[request.rank]
+        if request.state != "waiting":
+            rank.active -= 1
         request.state = "done"
-        self.used_blocks -= request.blocks
+        rank.used_blocks -= request.blocks
         request.blocks = 0
+        if request.lease is not None:
+            rank.cache.release(request.lease)
+            request.lease = None
         self._wake.set()
+
+    def _choose_rank(self) -> Rank:
+        # TensorRT-LLM's attention-DP scheduler balances ranks by load; a single rank is the usual case
+        return min(self.ranks, key=lambda rank: (rank.active, rank.index))
+
+    def _flush_events(self) -> None:
+        for rank in self.ranks:
+            if rank.cache.events:
+                events = rank.cache.take_events()
+                if self.on_kv_events is not None:
+                    self.on_kv_events(rank.index, events)
 
     # ---- the step loop -------------------------------------------------------------------------
     def _admit(self) -> None:
         while self.waiting and self.running < self.profile.max_batch_size:
             request = self.waiting[0]
-            need = self.blocks_needed(request)
-            if self.used_blocks + need > self.total_blocks:
+            rank = self._choose_rank()
+            lease = rank.cache.acquire(request.tokens) if request.tokens is not None else None
+            reused = lease.cached_tokens // self.profile.kv_block_size if lease is not None else 0
+            need = self.blocks_needed(request) - reused  # cached blocks are shared, not allocated again
+            if not rank.make_room(need):
+                if lease is not None:
+                    rank.cache.release(lease)
                 return  # queue until blocks come back
             self.waiting.popleft()
-            self.used_blocks += need
-            request.blocks = need
+            rank.used_blocks += need
+            rank.active += 1
+            request.blocks, request.rank, request.lease = need, rank.index, lease
             if request.kind == GENERATION_ONLY:
+                if lease is not None:  # the pulled KV is resident here now, and cached like any other
+                    rank.cache.store(lease, request.tokens)
                 request.state = "decode"
                 self.decoding.append(request)
                 self._emit(request)  # the prefill's first token, carried in the KV session
             else:
+                request.cached = lease.cached_tokens if lease is not None else 0
+                request.prefilled = request.cached
+                self.prompt_tokens_total += request.prompt_len
+                self.cached_tokens_total += request.cached
                 request.state = "prefill"
                 self.prefilling.append(request)
 
@@ -163,9 +248,15 @@ class Scheduler:
         self.last_step = (sum(n for _, n in chunks), len(decodes))
         return step
 
+    def _account_prefill(self, step: Step) -> None:
+        if step.chunks:
+            self.prefill_tokens_computed += sum(n for _, n in step.chunks)
+            self.prefill_ms_total += self.profile.prefill_ms([n for _, n in step.chunks])
+
     def finish_step(self, step: Step) -> None:
         """The step's GPU time has passed: emit its tokens and advance its prefills."""
         self.steps += 1
+        self._account_prefill(step)
         for request in step.decodes:
             if request.state == "decode":
                 self._emit(request)
@@ -176,12 +267,15 @@ class Scheduler:
             if request.prefilled < request.prompt_len:
                 continue
             self.prefilling.remove(request)
+            if request.lease is not None:  # the prompt's KV is computed: its full blocks become reusable
+                self.ranks[request.rank].cache.store(request.lease, request.tokens)
             if request.kind == CONTEXT_ONLY:
                 self._context_token(request)
             else:
                 request.state = "decode"
                 self.decoding.append(request)
                 self._emit(request)
+        self._flush_events()
 
     async def run(self) -> None:
         """The worker's step loop in real time (scaled); orchestrator.bench.plan drives the same steps on a
@@ -211,7 +305,9 @@ class Scheduler:
                 self._release(request)
                 request.on_finish(request, "stop", ("stop_token_id", token))
                 return
+        # The request is over here; its blocks and lease now belong to the KV session (on_context_done).
         request.state = "done"
+        self.ranks[request.rank].active -= 1
         request.on_context_done(request, token)
 
     def _emit(self, request: SimRequest) -> None:
@@ -257,5 +353,8 @@ class Scheduler:
     def _finish(self, request: SimRequest, reason: str, match: tuple[str, int] | None) -> None:
         if request in self.decoding:
             self.decoding.remove(request)
+        if request.lease is not None and request.output_ids:
+            # every token but the last has KV now: a follow-up that resends the answer reuses it
+            self.ranks[request.rank].cache.store(request.lease, (*request.tokens, *request.output_ids[:-1]))
         self._release(request)
         request.on_finish(request, reason, match)

@@ -26,7 +26,7 @@ import httpx
 from tokenizers import Tokenizer
 
 from orchestrator.openengine.v1 import openengine_pb2_grpc
-from orchestrator.sim import kv_transfer, output
+from orchestrator.sim import kv_events, kv_transfer, output
 from orchestrator.sim.admission import AdmissionService
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.control import ControlService
@@ -48,9 +48,16 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         faults = Faults(crash_after_tokens=config.crash_after_tokens, stall_after_tokens=config.stall_after_tokens,
                         eos_probability=config.eos_probability)
         self.persona = config.persona
+        # image blocks are keyed with ids above the vocabulary (prefix_cache.expanded_image)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.scheduler = Scheduler(config.profile, config.role, self.vocab, time_scale=config.time_scale,
                                    faults=faults, total_kv_blocks=config.total_kv_blocks,
-                                   context_stops=self.persona.streams_context_token)
+                                   context_stops=self.persona.streams_context_token,
+                                   attention_dp_size=config.dp_size, prefix_caching=config.prefix_caching,
+                                   mm_keys=config.multimodal, id_offset=self.vocab_size)
+        self.zmq_publishers: list[kv_events.ZmqPublisher] = []  # revision 1, when events are on
+        self.kv_fanout: kv_events.GrpcFanout | None = None  # revision 3 and strict, when events are on
+        self.grpc_port = 0
         self.sessions = kv_transfer.SessionStore(self.scheduler.release_blocks, config.session_ttl_s)
         self.image_token_id = _image_token_id(config.model_dir, self.tokenizer)
         # TensorRT-LLM's context request ids are integers; KvSessionRef.session_id carries one.
@@ -71,6 +78,25 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
         # what recent requests carried, for tests and debugging: {id, kind, media: [...]}
         self.recent: collections.deque[dict] = collections.deque(maxlen=32)
+
+    def start_kv_events(self) -> None:
+        """Bind the persona's KV event publishers and connect them to the scheduler's steps."""
+        c = self.config
+        if not c.kv_events.enabled:
+            return
+        if self.persona.revision_1_trtllm:
+            self.zmq_publishers = [kv_events.ZmqPublisher(rank.index, c.host, c.kv_events, mm_keys=c.multimodal)
+                                   for rank in self.scheduler.ranks]
+            for publisher in self.zmq_publishers:
+                publisher.start()
+            self.scheduler.on_kv_events = lambda rank, events: self.zmq_publishers[rank].publish(events)
+        else:
+            self.kv_fanout = kv_events.GrpcFanout(len(self.scheduler.ranks), c.kv_events)
+            self.scheduler.on_kv_events = self.kv_fanout.publish
+
+    def stop_kv_events(self) -> None:
+        for publisher in self.zmq_publishers:
+            publisher.close()
 
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
@@ -114,6 +140,8 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
+    worker.grpc_port = port
+    worker.start_kv_events()
     await server.start()
     scheduler_task = asyncio.create_task(worker.scheduler.run())
     stop = asyncio.Event()
@@ -135,6 +163,7 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
         await asyncio.gather(*worker.background, return_exceptions=True)
     await server.stop(grace=1.0)
     scheduler_task.cancel()
+    worker.stop_kv_events()
     kv_server.close()
     if worker.http is not None:
         await worker.http.aclose()

@@ -1,0 +1,373 @@
+"""`orchestrator bench reuse FILE`: prefix-cache hit rates and TTFT by turn for workloads that reuse KV.
+
+Workloads (seeded, sizes as public chat and agent traces report them):
+- conversations: multi-turn chats behind a long system prompt; each turn resends the whole history, the
+  answers included, plus a new user message; optionally an image in the first turn, which every later
+  turn carries again in its history;
+- shared-prefix: single requests in groups, each group behind its own long system prompt.
+
+Each workload runs on every topology and routing policy of the file, on a **virtual clock**: the simulated
+worker's own scheduler, prefix cache and cost profile (orchestrator.sim), driven step by step like `bench
+plan` does, with today's routing policies from orchestrator.routing (round robin; least loaded, scored by
+the running and queued requests a fresh GetLoad would report). A conversation is a closed-loop user: its
+next turn goes out when the last answer has finished. The hit rate is cached prompt tokens / prompt tokens,
+counted where the prompt is prefilled (usage.cached_prompt_tokens of the simulated workers). These are the
+figures a KV-aware router has to beat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import sys
+from pathlib import Path
+from typing import Callable
+
+import attrs
+import yaml
+
+from orchestrator.bench.compare import _fmt, _json_default
+from orchestrator.bench.loadgen import Range
+from orchestrator.bench.metrics import percentile
+from orchestrator.bench.plan import VirtualClock
+from orchestrator.config import POLICIES, ConfigError, build_attrs
+from orchestrator.routing import LoadSample, make_policy
+from orchestrator.sim.output import Vocabulary, request_key
+from orchestrator.sim.prefix_cache import Token, expanded_image
+from orchestrator.sim.profiles import PROFILES, Profile
+from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
+
+WORKLOAD_KINDS = ("conversations", "shared-prefix")
+TOPOLOGY_MODES = ("aggregated", "disaggregated")
+VOCABULARY = range(100, 30_000)  # user and answer token ids (a Llama-sized vocabulary's ordinary ids)
+
+
+@attrs.frozen
+class ReuseWorkload:
+    name: str
+    kind: str = "conversations"
+    sessions: int = 64  # conversations, or requests of a shared-prefix workload
+    concurrency: int = 16  # closed-loop users
+    system_prompt: str = "1000:4000"  # tokens
+    groups: int = 8  # distinct system prompts (shared-prefix; conversations get one each)
+    turns: str = "3:6"  # conversations: turns per conversation
+    user_len: str = "100:500"  # tokens of each new user message
+    output_len: str = "100:300"  # tokens of each answer
+    image_share: float = 0.0  # conversations: share with an image in the first turn, resent every turn
+    think_time_s: float = 0.0  # conversations: mean (exponential) pause between an answer and the next turn
+    seed: int = 1
+
+
+@attrs.frozen
+class ReuseTopology:
+    mode: str = "aggregated"
+    workers: int = 4  # aggregated workers, or prefill workers
+    decode_workers: int = 0  # disaggregated
+
+    @property
+    def name(self) -> str:
+        if self.mode == "aggregated":
+            return f"aggregated {self.workers}x"
+        return f"disaggregated {self.workers}P:{self.decode_workers}D"
+
+    @property
+    def gpus(self) -> int:
+        return self.workers + self.decode_workers
+
+
+@attrs.frozen
+class ReuseSpec:
+    profile: str = "llama3-8b-h100"
+    policies: tuple[str, ...] = POLICIES
+    topologies: tuple[ReuseTopology, ...] = (ReuseTopology(),)
+    workloads: tuple[ReuseWorkload, ...] = ()
+
+
+def load_reuse_spec(path: Path) -> ReuseSpec:
+    file = str(path)
+    spec = build_attrs(ReuseSpec, yaml.safe_load(path.read_text()), file, "")
+    if spec.profile not in PROFILES:
+        raise ConfigError(file, "profile", " or ".join(sorted(PROFILES)), spec.profile)
+    for i, policy in enumerate(spec.policies):
+        if policy not in POLICIES:
+            raise ConfigError(file, f"policies[{i}]", " or ".join(POLICIES), policy)
+    for i, topology in enumerate(spec.topologies):
+        key = f"topologies[{i}]"
+        if topology.mode not in TOPOLOGY_MODES:
+            raise ConfigError(file, f"{key}.mode", " or ".join(TOPOLOGY_MODES), topology.mode)
+        if topology.workers < 1:
+            raise ConfigError(file, f"{key}.workers", "an integer >= 1", topology.workers)
+        if (topology.mode == "disaggregated") != (topology.decode_workers > 0):
+            raise ConfigError(file, f"{key}.decode_workers", "> 0 for disaggregated, 0 for aggregated",
+                              topology.decode_workers)
+    if not spec.workloads:
+        raise ConfigError(file, "workloads", "at least one workload")
+    for i, workload in enumerate(spec.workloads):
+        key = f"workloads[{i}]"
+        if workload.kind not in WORKLOAD_KINDS:
+            raise ConfigError(file, f"{key}.kind", " or ".join(WORKLOAD_KINDS), workload.kind)
+        for name in ("sessions", "concurrency", "groups"):
+            if getattr(workload, name) < 1:
+                raise ConfigError(file, f"{key}.{name}", "an integer >= 1", getattr(workload, name))
+        for name in ("system_prompt", "turns", "user_len", "output_len"):
+            try:
+                Range.parse(getattr(workload, name))
+            except ValueError:
+                raise ConfigError(file, f"{key}.{name}", "N or LOW:HIGH", getattr(workload, name)) from None
+        if workload.think_time_s < 0:
+            raise ConfigError(file, f"{key}.think_time_s", "a number >= 0", workload.think_time_s)
+        if not 0.0 <= workload.image_share <= 1.0:
+            raise ConfigError(file, f"{key}.image_share", "a number from 0 to 1", workload.image_share)
+    return spec
+
+
+# ---- the workload: sessions of turns --------------------------------------------------------------------
+
+@attrs.frozen
+class Session:
+    """One closed-loop user's unit of work: a conversation's turns, or one shared-prefix request."""
+
+    index: int
+    system: tuple[int, ...]
+    messages: tuple[tuple[int, ...], ...]  # the new user tokens of each turn
+    outputs: tuple[int, ...]  # answer length of each turn
+    image: str | None = None  # identity of the image its first turn carries
+    thinks: tuple[float, ...] = ()  # seconds between each answer and the next turn
+
+
+def draw_sessions(workload: ReuseWorkload, profile: Profile) -> list[Session]:
+    """The seeded sessions of a workload; conversations are cut where the next turn would not fit."""
+    rng = random.Random(workload.seed)
+    system_len, user_len = Range.parse(workload.system_prompt), Range.parse(workload.user_len)
+    output_len, turns = Range.parse(workload.output_len), Range.parse(workload.turns)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.choice(VOCABULARY) for _ in range(n))
+
+    groups = workload.groups if workload.kind == "shared-prefix" else workload.sessions
+    systems = [tokens(system_len.draw(rng)) for _ in range(groups)]
+    sessions = []
+    for index in range(workload.sessions):
+        if workload.kind == "shared-prefix":
+            sessions.append(Session(index, rng.choice(systems), (tokens(user_len.draw(rng)),),
+                                    (output_len.draw(rng),)))
+            continue
+        image = f"conversation-{workload.seed}-{index}" if rng.random() < workload.image_share else None
+        length = len(systems[index]) + (profile.image_tokens if image else 0)
+        messages, outputs, thinks = [], [], []
+        for _ in range(turns.draw(rng)):
+            message, answer = user_len.draw(rng), output_len.draw(rng)
+            think = rng.expovariate(1.0 / workload.think_time_s) if workload.think_time_s > 0 else 0.0
+            if length + message + answer >= profile.max_context_length:
+                break
+            messages.append(tokens(message))
+            outputs.append(answer)
+            thinks.append(think)
+            length += message + answer
+        sessions.append(Session(index, systems[index], tuple(messages), tuple(outputs), image, tuple(thinks)))
+    return sessions
+
+
+# ---- the virtual cluster --------------------------------------------------------------------------------
+
+class _Worker:
+    """A simulated worker on the virtual clock, and the candidate the routing policy scores."""
+
+    def __init__(self, role: str, index: int, profile: Profile, id_offset: int):
+        self.role, self.address = role, f"{role}-{index}"
+        self.scheduler = Scheduler(profile, role, Vocabulary(list(VOCABULARY), eos_id=0), id_offset=id_offset)
+        self.step = None
+        self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
+
+    def fresh_load(self, now: float, staleness: float) -> LoadSample:
+        s = self.scheduler  # GetLoad as the sim answers it with load metrics on (requests and KV blocks)
+        return LoadSample(now, s.running + len(s.waiting), s.used_blocks, s.total_blocks)
+
+
+@attrs.frozen
+class TurnRecord:
+    session: int
+    turn: int  # 1-based
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+class ReuseCluster(VirtualClock):
+    def __init__(self, topology: ReuseTopology, policy: str, profile: Profile):
+        super().__init__()
+        self.topology, self.profile = topology, profile
+        # image tokens after the first are ids above the vocabulary, as in the worker (prefix_cache.py)
+        self.id_offset = VOCABULARY.stop
+        roles = {"aggregated": topology.workers} if topology.mode == "aggregated" else {
+            "prefill": topology.workers, "decode": topology.decode_workers}
+        self.workers = {role: [_Worker(role, i, profile, self.id_offset) for i in range(n)]
+                        for role, n in roles.items()}
+        self.policies = {role: make_policy(policy, staleness_s=1.0) for role in roles}
+
+    def _pick(self, role: str) -> _Worker:
+        return self.policies[role].choose(self.workers[role], self.now)
+
+    def run(self, sessions: list[Session], concurrency: int) -> list[TurnRecord]:
+        queue = list(reversed(sessions))
+        records: list[TurnRecord] = []
+
+        def next_session() -> None:
+            if queue:
+                start_turn(queue.pop(), 0, ())
+
+        def start_turn(session: Session, turn: int, history: tuple[Token, ...]) -> None:
+            if turn == len(session.messages):
+                next_session()
+                return
+            if turn == 0:
+                image = expanded_image(session.image, self.profile.image_tokens, self.id_offset) if session.image else []
+                history = (*session.system, *image)
+            prompt = (*history, *session.messages[turn])
+
+            def answered(answer: tuple[int, ...]) -> None:  # the user reads, thinks, and sends the next turn
+                think = session.thinks[turn] if turn < len(session.thinks) else 0.0
+                self._at(self.now + think, start_turn, session, turn + 1, (*prompt, *answer))
+
+            self._send(session, turn, prompt, records, answered)
+
+        for _ in range(concurrency):
+            next_session()
+        self.run_events()
+        return records
+
+    def _send(self, session: Session, turn: int, prompt: tuple[Token, ...], records: list[TurnRecord],
+              then: Callable[[tuple[int, ...]], None]) -> None:
+        start = self.now
+        first: list[float] = []
+        key = request_key([session.index, turn], [], None)
+
+        def on_token(request: SimRequest, token: int) -> None:
+            if not first:
+                first.append(self.now)
+
+        def finished_after(prefilled: SimRequest):
+            """The answer's on_finish; the cached tokens are counted where the prompt was prefilled."""
+            def on_finish(request: SimRequest, reason: str, match) -> None:
+                records.append(TurnRecord(session.index, turn + 1, len(prompt), prefilled.cached, first[0] - start,
+                                          self.now - start))
+                then(tuple(request.output_ids))
+            return on_finish
+
+        def leg(kind: str, **extra) -> SimRequest:
+            return SimRequest(request_id=f"s{session.index}t{turn}", kind=kind, prompt_len=len(prompt), key=key,
+                              max_tokens=session.outputs[turn], ignore_eos=True, tokens=prompt, on_token=on_token,
+                              **extra)
+
+        if self.topology.mode == "aggregated":
+            worker = self._pick("aggregated")
+            request = leg(FULL)
+            request.on_finish = finished_after(request)
+            self._submit(worker, request)
+            return
+
+        owner = self._pick("prefill")
+
+        def on_context_done(context: SimRequest, first_token: int) -> None:
+            # the client sees the first token when the decode streams it, after the pull
+            blocks, lease, rank = context.blocks, context.lease, context.rank
+            context.blocks, context.lease = 0, None
+
+            def pulled() -> None:  # the decode pulled the KV session: the prefill's blocks are free, cached
+                owner.scheduler.release_blocks(blocks, rank, lease)
+                decode = self._pick("decode")
+                generation = leg(GENERATION_ONLY, first_gen_tokens=(first_token,))
+                generation.on_finish = finished_after(context)
+                self._submit(decode, generation)
+
+            self._at(self.now + self.profile.kv_transfer_ms(len(prompt)) / 1000.0, pulled)
+
+        context = leg(CONTEXT_ONLY, on_context_done=on_context_done)
+        context.max_tokens = 1
+        self._submit(owner, context)
+
+
+# ---- the run and its report ------------------------------------------------------------------------------
+
+def summarize(records: list[TurnRecord]) -> dict:
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    by_turn = {}
+    for turn in sorted({r.turn for r in records}):
+        of_turn = [r for r in records if r.turn == turn]
+        ttfts = [r.ttft_s for r in of_turn]
+        by_turn[turn] = {"requests": len(of_turn), "hit_rate": _ratio(sum(r.cached_tokens for r in of_turn),
+                                                                      sum(r.prompt_tokens for r in of_turn)),
+                         "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90)}
+    ttfts = [r.ttft_s for r in records]
+    return {"requests": len(records), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": _ratio(cached, prompt), "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p90_s": percentile(ttfts, 90), "duration_s": max((r.e2e_s for r in records), default=0.0),
+            "by_turn": by_turn}
+
+
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else math.nan
+
+
+def reuse(spec: ReuseSpec) -> dict:
+    profile = PROFILES[spec.profile]
+    results = []
+    for workload in spec.workloads:
+        sessions = draw_sessions(workload, profile)
+        for topology in spec.topologies:
+            for policy in spec.policies:
+                records = ReuseCluster(topology, policy, profile).run(sessions, workload.concurrency)
+                results.append({"workload": workload.name, "topology": topology.name, "policy": policy,
+                                **summarize(records)})
+    return {"profile": spec.profile, "workloads": [attrs.asdict(w) for w in spec.workloads], "results": results}
+
+
+def render_markdown(document: dict) -> str:
+    lines = ["# Prefix-cache hit rates of today's routing", "",
+             f"Command: `{document['command']}`. Machine: {document['machine']}.", "",
+             f"Profile `{document['profile']}`, virtual clock (the simulated worker's scheduler, prefix cache and "
+             "cost model; figures in simulated GPU time). Hit rate = cached prompt tokens / prompt tokens.", ""]
+    for workload in document["workloads"]:
+        rows = [r for r in document["results"] if r["workload"] == workload["name"]]
+        shape = (f"{workload['sessions']} conversations of {workload['turns']} turns" if workload["kind"] ==
+                 "conversations" else f"{workload['sessions']} requests in {workload['groups']} groups")
+        lines += [f"## {workload['name']}", "",
+                  f"{shape}, system prompt {workload['system_prompt']} tokens, user messages {workload['user_len']}, "
+                  f"answers {workload['output_len']}, image share {workload['image_share']:g}, think time "
+                  f"{workload['think_time_s']:g} s (mean), "
+                  f"{workload['concurrency']} users, seed {workload['seed']}.", "",
+                  "| topology | routing | requests | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p50 ms by turn |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            turns = ", ".join(f"{t}: {_fmt(v['ttft_p50_s'] * 1e3)}" for t, v in r["by_turn"].items())
+            lines.append(f"| {r['topology']} | {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | "
+                         f"{_fmt(r['ttft_p50_s'] * 1e3)} | {_fmt(r['ttft_p90_s'] * 1e3)} | {turns} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main_reuse(path: Path, out_dir: Path | None) -> int:
+    try:
+        spec = load_reuse_spec(path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    document = reuse(spec)
+    document["command"] = f"orchestrator bench reuse {path}" + (f" --out {out_dir}" if out_dir else "")
+    document["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    for r in document["results"]:
+        turns = ", ".join(f"turn {t} {v['ttft_p50_s'] * 1e3:.0f}" for t, v in r["by_turn"].items())
+        print(f"{r['workload']} | {r['topology']} | {r['policy']}: hit rate {r['hit_rate']:.1%} "
+              f"({r['cached_tokens']}/{r['prompt_tokens']} tokens), TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms "
+              f"[{turns}]")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=_json_default) + "\n")
+        (out_dir / "report.md").write_text(render_markdown(document))
+        print(f"wrote {out_dir / 'report.md'}")
+    return 0
