@@ -109,19 +109,22 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.metrics import Metrics
     from orchestrator.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator import tracing
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     several = frontend.count > 1
     metrics = Metrics(config.mode, multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
     limits = config.limits
-    async with LoopThread.open() as loop_thread:
+    tracer = tracing.from_config(config)
+    async with LoopThread.open() as loop_thread, tracer.running():
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
                           stream_transport=config.stream_transport)
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
-        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend)
+        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
+                  tracer=tracer)
         shutdown = trio.Event()
         children = None
         # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.

@@ -163,27 +163,32 @@ class H2Channel:
 
     @asynccontextmanager
     async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
-                     timeout: float | None = None) -> AsyncIterator[H2Stream]:
+                     timeout: float | None = None,
+                     metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[H2Stream]:
         """Start the call `path` with one request message; leaving early cancels it (RST_STREAM).
         `decode` turns each response message into what get_batch() hands out; a message it turns into None
-        is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own."""
+        is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own.
+        `metadata` (lower-case ASCII keys) goes out as request headers, as grpcio sends call metadata."""
         rpc = path.rsplit("/", 1)[-1]
         connection = await self._current(rpc)
         stream = H2Stream(rpc, decode, request)
-        await connection.start(stream, path, b"" if timeout is None else _grpc_timeout(timeout))
+        extra = b"" if timeout is None else _grpc_timeout(timeout)
+        if metadata:
+            extra += http2.encode_headers([(key.encode(), value.encode()) for key, value in metadata])
+        await connection.start(stream, path, extra)
         try:
             yield stream
         finally:
             connection.finish(stream)
 
     async def unary(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
-                    timeout: float | None) -> Any:
+                    timeout: float | None, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
         """A unary call: its one response message, or the EngineError grpcio would give (DEADLINE_EXCEEDED
         after `timeout`)."""
         rpc = path.rsplit("/", 1)[-1]
         messages: list = []
         with trio.move_on_after(timeout if timeout is not None else float("inf")) as deadline:
-            async with self.stream(path, request, decode, timeout=timeout) as stream:
+            async with self.stream(path, request, decode, timeout=timeout, metadata=metadata) as stream:
                 while batch := await stream.get_batch():
                     messages.extend(batch)
         if deadline.cancelled_caught:
