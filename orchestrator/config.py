@@ -235,6 +235,7 @@ class WorkerLaunch:
     sim: SimSpec | None = None
     command: tuple[str, ...] = ()  # a real worker: argv with {port} substituted
     register: bool = False  # run `orchestrator register` beside it (etcd discovery)
+    env: dict[str, str] = attrs.field(factory=dict)  # added to its environment, e.g. CUDA_VISIBLE_DEVICES
 
 
 @attrs.frozen
@@ -417,6 +418,10 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
             raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
     _check_keys(config.auth, file)
     _check_tracing(config.tracing, file)
+    for i, worker in enumerate(config.launch.workers):
+        for name in worker.env:
+            if not name or "=" in name or "\0" in name:
+                raise ConfigError(file, f"launch.workers[{i}].env", "environment variable names without '='", name)
 
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")

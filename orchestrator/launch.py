@@ -44,9 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
+        self.env = env  # added to ours (launch.workers[].env: e.g. the GPU a worker may use)
         self.process: trio.Process | None = None
         self.ready_url: str | None = None
         self.ready = trio.Event()
@@ -57,7 +58,7 @@ class Child:
         """Start the process and pump its output; returns when it exits."""
         self.process = await trio.lowlevel.open_process(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         log.info("started %s (pid %d): %s", self.name, self.process.pid, " ".join(self.argv))
         task_status.started()
         try:
@@ -153,12 +154,12 @@ class Launcher:
                                              "--time-scale", repr(spec.sim.time_scale),
                                              "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
                                              *(ttl_flags if etcd_flags else ()), *spec.sim.args)
-                    child = await self._start(nursery, Child(name, argv), ready_timeout=timeout)
+                    child = await self._start(nursery, Child(name, argv, spec.env), ready_timeout=timeout)
                     address = child.ready_url
                 else:
                     port = free_port()
                     argv = [part.replace("{port}", str(port)) for part in spec.command]
-                    child = Child(name, argv)
+                    child = Child(name, argv, spec.env)
                     self.children.append(child)
                     await nursery.start(child.run)
                     address = f"grpc://127.0.0.1:{port}"
