@@ -40,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # Set by frontend 0 on the copies it starts (http.processes); not for operators.
     p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--frontend-parent", type=int, default=None, help=argparse.SUPPRESS)
+    # The flag that sets the port of whoever started us (`orchestrator launch`: --http-port), for the busy-port hint.
+    p.add_argument("--port-flag", default="--port", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
@@ -287,13 +289,17 @@ def run(args: argparse.Namespace) -> int:
         busy = _address_in_use(exc)
         if busy is None:
             raise
-        log.error("cannot listen on %s:%d: %s; choose another with --port or http.port in %s", host, port,
-                  busy.strerror or busy, args.config)
+        log.error("%s", busy_port_message(host, port, busy, args.port_flag, args.config))
         return 2
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def busy_port_message(host: str, port: int, error: OSError, flag: str, config_path) -> str:
+    return (f"cannot listen on {host}:{port}: {error.strerror or error}; choose another with {flag} or http.port in "
+            f"{config_path}")
 
 
 def _address_in_use(exc: BaseException) -> OSError | None:

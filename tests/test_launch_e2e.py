@@ -135,3 +135,29 @@ def test_each_launched_worker_gets_its_own_env_as_the_trtllm_example_gives_each_
         assert environment(pids["orchestrator"])["CUDA_VISIBLE_DEVICES"] == "7"  # the rest keep the launcher's
     finally:
         launcher.stop()
+
+
+@pytest.mark.parametrize("taken", ["before", "meanwhile"])
+def test_a_busy_port_names_the_launch_flag(tmp_path, taken):
+    """`launch` takes --http-port (it refuses --port): its hint must say so, whether it finds the port taken
+    before starting anything or the orchestrator it started finds it taken."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = python_command("launch", str(CONFIGS / "agg.yaml"), "--http-port", str(port))
+        if taken == "meanwhile":  # launch's own check passed; the port is taken by the time serve binds it
+            from orchestrator import config as config_module
+            from orchestrator.launch import Launcher
+
+            launcher = Launcher(config_module.load(CONFIGS / "agg.yaml"), CONFIGS / "agg.yaml", http_port=port,
+                                host=None)
+            argv = launcher.serve_argv(["--worker", "aggregated=grpc://127.0.0.1:9"])
+        launcher = ManagedProcess(f"launch-busy-{taken}", argv, log_dir=tmp_path)
+        assert launcher.process.wait(60) != 0
+    log = launcher.log_path.read_text()
+    assert f"cannot listen on 127.0.0.1:{port}" in log and "choose another with --http-port or http.port" in log, log
+    if taken == "before":
+        assert "started " not in log  # no worker was started for nothing
