@@ -294,6 +294,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        elif count > 1 and os.getppid() != args.frontend_parent:  # frontend 0 was killed: it cannot clean up
+            from orchestrator.frontend.multiprocess import leave_metrics_dir
+
+            leave_metrics_dir(os.environ[METRICS_DIR_ENV])
     return 0
 
 
