@@ -12,6 +12,7 @@ from orchestrator import config as config_module
 from orchestrator.config import ApiKeyConfig, AuthConfig, ConfigError
 from orchestrator.frontend.auth import ApiKey, ApiKeys, load_api_keys
 from orchestrator.testing import write_config
+from sim_helpers import recent_requests
 
 FAST = ("--time-scale", "0")
 
@@ -140,13 +141,6 @@ def keyed(tmp_path, sim_workers, orchestrator_servers):
         {"name": "one-at-a-time", "key": "secret-one", "limits": {"max_concurrency": 1}}]})
     server = orchestrator_servers.start(config, env={"ORCH_TEAM_A": "secret-team-a"})
     return server, worker
-
-
-async def recent_requests(engine_client, worker) -> list:
-    from google.protobuf import json_format
-
-    async with engine_client(worker.address) as client:
-        return json_format.MessageToDict((await client.load()).attributes).get("recent_requests", [])
 
 
 def chat(url: str, secret: str, content: str = "hi", **extra):

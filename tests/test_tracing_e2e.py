@@ -19,10 +19,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+import trio
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from orchestrator.testing import write_config
+from sim_helpers import recent_requests
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -82,21 +84,9 @@ def receiver():
     receiving.close()
 
 
-def recent_requests(worker) -> list[dict]:
-    import trio
-
-    from orchestrator.engine import EngineClient, LoopThread
-
-    async def read():
-        async with LoopThread.open() as loop_thread, EngineClient.open(worker.address, loop_thread) as client:
-            return json_format.MessageToDict((await client.load()).attributes)["recent_requests"]
-
-    return trio.run(read)
-
-
 @pytest.mark.parametrize("transport", ["h2", "grpcio"])
-def test_a_disaggregated_request_is_one_trace_from_the_client_to_each_engine_call(
-        tmp_path, sim_workers, orchestrator_servers, receiver, transport):
+async def test_a_disaggregated_request_is_one_trace_from_the_client_to_each_engine_call(
+        tmp_path, sim_workers, orchestrator_servers, engine_client, receiver, transport):
     prefill = sim_workers.start("prefill", "--time-scale", "0")
     decode = sim_workers.start("decode", "--time-scale", "0")
     config = write_config(tmp_path / "traced.yaml", "disaggregated",
@@ -104,13 +94,14 @@ def test_a_disaggregated_request_is_one_trace_from_the_client_to_each_engine_cal
                           tracing={"endpoint": receiver.url, "service_name": "orchestrator-test"})
     # The SDK's own variable: export every 50 ms instead of every 5 s, so the test does not wait
     server = orchestrator_servers.start(config, env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        answer = http.post("/v1/chat/completions", headers={
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        answer = await http.post("/v1/chat/completions", headers={
             "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "vendor=abc"},
             json={"model": "tiny-chat", "messages": [{"role": "user", "content": "Describe the river"}],
                   "max_tokens": 4})
     assert answer.status_code == 200, answer.text
-    spans = receiver.wait_for({"POST /v1/chat/completions", "plan", "prefill", "kv_handoff", "decode"})
+    spans = await trio.to_thread.run_sync(receiver.wait_for, {"POST /v1/chat/completions", "plan", "prefill",
+                                                              "kv_handoff", "decode"})
     resource, root = spans["POST /v1/chat/completions"]
     assert {a.key: a.value.string_value for a in resource.attributes}["service.name"] == "orchestrator-test"
     assert root.trace_id.hex() == CLIENT_TRACE and root.parent_span_id.hex() == CLIENT_SPAN  # the client's trace
@@ -124,21 +115,22 @@ def test_a_disaggregated_request_is_one_trace_from_the_client_to_each_engine_cal
         "boolValue": False}
     # Each worker saw the traceparent of its own leg's span (and the client's tracestate), as TensorRT-LLM reads them
     for worker, leg in ((prefill, "prefill"), (decode, "decode")):
-        (record,) = recent_requests(worker)
+        (record,) = await recent_requests(engine_client, worker)
         span_id = spans[leg][1].span_id.hex()
         assert record["trace"] == {"traceparent": f"00-{CLIENT_TRACE}-{span_id}-01", "tracestate": "vendor=abc"}
 
 
-def test_without_a_tracing_section_the_workers_see_no_trace_context(tmp_path, sim_workers, orchestrator_servers):
+async def test_without_a_tracing_section_the_workers_see_no_trace_context(tmp_path, sim_workers, orchestrator_servers,
+                                                                       engine_client):
     worker = sim_workers.start("aggregated", "--time-scale", "0")
     config = write_config(tmp_path / "plain.yaml", "aggregated", {"aggregated": [worker.address]})
     server = orchestrator_servers.start(config)
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        answer = http.post("/v1/chat/completions", headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        answer = await http.post("/v1/chat/completions", headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
                            json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
                                  "max_tokens": 2})
     assert answer.status_code == 200
-    (record,) = recent_requests(worker)
+    (record,) = await recent_requests(engine_client, worker)
     assert record["trace"] == {}
 
 
