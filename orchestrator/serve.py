@@ -20,6 +20,7 @@ import trio
 
 from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
+from orchestrator.frontend.descriptors import connection_cap, open_files_limit, raise_open_files_limit
 from orchestrator.frontend.multiprocess import FrontendChildren, FrontendProcess, ParentWatch
 
 log = logging.getLogger("orchestrator.serve")
@@ -191,7 +192,8 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
         ssl_context.load_cert_chain(config.base_dir / http.tls_cert_file, config.base_dir / http.tls_key_file)
         ssl_context.set_alpn_protocols(["http/1.1"])
     limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
-                          grace_s=config.limits.shutdown_grace_s)
+                          grace_s=config.limits.shutdown_grace_s,
+                          max_connections=connection_cap(http.max_connections, open_files_limit()))
     listener = await open_listener(host, port, backlog=http.backlog, reuse_port=reuse_port)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)
@@ -257,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no API keys are configured (auth: in %s) and the API listens on %s: anyone who can reach "
                     "the port can use it", args.config, host)
     port = config.http.port if args.port is None else args.port
+    raise_open_files_limit()  # every client connection is a descriptor; the soft limit is often only 1,024
     count = config.http.processes
     frontend = FrontendProcess(index=args.frontend_index, count=count, parent_pid=args.frontend_parent)
     metrics_dir = None

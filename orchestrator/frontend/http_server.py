@@ -13,6 +13,9 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
   half-closed first and what still arrives is read and dropped for up to `_LINGER_S` (RFC 9112 9.6):
   closing with unread bytes makes the kernel reset the connection, and a client still writing its request
   then fails on the write and never reads the answer.
+- at most `max_connections` client connections: one more closes the connection idle the longest, or is
+  refused with a 503 when none is idle. Out of file descriptors, accepting pauses and says so in one log
+  line per interval (trio's own loop logged a traceback for every attempt).
 - a response head goes out with the first body bytes, in one write; a body without content-length is
   chunked, its last chunk and terminator in one write.
 - disconnect detection: one reader task per connection; when the client closes, the application's
@@ -35,6 +38,7 @@ The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn 
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket as stdlib_socket
 import ssl
@@ -48,6 +52,7 @@ import trio
 from orchestrator.eager_receive import EagerReceiver
 from orchestrator.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
+from orchestrator.log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -60,6 +65,9 @@ BODY_ARRIVED = "orchestrator.body_arrived"  # scope["extensions"] key: True when
 SEND_NOW = "orchestrator.send_now"  # scope["extensions"] key: write a chunk of a started response from any task
 BAD_BODY = "orchestrator.bad_body"  # scope["extensions"] key: why the body ended early (malformed), or None
 _LINGER_S = 2.0  # how long a closing connection reads and drops what the client still sends
+# accept() failing for want of descriptors or memory (trio's serve_listeners has the same list): pause, retry
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_PAUSE_S = 0.1
 
 
 @attrs.frozen
@@ -67,6 +75,7 @@ class ServerLimits:
     keep_alive_s: float = 15.0
     max_header_bytes: int = 16 * 1024
     grace_s: float = 10.0
+    max_connections: int | None = None  # open client connections (None: no cap of our own)
 
 
 async def open_listener(host: str, port: int, *, backlog: int, reuse_port: bool = False) -> trio.SocketListener:
@@ -97,8 +106,8 @@ async def serve_http(app: Application, listener: trio.SocketListener, *, limits:
     accepting = trio.CancelScope()
 
     async def accept(connections: trio.Nursery) -> None:
-        with accepting:  # trio pauses accepting while out of file descriptors, instead of spinning
-            await trio.serve_listeners(server.connection, [listener], handler_nursery=connections)
+        with accepting:
+            await server.accept(listener, connections)
 
     async with trio.open_nursery() as connections:
         connections.start_soon(accept, connections)
@@ -120,6 +129,7 @@ class _Server:
         self.draining = False
         self.open: set[_Connection] = set()
         self.idle = trio.Event()  # set once draining and no connection is left
+        self.out_of_resources_log = RateLimitedLog(log, interval=10.0, level=logging.ERROR)
 
     def drain(self) -> None:
         self.draining = True
@@ -141,6 +151,38 @@ class _Server:
             for connection in list(self.open):
                 if connection.waiting_since is not None and connection.waiting_since <= waited_since:
                     connection.reading.cancel()  # its reader stops: the connection ends as if the client went
+
+    async def accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        """Accept connections into `connections` until cancelled, within `limits.max_connections`."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                # Out of descriptors (or memory): the connection waits in the listen queue. A pause instead of
+                # spinning, and one line per interval: a traceback per attempt would bury the log.
+                self.out_of_resources_log("cannot accept connections: %s; %d client connections open; pausing "
+                                          "accept() %.1f s at a time", exc.strerror or exc, len(self.open),
+                                          _ACCEPT_PAUSE_S)
+                await trio.sleep(_ACCEPT_PAUSE_S)
+                continue
+            cap = self.limits.max_connections
+            if cap is not None and len(self.open) >= cap and not self._close_longest_idle():
+                connections.start_soon(_refuse, stream)
+                continue
+            connections.start_soon(self.connection, stream)
+
+    def _close_longest_idle(self) -> bool:
+        """End the connection that has waited longest for a request (keep-alive or an unfinished head);
+        False when every connection has a request being answered."""
+        waiting = [c for c in self.open if c.waiting_since is not None]
+        if not waiting:
+            return False
+        longest = min(waiting, key=lambda connection: connection.waiting_since)
+        longest.waiting_since = None  # it is going: not a candidate again
+        longest.reading.cancel()
+        return True
 
     async def connection(self, stream: trio.SocketStream) -> None:
         try:
@@ -175,6 +217,17 @@ class _Server:
             finally:
                 connection.release()
                 await _close(transport, forcefully=connection.broken)
+
+
+async def _refuse(stream: trio.SocketStream) -> None:
+    """A connection beyond max_connections while none is idle: a 503, then closed."""
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(wire.error_response(503, "the server has too many open connections; retry shortly",
+                                                      "too_many_connections", retry_after=1))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await _close(stream, forcefully=False)
 
 
 async def _close(stream: trio.abc.Stream, *, forcefully: bool) -> None:
