@@ -122,3 +122,47 @@ async def test_an_oversized_head_gets_its_431_read_by_a_client_still_writing_it(
     assert response.status_code == 431
     assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
 
+
+async def test_requests_still_running_when_the_shutdown_grace_ends_get_a_503_or_a_final_error_event(
+        tmp_path, sim_workers, orchestrator_servers):
+    """SIGTERM with a 1 s grace while requests need several seconds more: a non-streamed request gets a 503
+    with Retry-After, a started stream a final SSE error event and [DONE]; none is cut off bare."""
+    import signal
+
+    from orchestrator.testing import write_config
+    from serve_helpers import sse_events
+
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    server = orchestrator_servers.start(write_config(tmp_path / "grace.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]},
+                                                     limits={"shutdown_grace_s": 1.0}))
+    long = chat_body(max_tokens=1500, ignore_eos=True)
+    plain, streams = [], []
+    streaming = trio.Event()
+    async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=16)) as http:
+        async def one_plain():
+            response = await http.post("/v1/chat/completions", json=long)
+            plain.append((response.status_code, response.headers.get("retry-after"), response.json()))
+
+        async def one_stream():
+            text = ""
+            async with http.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as response:
+                async for chunk in response.aiter_text():
+                    text += chunk
+                    streaming.set()
+            streams.append(sse_events(text))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one_plain)
+                nursery.start_soon(one_stream)
+            await streaming.wait()
+            await trio.sleep(0.3)
+            server.process.signal(signal.SIGTERM)
+    assert len(plain) == 4 and len(streams) == 4
+    for status, retry_after, body in plain:
+        assert (status, retry_after, body["error"]["code"]) == (503, "1", "draining"), (status, retry_after, body)
+    for events in streams:
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "draining", events[-3:]
+        assert any("choices" in event for event in events[:-2])  # it had streamed before it was cut
+    assert await trio.to_thread.run_sync(server.process.process.wait, 20) == 0

@@ -5,7 +5,8 @@ before any byte of the response) -> execute in the request's nursery, which is c
 client disconnects (the native server calls back; under plain ASGI a watcher task waits in receive()).
 A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
 after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
-response.
+response, also when the shutdown grace ends before it does (`cut_in_flight`: a 503 with Retry-After, or
+that final error event).
 
 Memory: a failed request frees its body when its error is handled, not at the next full garbage
 collection. No local variable keeps a handled error (its traceback holds the frames that hold the body:
@@ -73,6 +74,7 @@ class App:
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
+        self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
                                         max_image_bytes=limits.max_image_bytes,
@@ -157,6 +159,14 @@ class App:
     async def completions(self, scope, receive, send) -> None:
         await self._complete("completion", scope, receive, send)
 
+    def cut_in_flight(self) -> int:
+        """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
+        a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
+        cut its connection. Their nurseries are cancelled, which aborts their engine work. How many there were."""
+        for cut in self._cuttable:
+            cut.cancel()
+        return len(self._cuttable)
+
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
@@ -165,9 +175,17 @@ class App:
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
+        cut = trio.CancelScope()
+        self._cuttable.add(cut)
         try:
-            outcome = await self._serve_completion(kind, scope, request_id, response, receive)
+            with cut:
+                outcome = await self._serve_completion(kind, scope, request_id, response, receive)
+            if cut.cancelled_caught:
+                outcome = "error"
+                await response.error(ApiError(503, "the server shut down before this request finished; retry it",
+                                              code="draining", retry_after=1))
         finally:
+            self._cuttable.discard(cut)
             self.inflight -= 1
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
