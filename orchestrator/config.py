@@ -176,6 +176,9 @@ class HttpConfig:
     # connections with SO_REUSEPORT). One per core uses every core; needs the native server.
     processes: int = attrs.field(default=1, validator=_positive)
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
+    # Open client connections (native server): one more closes the longest idle one, or is refused (503) when
+    # none is idle. Default and ceiling: the open files limit less a reserve (frontend/descriptors.py).
+    max_connections: int | None = attrs.field(default=None, validator=_positive)
     tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
     tls_key_file: str | None = None
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)  # the whole request body, or a 408

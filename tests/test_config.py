@@ -97,6 +97,7 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
     ("mode: hybrid\n", "mode", "aggregated or disaggregated or conditional"),
     ("limits:\n  request_timeout_s: soon\n", "limits.request_timeout_s", "a number"),
     ("limits:\n  max_images: -1\n", "limits.max_images", "> 0"),
+    ("http:\n  max_connections: 0\n", "http.max_connections", "> 0"),
     ("limits:\n  prefill_retries: -1\n", "limits.prefill_retries", ">= 0"),
     ("discovery:\n  static:\n    decode: [localhost:5]\n", "discovery.static.decode[0]", "grpc://HOST:PORT"),
     ("discovery:\n  static: {}\n  etcd: {}\n", "discovery", "exactly one of static or etcd"),

@@ -241,6 +241,25 @@ async def test_a_worker_that_dies_mid_stream_is_a_retryable_unavailable_error(si
                 [e async for e in stream]
 
 
+async def _freeze_mid_stream(client, worker, *, before_freeze=None, while_frozen=None) -> WorkerUnavailable:
+    """Read a long stream, SIGSTOP its worker (our own child) after the first event and read on: the
+    WorkerUnavailable the stream fails with. The hooks run just before and just after the freeze."""
+    try:
+        with trio.fail_after(10), pytest.raises(WorkerUnavailable) as info:
+            async with client.generate(request("frozen", max_tokens=5000)) as stream:
+                await stream.__anext__()
+                if before_freeze is not None:
+                    await before_freeze()
+                worker.process.process.send_signal(signal.SIGSTOP)
+                if while_frozen is not None:
+                    await while_frozen()
+                async for _ in stream:
+                    pass
+    finally:
+        worker.process.process.send_signal(signal.SIGCONT)
+    return info.value
+
+
 async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepalive_timeout(
         sim_workers, engine_client, monkeypatch):
     """No FIN, no RST (a frozen host): the PING goes unanswered and the stream fails as unavailable."""
@@ -250,16 +269,26 @@ async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepali
     monkeypatch.setattr(h2_streams, "KEEPALIVE_TIMEOUT_S", 0.5)
     worker = sim_workers.start("aggregated", "--time-scale", "1")
     async with engine_client(worker.address, stream_transport="h2") as client:
-        try:
-            with trio.fail_after(10), pytest.raises(WorkerUnavailable) as info:
-                async with client.generate(request("frozen", max_tokens=5000)) as stream:
-                    await stream.__anext__()
-                    worker.process.process.send_signal(signal.SIGSTOP)  # our own child
-                    async for _ in stream:
-                        pass
-        finally:
-            worker.process.process.send_signal(signal.SIGCONT)
-    assert "keepalive ping" in str(info.value.__cause__) and info.value.retryable
+        error = await _freeze_mid_stream(client, worker)
+    assert "keepalive ping" in str(error.__cause__) and error.retryable
+
+
+async def test_fail_if_silent_fails_the_calls_of_a_frozen_worker_and_spares_a_streaming_one(sim_workers,
+                                                                                              engine_client):
+    """What the pool does when a health check goes unanswered: fail the calls at once, but only on a
+    connection on which nothing arrived for as long (a worker still streaming tokens is only slow)."""
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    failed = []
+
+    async def check(wait: float) -> None:
+        await trio.sleep(wait)
+        failed.append(client.fail_calls_if_silent(0.5, "no health answer"))
+
+    async with engine_client(worker.address, stream_transport="h2") as client:
+        error = await _freeze_mid_stream(client, worker, before_freeze=lambda: check(0.3),
+                                         while_frozen=lambda: check(0.7))
+    assert failed == [0, 1]  # none while tokens kept coming; the one call once nothing had come for 0.5 s
+    assert error.retryable and "no health answer" in str(error)
 
 
 async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_retryably(sim_workers, engine_client):

@@ -603,3 +603,49 @@ async def test_two_listeners_can_share_a_port_with_reuse_port():
     finally:
         await first.aclose()
         await second.aclose()
+
+
+async def test_out_of_descriptors_accept_pauses_and_logs_one_line_per_interval_without_a_traceback(
+        autojump_clock, caplog):
+    import errno
+    import logging
+
+    from orchestrator.frontend.http_server import _Server
+
+    class OutOfDescriptors:
+        attempts = 0
+
+        async def accept(self):
+            await trio.lowlevel.checkpoint()
+            self.attempts += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    listener = OutOfDescriptors()
+    with caplog.at_level(logging.ERROR, logger="orchestrator.frontend.http_server"):
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(25):
+                await _Server(echo, ServerLimits(), None).accept(listener, nursery)
+    lines = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+    assert 200 < listener.attempts <= 251  # it kept trying, 0.1 s apart (25 s of the test's clock)
+    # one line (RateLimitedLog: one per 10 s of the wall clock, which hardly moved), and no traceback
+    assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()
+
+
+async def test_a_connection_beyond_max_connections_is_refused_with_a_503_when_none_is_idle():
+    release = trio.Event()
+
+    async def busy(scope, receive, send):
+        await release.wait()
+        await echo(scope, receive, send)
+
+    async with running(busy, max_connections=1) as server:
+        first = await server.connect()
+        await first.send_all(head(headers=["connection: close"]))  # being answered: not idle, so it is not the one closed
+        await trio.sleep(0.2)
+        second = await server.connect()
+        [(response, body)] = parse_responses(await read_until_closed(second))
+        release.set()
+        [(answered, _)] = parse_responses(await read_until_closed(first, timeout=5), requests=1)
+    assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    assert answered.status_code == 200

@@ -285,6 +285,11 @@ class EngineClient:
 
             self._loop_thread.call_soon(cancel_if_no_status if stream.ended else cancel)
 
+    def fail_calls_if_silent(self, quiet_s: float, why: str) -> int:
+        """Fail every open call (WorkerUnavailable) when nothing arrived from the worker for `quiet_s` seconds:
+        see H2Channel.fail_if_silent; how many calls. With grpcio, its keepalive (30 s + 10 s) does it: 0."""
+        return self._h2.fail_if_silent(quiet_s, why) if self._h2 is not None else 0
+
     def _decode_event(self, payload: bytes) -> ev.Event | None:
         return ev.decode_bytes(payload, worker=self.name)
 

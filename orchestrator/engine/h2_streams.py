@@ -198,6 +198,22 @@ class H2Channel:
         if self._connection is not None:
             self._connection.close()
 
+    def fail_if_silent(self, quiet_s: float, why: str) -> int:
+        """Drop the connection and fail its calls as WorkerUnavailable (retryable: they retry or migrate
+        elsewhere) when it has calls open and nothing arrived on it for `quiet_s` seconds; how many calls.
+        For the pool, whose health check found the worker unresponsive: a frozen process (SIGSTOP, a hung
+        host) keeps its connection open, and the keepalive would take KEEPALIVE_S + KEEPALIVE_TIMEOUT_S to
+        notice. A worker that is only slow to answer its health check still sends its tokens: it is left be."""
+        connection = self._connection
+        if connection is None or not connection.usable or not connection.streams:
+            return 0
+        if trio.current_time() - connection.last_arrival < quiet_s:
+            return 0
+        calls = len(connection.streams)
+        connection.usable = False  # new calls go to a new connection at once
+        connection._fail(trio.BrokenResourceError(why))  # the connection's task fails every open stream with it
+        return calls
+
 
 class _Connection:
     """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
@@ -218,10 +234,12 @@ class _Connection:
         self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last keepalive
         self._arrived: list[H2Stream] = []  # streams given messages by the read being processed
         self._scope = trio.CancelScope()
+        self.last_arrival = 0.0  # when bytes last came from the worker, or run() began (H2Channel.fail_if_silent)
 
     # ---- the three tasks: reader, writer, keepalive ----------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
+        self.last_arrival = trio.current_time()
         self.wire.initiate()
         self._dirty.set()
         try:
@@ -271,6 +289,7 @@ class _Connection:
             data = await self.receiver.receive_some(_READ_SIZE)
             if not data:
                 raise trio.BrokenResourceError("the worker closed the connection")
+            self.last_arrival = trio.current_time()
             try:
                 self.wire.receive(data)
             finally:

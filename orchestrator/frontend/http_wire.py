@@ -99,11 +99,12 @@ def split_target(target: bytes) -> tuple[str, bytes, bytes]:
     return path, raw_path, query
 
 
-def error_response(status: int, message: str, code: str) -> bytes:
+def error_response(status: int, message: str, code: str, *, retry_after: int | None = None) -> bytes:
     """A whole response in the OpenAI error format, for a request the application never saw
-    (unparseable, head too large); the connection closes after it."""
+    (unparseable, head too large, too many connections); the connection closes after it."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    head = render_head(status, [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())], chunked=False, close=True)
-    return head + body
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return render_head(status, headers, chunked=False, close=True) + body
