@@ -121,6 +121,18 @@ class LimitsConfig:
 
 
 @attrs.frozen
+class KeepaliveConfig:
+    """HTTP/2 keepalive on the worker connections, either stream_transport (orchestrator/engine/keepalive.py)."""
+
+    # A PING once a connection with calls open heard nothing from its worker for this long; at most two while
+    # the worker sends nothing, then one per 5 minutes (a stock gRPC server's limit); doubled after a GOAWAY
+    # too_many_pings from a stricter one.
+    interval_s: float = attrs.field(default=30.0, validator=_positive)
+    # A PING unanswered this long fails the connection's calls (retryable): a worker host gone without a FIN.
+    timeout_s: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen
 class TlsFiles:
     """PEM files for TLS to the workers. `ca_file` verifies them; `cert_file` + `key_file` are ours (mTLS)."""
 
@@ -234,6 +246,7 @@ class Config:
     workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
     # How calls reach the workers: h2 (our HTTP/2 client on trio, engine/h2_streams.py), or grpcio
     stream_transport: str = "h2"
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)

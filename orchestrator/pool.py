@@ -76,7 +76,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2"):
+                 tls=None, stream_transport: str = "h2", keepalive=None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -85,6 +85,7 @@ class WorkerPool:
         self.removal_grace = removal_grace
         self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
         self.stream_transport = stream_transport  # how Generate streams travel (EngineClient.open)
+        self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
@@ -139,8 +140,10 @@ class WorkerPool:
     async def _run_worker(self, worker: Worker) -> None:
         try:
             with worker.scope:
+                keepalive = {} if self.keepalive is None else {
+                    "keepalive_interval_s": self.keepalive.interval_s, "keepalive_timeout_s": self.keepalive.timeout_s}
                 async with EngineClient.open(worker.address, self._loop_thread, tls=self.tls,
-                                             stream_transport=self.stream_transport,
+                                             stream_transport=self.stream_transport, **keepalive,
                                              discovery_timeout=self.discovery_timeout,
                                              name=worker.address.removeprefix("grpc://")) as client:
                     worker.client = client

@@ -123,7 +123,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
-                          stream_transport=config.stream_transport)
+                          stream_transport=config.stream_transport, keepalive=config.keepalive)
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
         app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend)
         shutdown = trio.Event()

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from sim_helpers import read_to_finished
 
-from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
+from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable, h2_streams
 from orchestrator.engine.h2_streams import H2Stream, _Connection
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testing import wait_for_load
@@ -145,6 +145,24 @@ def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error()
     assert garbage.closed and "does not decode" in str(garbage._error)
 
 
+def test_a_message_is_refused_from_its_prefix_above_64_mib_and_not_at_it():
+    connection = bare_connection()
+    at_limit, above = (H2Stream("Generate", g.GenerateResponse.FromString, b"") for _ in range(2))
+    connection._on_data(at_limit, b"\x00" + h2_streams.MAX_MESSAGE_BYTES.to_bytes(4, "big") + b"part of it")
+    connection._on_data(above, b"\x00" + (h2_streams.MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"part of it")
+    assert not at_limit.closed and len(at_limit._buffer) == 15  # waiting for the rest
+    assert above.closed and above._error.grpc_status.name == "RESOURCE_EXHAUSTED" and not above._buffer
+
+
+def test_only_the_ack_of_our_own_ping_answers_it():
+    connection = bare_connection()
+    connection._ping_payload = (7).to_bytes(8, "big")
+    connection._on_ping_ack((6).to_bytes(8, "big"))  # an ACK of some other PING (or a stray one)
+    assert not connection._ping_answered.is_set()
+    connection._on_ping_ack((7).to_bytes(8, "big"))
+    assert connection._ping_answered.is_set()
+
+
 @pytest.mark.parametrize("headers, status, kind", [
     ([(b":status", b"200"), (b"grpc-status", b"3"), (b"grpc-message", b"bad%20request")], "INVALID_ARGUMENT",
      EngineError),
@@ -261,14 +279,11 @@ async def _freeze_mid_stream(client, worker, *, before_freeze=None, while_frozen
 
 
 async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepalive_timeout(
-        sim_workers, engine_client, monkeypatch):
+        sim_workers, engine_client):
     """No FIN, no RST (a frozen host): the PING goes unanswered and the stream fails as unavailable."""
-    from orchestrator.engine import h2_streams
-
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_TIMEOUT_S", 0.5)
     worker = sim_workers.start("aggregated", "--time-scale", "1")
-    async with engine_client(worker.address, stream_transport="h2") as client:
+    async with engine_client(worker.address, stream_transport="h2", keepalive_interval_s=0.2,
+                             keepalive_timeout_s=0.5) as client:
         error = await _freeze_mid_stream(client, worker)
     assert "keepalive ping" in str(error.__cause__) and error.retryable
 
@@ -314,10 +329,10 @@ async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_re
 async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes(
         sim_workers, engine_client, monkeypatch):
     """After Finished the caller leaves without a reset (the status is due at once); a worker whose status
-    then never comes (here 30 s late) cannot keep the stream open: it is reset a keepalive period later."""
+    then never comes (here 30 s late) cannot keep the stream open: it is reset a grace period later."""
     from orchestrator.engine import h2_streams
 
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address, stream_transport="h2") as client:
         stream, events = await read_to_finished(client, request("late-status", max_tokens=3))

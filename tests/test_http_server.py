@@ -520,6 +520,59 @@ async def test_an_app_failure_before_the_response_is_a_500_and_after_it_the_conn
     assert b"partial" in data and not data.endswith(b"0\r\n\r\n")  # no terminator: the client sees it cut
 
 
+async def streamed(scope, receive, send):
+    """A body without content-length (chunked), in several sends, one of them through SEND_NOW."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+    scope["extensions"][SEND_NOW](b"two ")
+    await send({"type": "http.response.body", "body": b"three"})
+
+
+async def no_content(scope, receive, send):
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("app, length", [(echo, True), (streamed, False)])
+async def test_a_head_response_has_no_body_and_the_next_response_on_the_connection_reads_back_whole(app, length):
+    """A HEAD answered with a body put two bodies on a keep-alive connection: what a health checker sent next
+    read the HEAD's body as its response."""
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head("HEAD", "/first") + head(target="/second", headers=["connection: close"]))
+        data = await read_until_closed(client)
+    (head_response, head_body), (get_response, get_body) = parse_responses(data, methods=("HEAD", "GET"))
+    assert head_response.status_code == 200 and head_body == b""
+    assert get_response.status_code == 200 and get_body
+    if length:  # the head says what a GET would get
+        what_get_would_get = json.dumps({**json.loads(get_body), "method": "HEAD", "path": "/first"}).encode()
+        assert int(dict(head_response.headers)[b"content-length"]) == len(what_get_would_get)
+    else:
+        assert get_body == b"one two three"
+
+
+async def test_a_204_response_has_no_body_and_no_chunked_framing():
+    async with running(no_content) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/a") + head(target="/b", headers=["connection: close"]))
+        data = await read_until_closed(client)
+    replies = parse_responses(data, requests=2)
+    assert [(r.status_code, body) for r, body in replies] == [(204, b""), (204, b"")]
+    assert b"transfer-encoding" not in data
+
+
+async def test_a_head_whose_application_fails_gets_a_500_head_without_a_body():
+    async def fails(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async with running(fails) as server:
+        client = await server.connect()
+        await client.send_all(head("HEAD", "/x"))
+        data = await read_until_closed(client)
+    [(response, body)] = parse_responses(data, methods=("HEAD",))
+    assert response.status_code == 500 and body == b"" and data.endswith(b"\r\n\r\n")
+
+
 async def test_a_response_header_with_a_line_break_is_never_written():
     async def injects(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,

@@ -511,14 +511,14 @@ class _Exchange:
     """The ASGI receive/send pair of one request."""
 
     __slots__ = ("connection", "request", "started", "head_sent", "finished", "status", "headers", "chunked",
-                 "close", "body_done", "continue_sent", "on_gone")
+                 "close", "bodyless", "body_done", "continue_sent", "on_gone")
 
     def __init__(self, connection: _Connection, request: _Request):
         self.connection, self.request = connection, request
         self.started = self.head_sent = self.finished = self.body_done = self.continue_sent = False
         self.status = 200
         self.headers: list = []
-        self.chunked = self.close = False
+        self.chunked = self.close = self.bodyless = False
         self.on_gone: Callable[[], None] | None = None
 
     def body_error(self) -> str | None:
@@ -593,6 +593,8 @@ class _Exchange:
         if not self.head_sent:  # the head goes out with the first body bytes
             data = self._head()
             self.head_sent = True
+        if self.bodyless:  # the head is the whole response: a body here would be read as the next response
+            return data
         if self.chunked:
             return data + wire.frame_chunk(body) + (b"" if more else wire.LAST_CHUNK)
         return data + body
@@ -600,14 +602,19 @@ class _Exchange:
     def _head(self) -> bytes:
         request, connection = self.request, self.connection
         has_length = wire.has_content_length(self.headers)
-        self.chunked = not has_length and request.http_version == "1.1"
+        # 1xx, 204 and 304 never have a body, nor framing for one (RFC 9110 §15.3.5, §15.4.5, RFC 9112 §6.1); a
+        # HEAD's head says what a GET would get (its content-length, or chunked) and its body is never sent
+        no_body_status = self.status < 200 or self.status in (204, 304)
+        self.bodyless = no_body_status or request.method == "HEAD"
+        self.chunked = not has_length and not no_body_status and request.http_version == "1.1"
         # close after this response: the client asked to, an unread body is left on the connection, a
         # HTTP/1.0 body without length ends with the connection, or the server is draining
-        self.close = (not request.keep_alive or not request.complete or (not has_length and not self.chunked)
-                      or connection.server.draining)
+        self.close = (not request.keep_alive or not request.complete
+                      or (not has_length and not self.chunked and not self.bodyless) or connection.server.draining)
         return wire.render_head(self.status, self.headers, chunked=self.chunked, close=self.close)
 
     async def send_error(self, status: int, message: str, code: str) -> None:
         self.started = self.head_sent = self.finished = True
         self.close = True
-        await self.connection.write(wire.error_response(status, message, code))
+        await self.connection.write(wire.error_response(status, message, code,
+                                                        with_body=self.request.method != "HEAD"))
