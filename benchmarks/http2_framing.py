@@ -47,7 +47,8 @@ class Ours:
     name = "ours (engine/http2.py)"
 
     def __init__(self):
-        self.client = http2.ClientConnection(_Ignore(), receive_window=16 * 1024 * 1024)
+        self.client = http2.ClientConnection(_Ignore(), receive_window=1024 * 1024,
+                                             connection_window=16 * 1024 * 1024)  # as engine/h2_streams.py has them
         self.client.initiate()
         self.block = http2.encode_headers(HEADERS)
 
@@ -59,6 +60,10 @@ class Ours:
 
     def receive(self, data: bytes) -> None:
         self.client.receive(data)
+
+    def read(self, stream_id: int, count: int) -> None:
+        """The stream's reader took `count` bytes: their credit goes back (engine/h2_streams.py, once a read)."""
+        self.client.consumed(stream_id, count)
 
 
 class H2:
@@ -82,6 +87,9 @@ class H2:
         for event in self.client.receive_data(data):
             if isinstance(event, h2.events.DataReceived):
                 self.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+
+    def read(self, stream_id: int, count: int) -> None:
+        pass  # acknowledged as each frame arrives, in receive()
 
 
 def measure(kind, streams: int, frames: int) -> tuple[float, float]:
@@ -114,6 +122,7 @@ def measure(kind, streams: int, frames: int) -> tuple[float, float]:
     start = time.perf_counter()
     for i in range(rounds):
         client.receive(chunk)
+        client.read(stream_id, 4 * len(MESSAGE))
         credit = client.out()
         if i % 1024 == 0:
             _serve(server, credit)

@@ -122,6 +122,18 @@ class LimitsConfig:
 
 
 @attrs.frozen
+class KeepaliveConfig:
+    """HTTP/2 keepalive on the worker connections, either stream_transport (orchestrator/engine/keepalive.py)."""
+
+    # A PING once a connection with calls open heard nothing from its worker for this long; at most two while
+    # the worker sends nothing, then one per 5 minutes (a stock gRPC server's limit); doubled after a GOAWAY
+    # too_many_pings from a stricter one.
+    interval_s: float = attrs.field(default=30.0, validator=_positive)
+    # A PING unanswered this long fails the connection's calls (retryable): a worker host gone without a FIN.
+    timeout_s: float = attrs.field(default=10.0, validator=_positive)
+
+
+@attrs.frozen
 class TlsFiles:
     """PEM files for TLS to the workers. `ca_file` verifies them; `cert_file` + `key_file` are ours (mTLS)."""
 
@@ -199,6 +211,9 @@ class HttpConfig:
     # connections with SO_REUSEPORT). One per core uses every core; needs the native server.
     processes: int = attrs.field(default=1, validator=_positive)
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
+    # Open client connections (native server): one more closes the longest idle one, or is refused (503) when
+    # none is idle. Default and ceiling: the open files limit less a reserve (frontend/descriptors.py).
+    max_connections: int | None = attrs.field(default=None, validator=_positive)
     tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
     tls_key_file: str | None = None
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)  # the whole request body, or a 408
@@ -264,6 +279,7 @@ class Config:
     workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
     # How calls reach the workers: h2 (our HTTP/2 client on trio, engine/h2_streams.py), or grpcio
     stream_transport: str = "h2"
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()
     tracing: TracingConfig | None = None  # OpenTelemetry; off without this section
     log_level: str = "INFO"

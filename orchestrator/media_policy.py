@@ -41,10 +41,34 @@ class UrlPolicy:
         return any(address in network for network in self.allowed_networks)
 
 
+# NAT64's well-known prefix (RFC 6052): a translator on the path turns 64:ff9b::a.b.c.d into a.b.c.d.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address reaches through a transition mechanism: 6to4 (2002::/16), Teredo
+    (2001::/32: its server and its client) and NAT64's well-known prefix. A packet to 2002:7f00:1:: goes to
+    127.0.0.1 through a 6to4 relay, and the address itself looks global."""
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    if address.teredo is not None:
+        return list(address.teredo)
+    if address in _NAT64:
+        return [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)]
+    return []
+
+
 def internal_kind(address: Address) -> str | None:
-    """Why an address is not a public one (None: it is)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    """Why an address is not a public one (None: it is). An IPv6 address that embeds IPv4 addresses must be
+    public itself and embed only public ones."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+        else:
+            for inner in embedded_ipv4(address):
+                kind = internal_kind(inner)
+                if kind is not None:
+                    return kind
     for kind, test in (("loopback", address.is_loopback), ("unspecified", address.is_unspecified),
                        ("link-local", address.is_link_local), ("multicast", address.is_multicast),
                        ("private", address.is_private), ("reserved", address.is_reserved)):

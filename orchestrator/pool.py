@@ -5,6 +5,12 @@ Each worker's state follows the pure table in orchestrator.worker_state; this mo
 getting requests at once and are closed when their in-flight requests are done (or a grace
 period passes). A transport failure during a request marks the worker unhealthy until the next
 good health check.
+
+A worker whose health check gets no answer (timeout or unreachable) while nothing at all arrived on its
+connection for as long is unresponsive (a frozen process keeps its connection open): its open calls are
+failed at once as WorkerUnavailable, so that they retry or migrate to another worker (the decode stage,
+orchestrator/flow.py) instead of waiting for the connection's keepalive (40 s). The pool does not reach
+into requests: the engine client fails the calls, and their readers see a lost connection.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Iterator
 import trio
 
 from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.engine import EngineClient, EngineError, LoopThread
+from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.roles import ROLES
@@ -50,6 +56,9 @@ class Worker:
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
+        # The pool failed this worker's calls because it stopped answering; until it answers a health check
+        # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
+        self.unresponsive = False
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None:
         if self.load_sample is None or now - self.load_sample.at > staleness:
@@ -67,7 +76,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2"):
+                 tls=None, stream_transport: str = "h2", keepalive=None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -76,6 +85,7 @@ class WorkerPool:
         self.removal_grace = removal_grace
         self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
         self.stream_transport = stream_transport  # how Generate streams travel (EngineClient.open)
+        self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
@@ -130,8 +140,10 @@ class WorkerPool:
     async def _run_worker(self, worker: Worker) -> None:
         try:
             with worker.scope:
+                keepalive = {} if self.keepalive is None else {
+                    "keepalive_interval_s": self.keepalive.interval_s, "keepalive_timeout_s": self.keepalive.timeout_s}
                 async with EngineClient.open(worker.address, self._loop_thread, tls=self.tls,
-                                             stream_transport=self.stream_transport,
+                                             stream_transport=self.stream_transport, **keepalive,
                                              discovery_timeout=self.discovery_timeout,
                                              name=worker.address.removeprefix("grpc://")) as client:
                     worker.client = client
@@ -150,7 +162,9 @@ class WorkerPool:
         while True:
             previous = worker.state
             try:
-                timeout = max(1.0, self.health_interval * 2)
+                # Unanswered for one interval is unhealthy: with the next check at most an interval away, a
+                # frozen worker's streams move on within two intervals (at least 1 s: a busy box is not a dead one)
+                timeout = max(1.0, self.health_interval)
                 if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
                     state, load = await client.health_and_load(timeout=timeout)
                     if not isinstance(load, EngineError):
@@ -159,7 +173,10 @@ class WorkerPool:
                     state = await client.health(timeout=timeout)
             except EngineError as exc:
                 self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
+                if isinstance(exc, WorkerUnavailable):
+                    self._fail_calls_if_silent(worker, timeout, exc)
             else:
+                worker.unresponsive = False
                 if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
                     if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
@@ -171,6 +188,14 @@ class WorkerPool:
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
+
+    @staticmethod
+    def _fail_calls_if_silent(worker: Worker, quiet_s: float, error: EngineError) -> None:
+        failed = worker.client.fail_calls_if_silent(quiet_s, f"the worker is unresponsive: {error.message}")
+        if failed:
+            worker.unresponsive = True
+            log.warning("worker %s %s is unresponsive (no health answer, nothing received for %g s): failed its %d "
+                        "open calls so that they retry or migrate", worker.role, worker.address, quiet_s, failed)
 
     async def _instance_changed(self, worker: Worker) -> bool:
         """A restart faster than one health interval shows only as a new ServerInfo.instance_id."""

@@ -20,9 +20,13 @@ import trio
 
 from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
+from orchestrator.frontend.descriptors import connection_cap, open_files_limit, raise_open_files_limit
 from orchestrator.frontend.multiprocess import FrontendChildren, FrontendProcess, ParentWatch
 
 log = logging.getLogger("orchestrator.serve")
+# After the shutdown grace, the requests still running are ended with a 503 or a final SSE error event
+# (App.cut_in_flight); this is how long they get to write it before the HTTP server closes their connections.
+LAST_WORDS_S = 2.0
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode reads it at import
 
 
@@ -123,7 +127,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
-                          stream_transport=config.stream_transport)
+                          stream_transport=config.stream_transport, keepalive=config.keepalive)
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
         app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
                   tracer=tracer)
@@ -165,16 +169,28 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                 print(f"ready {url}", flush=True)
             task_status.started(url)
             await shutdown.wait()
-            # The HTTP server stops accepting, lets in-flight requests finish for the shutdown grace, then
-            # cancels them (their nurseries abort the engine work); then the pool goes. The other frontend
-            # processes drain at the same time (SIGTERM from FrontendChildren).
-            with trio.move_on_after(limits.shutdown_grace_s + 5):
-                while app.inflight > 0:
-                    await trio.sleep(0.05)
+            # The HTTP server stops accepting and lets in-flight requests finish for the shutdown grace; those
+            # still running then are ended with a 503 or a final SSE error event (their nurseries abort the
+            # engine work), and LAST_WORDS_S later the server closes what is left; then the pool goes. The
+            # other frontend processes drain at the same time (SIGTERM from FrontendChildren).
+            await _finish_in_flight(app, limits.shutdown_grace_s)
             if children is not None:
                 await children.stopped.wait()
             nursery.cancel_scope.cancel()
     log.info("stopped")
+
+
+async def _finish_in_flight(app, grace_s: float) -> None:
+    with trio.move_on_after(grace_s):
+        while app.inflight > 0:
+            await trio.sleep(0.05)
+    if app.inflight > 0:
+        cut = app.cut_in_flight()
+        log.warning("shutdown grace of %g s is over: ending the %d requests still running with a 503 (or a final "
+                    "error event on a started stream)", grace_s, cut)
+        with trio.move_on_after(LAST_WORDS_S):
+            while app.inflight > 0:
+                await trio.sleep(0.05)
 
 
 async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event, reuse_port: bool = False,
@@ -196,7 +212,8 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
         ssl_context.load_cert_chain(config.base_dir / http.tls_cert_file, config.base_dir / http.tls_key_file)
         ssl_context.set_alpn_protocols(["http/1.1"])
     limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
-                          grace_s=config.limits.shutdown_grace_s)
+                          grace_s=config.limits.shutdown_grace_s + LAST_WORDS_S,
+                          max_connections=connection_cap(http.max_connections, open_files_limit()))
     listener = await open_listener(host, port, backlog=http.backlog, reuse_port=reuse_port)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)
@@ -213,7 +230,7 @@ async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: 
     hc = HypercornConfig()
     hc.bind = [f"{host}:{port}"]
     hc.backlog = http.backlog  # hypercorn's default of 100 resets a burst of connections
-    hc.graceful_timeout = config.limits.shutdown_grace_s
+    hc.graceful_timeout = config.limits.shutdown_grace_s + LAST_WORDS_S
     # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
     # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
     hc.keep_alive_timeout = http.keep_alive_s
@@ -262,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no API keys are configured (auth: in %s) and the API listens on %s: anyone who can reach "
                     "the port can use it", args.config, host)
     port = config.http.port if args.port is None else args.port
+    raise_open_files_limit()  # every client connection is a descriptor; the soft limit is often only 1,024
     count = config.http.processes
     frontend = FrontendProcess(index=args.frontend_index, count=count, parent_pid=args.frontend_parent)
     metrics_dir = None

@@ -5,14 +5,15 @@ from __future__ import annotations
 import h11
 
 
-def read_back_responses(data: bytes, requests: int = 1) -> list[tuple[h11.Response, bytes]]:
-    """The responses (head, whole body) in `data`, for `requests` GETs sent on one connection.
+def read_back_responses(data: bytes, requests: int = 1, methods: tuple[str, ...] = ()) -> list[tuple[h11.Response, bytes]]:
+    """The responses (head, whole body) in `data`, for `requests` requests sent on one connection: GETs, or
+    `methods` (a HEAD's response has no body, whatever its head says).
 
     Raises AssertionError when a response is incomplete (cut short, or its framing is wrong)."""
     client = h11.Connection(h11.CLIENT)
     out = []
-    for _ in range(requests):
-        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    for method in methods or ("GET",) * requests:
+        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
         client.send(h11.EndOfMessage())
         client.receive_data(data)
         data = b""

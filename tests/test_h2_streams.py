@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from sim_helpers import read_to_finished
 
-from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
+from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable, h2_streams
 from orchestrator.engine.h2_streams import H2Stream, _Connection
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testing import wait_for_load
@@ -145,6 +145,24 @@ def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error()
     assert garbage.closed and "does not decode" in str(garbage._error)
 
 
+def test_a_message_is_refused_from_its_prefix_above_64_mib_and_not_at_it():
+    connection = bare_connection()
+    at_limit, above = (H2Stream("Generate", g.GenerateResponse.FromString, b"") for _ in range(2))
+    connection._on_data(at_limit, b"\x00" + h2_streams.MAX_MESSAGE_BYTES.to_bytes(4, "big") + b"part of it")
+    connection._on_data(above, b"\x00" + (h2_streams.MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"part of it")
+    assert not at_limit.closed and len(at_limit._buffer) == 15  # waiting for the rest
+    assert above.closed and above._error.grpc_status.name == "RESOURCE_EXHAUSTED" and not above._buffer
+
+
+def test_only_the_ack_of_our_own_ping_answers_it():
+    connection = bare_connection()
+    connection._ping_payload = (7).to_bytes(8, "big")
+    connection._on_ping_ack((6).to_bytes(8, "big"))  # an ACK of some other PING (or a stray one)
+    assert not connection._ping_answered.is_set()
+    connection._on_ping_ack((7).to_bytes(8, "big"))
+    assert connection._ping_answered.is_set()
+
+
 @pytest.mark.parametrize("headers, status, kind", [
     ([(b":status", b"200"), (b"grpc-status", b"3"), (b"grpc-message", b"bad%20request")], "INVALID_ARGUMENT",
      EngineError),
@@ -241,25 +259,51 @@ async def test_a_worker_that_dies_mid_stream_is_a_retryable_unavailable_error(si
                 [e async for e in stream]
 
 
-async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepalive_timeout(
-        sim_workers, engine_client, monkeypatch):
-    """No FIN, no RST (a frozen host): the PING goes unanswered and the stream fails as unavailable."""
-    from orchestrator.engine import h2_streams
+async def _freeze_mid_stream(client, worker, *, before_freeze=None, while_frozen=None) -> WorkerUnavailable:
+    """Read a long stream, SIGSTOP its worker (our own child) after the first event and read on: the
+    WorkerUnavailable the stream fails with. The hooks run just before and just after the freeze."""
+    try:
+        with trio.fail_after(10), pytest.raises(WorkerUnavailable) as info:
+            async with client.generate(request("frozen", max_tokens=5000)) as stream:
+                await stream.__anext__()
+                if before_freeze is not None:
+                    await before_freeze()
+                worker.process.process.send_signal(signal.SIGSTOP)
+                if while_frozen is not None:
+                    await while_frozen()
+                async for _ in stream:
+                    pass
+    finally:
+        worker.process.process.send_signal(signal.SIGCONT)
+    return info.value
 
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_TIMEOUT_S", 0.5)
+
+async def test_a_worker_that_stops_answering_fails_its_streams_after_the_keepalive_timeout(
+        sim_workers, engine_client):
+    """No FIN, no RST (a frozen host): the PING goes unanswered and the stream fails as unavailable."""
     worker = sim_workers.start("aggregated", "--time-scale", "1")
+    async with engine_client(worker.address, stream_transport="h2", keepalive_interval_s=0.2,
+                             keepalive_timeout_s=0.5) as client:
+        error = await _freeze_mid_stream(client, worker)
+    assert "keepalive ping" in str(error.__cause__) and error.retryable
+
+
+async def test_fail_if_silent_fails_the_calls_of_a_frozen_worker_and_spares_a_streaming_one(sim_workers,
+                                                                                              engine_client):
+    """What the pool does when a health check goes unanswered: fail the calls at once, but only on a
+    connection on which nothing arrived for as long (a worker still streaming tokens is only slow)."""
+    worker = sim_workers.start("aggregated", "--time-scale", "1")
+    failed = []
+
+    async def check(wait: float) -> None:
+        await trio.sleep(wait)
+        failed.append(client.fail_calls_if_silent(0.5, "no health answer"))
+
     async with engine_client(worker.address, stream_transport="h2") as client:
-        try:
-            with trio.fail_after(10), pytest.raises(WorkerUnavailable) as info:
-                async with client.generate(request("frozen", max_tokens=5000)) as stream:
-                    await stream.__anext__()
-                    worker.process.process.send_signal(signal.SIGSTOP)  # our own child
-                    async for _ in stream:
-                        pass
-        finally:
-            worker.process.process.send_signal(signal.SIGCONT)
-    assert "keepalive ping" in str(info.value.__cause__) and info.value.retryable
+        error = await _freeze_mid_stream(client, worker, before_freeze=lambda: check(0.3),
+                                         while_frozen=lambda: check(0.7))
+    assert failed == [0, 1]  # none while tokens kept coming; the one call once nothing had come for 0.5 s
+    assert error.retryable and "no health answer" in str(error)
 
 
 async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_retryably(sim_workers, engine_client):
@@ -285,10 +329,10 @@ async def test_a_worker_that_shuts_down_gracefully_ends_the_stream_cleanly_or_re
 async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes(
         sim_workers, engine_client, monkeypatch):
     """After Finished the caller leaves without a reset (the status is due at once); a worker whose status
-    then never comes (here 30 s late) cannot keep the stream open: it is reset a keepalive period later."""
+    then never comes (here 30 s late) cannot keep the stream open: it is reset a grace period later."""
     from orchestrator.engine import h2_streams
 
-    monkeypatch.setattr(h2_streams, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address, stream_transport="h2") as client:
         stream, events = await read_to_finished(client, request("late-status", max_tokens=3))

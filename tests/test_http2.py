@@ -24,12 +24,16 @@ class Recorder:
 
     def __init__(self):
         self.log: list[tuple] = []
+        self.consumer: http2.ClientConnection | None = None
 
     def _on_headers(self, handle, headers):
         self.log.append(("headers", handle, headers))
 
     def _on_data(self, handle, data):
         self.log.append(("data", handle, data))
+        if self.consumer is not None:  # a reader that takes every message at once: credit goes back as it reads
+            stream_id = next(i for i, stream in self.consumer.streams.items() if stream.handle == handle)
+            self.consumer.consumed(stream_id, len(data))
 
     def _on_end(self, handle):
         self.log.append(("end", handle))
@@ -37,11 +41,14 @@ class Recorder:
     def _on_reset(self, handle, code):
         self.log.append(("reset", handle, code))
 
-    def _on_goaway(self, code, refused):
-        self.log.append(("goaway", code, refused))
+    def _on_stream_error(self, handle, code, why):
+        self.log.append(("stream_error", handle, code))
 
-    def _on_ping_ack(self):
-        self.log.append(("ping_ack",))
+    def _on_goaway(self, code, debug, refused):
+        self.log.append(("goaway", code, debug, refused))
+
+    def _on_ping_ack(self, payload):
+        self.log.append(("ping_ack", payload))
 
     def _on_capacity(self):
         pass  # called often; what it signals is checked through can_open and the windows
@@ -53,9 +60,12 @@ class Recorder:
 class Pair:
     """Our client connected to an h2 server, bytes passed by hand."""
 
-    def __init__(self, receive_window=http2.DEFAULT_WINDOW, server_settings=None, auto_ack=True):
+    def __init__(self, receive_window=http2.DEFAULT_WINDOW, server_settings=None, auto_ack=True, consume=True,
+                 connection_window=None):
         self.events = Recorder()
-        self.client = http2.ClientConnection(self.events, receive_window=receive_window)
+        self.client = http2.ClientConnection(self.events, receive_window=receive_window,
+                                             connection_window=connection_window)
+        self.events.consumer = self.client if consume else None
         self.server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
         self.auto_ack = auto_ack
         self.server_events: list = []
@@ -219,9 +229,9 @@ def test_goaway_refuses_the_streams_above_its_last_id_and_closes_the_connection_
     for handle in ("kept", "refused-1", "refused-2"):
         pair.client.open_stream(handle, BLOCK, b"x")
     pair.to_server()
-    pair.server.close_connection(last_stream_id=1)
+    pair.server.close_connection(last_stream_id=1, error_code=http2.ENHANCE_YOUR_CALM, additional_data=b"max_age")
     pair.to_client()
-    assert pair.events.of("goaway") == [("goaway", http2.NO_ERROR, ["refused-1", "refused-2"])]
+    assert pair.events.of("goaway") == [("goaway", http2.ENHANCE_YOUR_CALM, b"max_age", ["refused-1", "refused-2"])]
     assert list(pair.client.streams) == [1] and not pair.client.can_open
 
 
@@ -234,7 +244,7 @@ def test_pings_are_answered_and_our_own_ping_is_acknowledged():
     pair.client.ping(b"abcdefgh")
     pair.to_server()
     pair.to_client()
-    assert pair.events.of("ping_ack") == [("ping_ack",)]
+    assert pair.events.of("ping_ack") == [("ping_ack", b"abcdefgh")]  # the payload, to be matched to ours
 
 
 def test_long_trailers_arrive_in_continuation_frames():
@@ -284,6 +294,7 @@ def _opened() -> http2.ClientConnection:
     (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04\x00"), http2.FRAME_SIZE_ERROR, "multiple of 6"),
     (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff"), http2.FLOW_CONTROL_ERROR, "INITIAL_WINDOW"),
     (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x05\x00\x00\x00\x10"), http2.PROTOCOL_ERROR, "MAX_FRAME_SIZE"),
+    (http2.frame(http2.SETTINGS, 0, 0, b"\x00\x02\x00\x00\x00\x01"), http2.PROTOCOL_ERROR, "ENABLE_PUSH"),
     (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), http2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0"),
     (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\x7f\xff\xff\xff"), http2.FLOW_CONTROL_ERROR, "2^31-1"),
     (http2.frame(http2.DATA, 0, 7, b"x"), http2.PROTOCOL_ERROR, "never opened"),
@@ -385,3 +396,132 @@ def test_bytes_that_could_not_be_sent_go_out_first_next_time():
     connection.put_back(preface[20:])  # the socket took the first 20 bytes only
     assert connection.wants_to_send
     assert connection.data_to_send() == preface[20:] + http2.frame(http2.PING, 0, 0, b"12345678")
+
+
+# ---- per-stream rules (RFC 9113 §5.1, §8.1): what breaks one response is that stream's error -------------------
+
+def _two_open_streams(consume=True) -> Pair:
+    pair = Pair(consume=consume)
+    pair.client.open_stream("a", BLOCK, b"x")
+    pair.client.open_stream("b", BLOCK, b"x")
+    pair.pump()
+    return pair
+
+
+def _assert_only_a_failed(pair: Pair, code: int) -> None:
+    """Stream 1 ("a") was reset with `code` and reported once; stream 3 ("b") still completes on the connection."""
+    assert pair.events.of("stream_error") == [("stream_error", "a", code)]
+    assert ("end", "a") not in pair.events.log
+    pair.to_server()
+    assert [(e.stream_id, e.error_code) for e in pair.received(h2.events.StreamReset)] == [(1, code)]
+    pair.server.send_headers(3, [(b":status", b"200")])
+    pair.server.send_data(3, b"fine")
+    pair.server.send_headers(3, [(b"grpc-status", b"0")], end_stream=True)
+    pair.to_client()
+    assert pair.events.of("end") == [("end", "b")] and pair.client.streams == {} and pair.client.can_open
+
+
+def test_data_before_the_response_headers_is_that_streams_error():
+    pair = _two_open_streams()
+    pair.client.receive(http2.frame(http2.DATA, 0, 1, b"early"))
+    assert pair.events.of("data") == []
+    _assert_only_a_failed(pair, http2.PROTOCOL_ERROR)
+
+
+def test_trailers_without_end_stream_are_that_streams_error_and_a_third_header_block_is_not_reported():
+    pair = _two_open_streams()
+    pair.server.send_headers(1, [(b":status", b"200")])
+    pair.to_client()
+    trailers = http2.encode_headers([(b"grpc-status", b"0")])
+    pair.client.receive(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, trailers)
+                        + http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, trailers))
+    assert [entry[2] for entry in pair.events.of("headers")] == [[(b":status", b"200")]]
+    _assert_only_a_failed(pair, http2.PROTOCOL_ERROR)
+
+
+def test_informational_header_blocks_before_the_response_headers_are_skipped():
+    pair = Pair()
+    pair.client.open_stream("s", BLOCK, b"x")
+    pair.pump()
+    pair.client.receive(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, http2.encode_headers([(b":status", b"103")])))
+    pair.server.send_headers(1, [(b":status", b"200")])
+    pair.server.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    pair.to_client()
+    assert pair.events.log == [("headers", "s", [(b":status", b"200")]), ("headers", "s", [(b"grpc-status", b"0")]),
+                               ("end", "s")]
+
+
+def test_a_header_block_is_bounded_across_continuation_frames():
+    """The CONTINUATION flood: a header block that never ends must not accumulate (32 MB here) before it fails."""
+    connection = _opened()
+    with pytest.raises(http2.ProtocolError) as info:
+        for count in range(2000):
+            connection.receive(http2.frame(http2.CONTINUATION if count else http2.HEADERS, 0, 1, b"\x00" * 16384))
+    assert info.value.code == http2.ENHANCE_YOUR_CALM and count <= 4
+
+
+def test_a_stream_window_update_of_zero_is_that_streams_error():
+    pair = _two_open_streams()
+    pair.client.receive(http2.frame(http2.WINDOW_UPDATE, 0, 1, b"\x00\x00\x00\x00"))
+    _assert_only_a_failed(pair, http2.PROTOCOL_ERROR)
+
+
+def test_a_stream_send_window_past_2_31_minus_1_is_that_streams_error():
+    pair = _two_open_streams()
+    pair.client.receive(http2.frame(http2.WINDOW_UPDATE, 0, 1, (2**31 - 1).to_bytes(4, "big")))
+    _assert_only_a_failed(pair, http2.FLOW_CONTROL_ERROR)
+
+
+def test_an_initial_window_size_that_overflows_an_open_streams_window_is_a_connection_error():
+    connection = _opened()
+    connection.receive(http2.frame(http2.WINDOW_UPDATE, 0, 1, (2**31 - 1 - http2.DEFAULT_WINDOW).to_bytes(4, "big")))
+    with pytest.raises(http2.ProtocolError) as info:
+        connection.receive(http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04" + (http2.DEFAULT_WINDOW + 10).to_bytes(4, "big")))
+    assert info.value.code == http2.FLOW_CONTROL_ERROR
+
+
+def test_until_the_server_settings_arrive_at_most_100_streams_are_opened():
+    """RFC 9113 §5.1.2 recommends a limit of no less than 100; before the server names its own, a burst at connect
+    above that would be refused by a server whose limit is 100."""
+    connection = http2.ClientConnection(Recorder())
+    connection.initiate()
+    for handle in range(100):
+        connection.open_stream(handle, BLOCK, b"")
+    assert not connection.can_open
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    server.initiate_connection()
+    server.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 250})
+    server.receive_data(connection.data_to_send())
+    connection.receive(server.data_to_send())
+    assert connection.can_open and connection.max_concurrent_streams == 250
+    silent = http2.ClientConnection(Recorder())  # SETTINGS without a limit: none
+    silent.receive(http2.frame(http2.SETTINGS, 0, 0))
+    assert silent.max_concurrent_streams > 10**9
+
+
+def test_a_stream_window_is_credited_as_its_reader_consumes_and_the_connection_window_as_bytes_arrive():
+    pair = Pair(receive_window=100_000, connection_window=1_000_000, consume=False)
+    pair.client.open_stream("s", BLOCK, b"q")
+    pair.pump()
+    pair.server.send_headers(1, [(b":status", b"200")])
+    while (room := min(pair.server.local_flow_control_window(1), 16_384)) > 0:
+        pair.server.send_data(1, b"d" * room)
+    pair.to_client()
+    pair.to_server()
+    unread = sum(len(entry[2]) for entry in pair.events.of("data"))
+    assert unread == 100_000 and pair.server.local_flow_control_window(1) == 0  # the reader has read nothing
+    assert pair.server.outbound_flow_control_window > 0  # one slow stream does not stop the others
+    pair.client.consumed(1, 30_000)  # under half the window: not worth a frame yet
+    pair.to_server()
+    assert pair.server.local_flow_control_window(1) == 0
+    pair.client.consumed(1, 70_000)
+    pair.to_server()
+    assert pair.server.local_flow_control_window(1) == 100_000
+
+
+def test_a_peer_that_overruns_a_stream_window_gets_that_streams_flow_control_error():
+    pair = _two_open_streams(consume=False)
+    pair.server.send_headers(1, [(b":status", b"200")])
+    pair.to_client()
+    pair.client.receive(b"".join(http2.frame(http2.DATA, 0, 1, b"d" * 16_384) for _ in range(4)))  # 65,536 > 65,535
+    _assert_only_a_failed(pair, http2.FLOW_CONTROL_ERROR)

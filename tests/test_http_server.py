@@ -520,6 +520,59 @@ async def test_an_app_failure_before_the_response_is_a_500_and_after_it_the_conn
     assert b"partial" in data and not data.endswith(b"0\r\n\r\n")  # no terminator: the client sees it cut
 
 
+async def streamed(scope, receive, send):
+    """A body without content-length (chunked), in several sends, one of them through SEND_NOW."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+    scope["extensions"][SEND_NOW](b"two ")
+    await send({"type": "http.response.body", "body": b"three"})
+
+
+async def no_content(scope, receive, send):
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("app, length", [(echo, True), (streamed, False)])
+async def test_a_head_response_has_no_body_and_the_next_response_on_the_connection_reads_back_whole(app, length):
+    """A HEAD answered with a body put two bodies on a keep-alive connection: what a health checker sent next
+    read the HEAD's body as its response."""
+    async with running(app) as server:
+        client = await server.connect()
+        await client.send_all(head("HEAD", "/first") + head(target="/second", headers=["connection: close"]))
+        data = await read_until_closed(client)
+    (head_response, head_body), (get_response, get_body) = parse_responses(data, methods=("HEAD", "GET"))
+    assert head_response.status_code == 200 and head_body == b""
+    assert get_response.status_code == 200 and get_body
+    if length:  # the head says what a GET would get
+        what_get_would_get = json.dumps({**json.loads(get_body), "method": "HEAD", "path": "/first"}).encode()
+        assert int(dict(head_response.headers)[b"content-length"]) == len(what_get_would_get)
+    else:
+        assert get_body == b"one two three"
+
+
+async def test_a_204_response_has_no_body_and_no_chunked_framing():
+    async with running(no_content) as server:
+        client = await server.connect()
+        await client.send_all(head(target="/a") + head(target="/b", headers=["connection: close"]))
+        data = await read_until_closed(client)
+    replies = parse_responses(data, requests=2)
+    assert [(r.status_code, body) for r, body in replies] == [(204, b""), (204, b"")]
+    assert b"transfer-encoding" not in data
+
+
+async def test_a_head_whose_application_fails_gets_a_500_head_without_a_body():
+    async def fails(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async with running(fails) as server:
+        client = await server.connect()
+        await client.send_all(head("HEAD", "/x"))
+        data = await read_until_closed(client)
+    [(response, body)] = parse_responses(data, methods=("HEAD",))
+    assert response.status_code == 500 and body == b"" and data.endswith(b"\r\n\r\n")
+
+
 async def test_a_response_header_with_a_line_break_is_never_written():
     async def injects(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
@@ -603,3 +656,49 @@ async def test_two_listeners_can_share_a_port_with_reuse_port():
     finally:
         await first.aclose()
         await second.aclose()
+
+
+async def test_out_of_descriptors_accept_pauses_and_logs_one_line_per_interval_without_a_traceback(
+        autojump_clock, caplog):
+    import errno
+    import logging
+
+    from orchestrator.frontend.http_server import _Server
+
+    class OutOfDescriptors:
+        attempts = 0
+
+        async def accept(self):
+            await trio.lowlevel.checkpoint()
+            self.attempts += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    listener = OutOfDescriptors()
+    with caplog.at_level(logging.ERROR, logger="orchestrator.frontend.http_server"):
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(25):
+                await _Server(echo, ServerLimits(), None).accept(listener, nursery)
+    lines = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+    assert 200 < listener.attempts <= 251  # it kept trying, 0.1 s apart (25 s of the test's clock)
+    # one line (RateLimitedLog: one per 10 s of the wall clock, which hardly moved), and no traceback
+    assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()
+
+
+async def test_a_connection_beyond_max_connections_is_refused_with_a_503_when_none_is_idle():
+    release = trio.Event()
+
+    async def busy(scope, receive, send):
+        await release.wait()
+        await echo(scope, receive, send)
+
+    async with running(busy, max_connections=1) as server:
+        first = await server.connect()
+        await first.send_all(head(headers=["connection: close"]))  # being answered: not idle, so it is not the one closed
+        await trio.sleep(0.2)
+        second = await server.connect()
+        [(response, body)] = parse_responses(await read_until_closed(second))
+        release.set()
+        [(answered, _)] = parse_responses(await read_until_closed(first, timeout=5), requests=1)
+    assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    assert answered.status_code == 200

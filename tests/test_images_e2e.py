@@ -242,7 +242,11 @@ async def test_image_urls_that_name_internal_addresses_never_reach_the_engine(
                                                      {"aggregated": [worker.address]}))
     urls = [server.url + "/metrics", "http://127.1/x.png", "http://2130706433/x.png", "http://0x7f000001/x.png",
             "http://[::ffff:127.0.0.1]/x.png", "http://169.254.169.254/latest/meta-data/", "http://10.0.0.7/x.png",
-            "http://user:secret@93.184.216.34/x.png"]
+            "http://user:secret@93.184.216.34/x.png",
+            # IPv6 spellings that reach IPv4 inside: 6to4 of 127.0.0.1, 169.254.169.254 and 10.0.0.1, Teredo to
+            # 127.0.0.1, NAT64 of 127.0.0.1 (each looks global, or looked so, as an IPv6 address)
+            "http://[2002:7f00:1::]/", "http://[2002:a9fe:a9fe::]/latest/meta-data/", "http://[2002:0a00:0001::]/x.png",
+            "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/x.png", "http://[64:ff9b::7f00:1]/x.png"]
     async with httpx.AsyncClient(timeout=30) as http:
         for url in urls:
             body = {"model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": [

@@ -13,6 +13,9 @@ from orchestrator.media_policy import UrlPolicy, check_image_urls, internal_kind
     ("169.254.169.254", "link-local"), ("fe80::1", "link-local"), ("10.1.2.3", "private"), ("172.16.0.1", "private"),
     ("192.168.1.1", "private"), ("fd00:ec2::254", "private"), ("0.0.0.0", "unspecified"), ("224.0.0.1", "multicast"),
     ("8.8.8.8", None), ("2606:4700::1111", None),
+    # IPv6 transition addresses are judged by the IPv4 they reach: 6to4, Teredo (server, client), NAT64
+    ("2002:7f00:1::", "loopback"), ("2002:a9fe:a9fe::", "link-local"), ("2002:0a00:0001::", "private"),
+    ("2002:808:808::", None), ("2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback"), ("64:ff9b::7f00:1", "loopback"),
 ])
 def test_internal_address_kinds(address, kind):
     assert internal_kind(ipaddress.ip_address(address)) == kind

@@ -69,3 +69,62 @@ async def test_a_worker_killed_mid_stream_loses_no_stream_and_changes_no_text(tm
                           if line.startswith(f'orchestrator_migrations_total{{mode="{mode}"}}')))
     print(f"{mode}: {migrated:.0f} of {len(bodies)} streams migrated, all {len(bodies)} complete, identical text")
     assert migrated >= 1, "the kill landed mid-stream on some requests"
+
+
+async def test_the_streams_of_a_frozen_decode_worker_migrate_within_two_health_intervals(tmp_path, sim_workers,
+                                                                                          orchestrator_servers):
+    """SIGSTOP keeps the worker's connection open, so nothing fails by itself: the streams on it used to stall
+    for the keepalive's 30 s + 10 s. The pool's health check finds it unresponsive (no answer within one
+    interval, nothing received meanwhile) and fails its calls at once; they migrate or retry elsewhere."""
+    import signal
+
+    interval = 1.0
+    prefill = sim_workers.start("prefill", *STEP)
+    victim, survivor = sim_workers.start("decode", *STEP), sim_workers.start("decode", *STEP)
+    server = orchestrator_servers.start(write_config(
+        tmp_path / "freeze.yaml", "disaggregated",
+        {"prefill": [prefill.address], "decode": [victim.address, survivor.address]},
+        routing={"decode": "round_robin"}, limits={"health_interval_s": interval}))
+    gaps, finishes, failures = [], [], []
+    stop = trio.Event()
+    frozen_at = None
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            body = chat_body("weather " * (5 + i), max_tokens=120, ignore_eos=True, stream=True, seed=i)
+            last = trio.current_time()  # the wait for the first token counts too (a request routed just before)
+            text = ""
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    failures.append(response.status_code)
+                    continue
+                async for line in response.aiter_lines():
+                    now = trio.current_time()
+                    if frozen_at is not None and now > frozen_at:
+                        gaps.append(now - max(last, frozen_at))
+                    last = now
+                    text += line + "\n\n"
+            finishes.append(text_of(text)[1])
+
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=32)) as http:
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(client, i, http)
+                await trio.sleep(1.5)
+                frozen_at = trio.current_time()
+                victim.process.signal(signal.SIGSTOP)
+                await trio.sleep(6.0)  # the keepalive would take 40 s: this bounds the old behaviour's gap at ~6 s
+                victim.process.signal(signal.SIGCONT)
+                stop.set()
+            metrics = (await http.get("/metrics")).text
+    finally:
+        victim.process.signal(signal.SIGCONT)
+    migrated = float(next(line.split()[-1] for line in metrics.splitlines()
+                          if line.startswith('orchestrator_migrations_total{mode="disaggregated"}')))
+    print(f"{len(finishes)} streams, {migrated:.0f} migrated; longest gap after the freeze {max(gaps):.2f} s")
+    assert not failures and finishes and all(finish == "length" for finish in finishes), (failures, finishes)
+    assert migrated >= 1
+    # the issue's target: 2 health intervals to notice, plus the migration (a new prefill; generous on 2 cores)
+    assert max(gaps) <= 2 * interval + 1.5, max(gaps)

@@ -47,3 +47,20 @@ async def test_a_worker_that_registers_again_while_it_retires_is_added_anew():
                     await trio.sleep(0.01)
             assert pool.workers[spec] is again
             nursery.cancel_scope.cancel()
+
+
+async def test_the_configured_keepalive_reaches_every_worker_connection():
+    from orchestrator.config import KeepaliveConfig
+
+    spec = WorkerSpec(address="grpc://127.0.0.1:9", role="decode", model="m", instance_id="d1")
+    async with LoopThread.open() as loop_thread:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="m",
+                          health_interval=0.05, keepalive=KeepaliveConfig(interval_s=7.0, timeout_s=3.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run, ScriptedRegistry(Snapshot(frozenset({spec}))))
+            with trio.fail_after(5):
+                while pool.workers[spec].client is None:
+                    await trio.sleep(0.01)
+            keepalive = pool.workers[spec].client._h2.keepalive
+            assert (keepalive.interval_s, keepalive.timeout_s) == (7.0, 3.0)
+            nursery.cancel_scope.cancel()

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import trio
 from google.protobuf import json_format
-from serve_helpers import chat_body
+from serve_helpers import chat_body, sse_events
 
 from orchestrator.convert import check_worker_media, full_leg, parse_chat, resolve_limits
 from orchestrator.decode import generation_leg
@@ -713,13 +713,23 @@ async def test_the_operator_view_shows_what_the_engine_reports_and_a_load_outage
     assert seen["load"]["total_kv_blocks"] == engine["total_kv_blocks"] and "load" not in outage
 
 
-async def test_cached_prompt_tokens_reach_the_client(tmp_path, sim_workers, orchestrator_servers):
-    """UPSTREAM cached-tokens, through the real frontend: the usage says what the engine said (none: no field)."""
-    worker = sim_workers.start("aggregated", *FAST)
-    server = orchestrator_servers.start(write_config(tmp_path / "cached.yaml", "aggregated",
-                                                     {"aggregated": [worker.address]}))
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+async def test_cached_prompt_tokens_reach_the_client(tmp_path, mode, sim_workers, orchestrator_servers):
+    """UPSTREAM cached-tokens, through the real frontend: the same prompt twice, the second finds its prefix in
+    the engine's KV cache. A split request reports the prefill's count (its decode engine pulled the whole
+    prompt, which it would call cached)."""
+    roles = ("prefill", "decode") if mode == "disaggregated" else ("aggregated",)
+    workers = {role: sim_workers.start(role, *FAST) for role in roles}
+    server = orchestrator_servers.start(write_config(tmp_path / "cached.yaml", mode,
+                                                     {r: [w.address] for r, w in workers.items()}))
+    body = chat_body("Describe the river " * 40, max_tokens=2)
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        usage = (await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))).json()["usage"]
+        first = (await http.post("/v1/chat/completions", json=body)).json()["usage"]
+        second = (await http.post("/v1/chat/completions", json={**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}}))
         metrics = (await http.get("/metrics")).text
-    assert usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) <= usage["prompt_tokens"]
-    assert 'orchestrator_cached_prompt_tokens_total{mode="aggregated"}' in metrics
+    usage = [e for e in sse_events(second.text) if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < usage["prompt_tokens"] == first["prompt_tokens"]  # whole blocks; never the last token
+    assert f'orchestrator_cached_prompt_tokens_total{{mode="{mode}"}} {float(cached)}' in metrics

@@ -91,7 +91,12 @@ class DecodeStage:
         await sink.finish(finish_reason(state), prompt, state.completion_tokens, cached_tokens=cached)
 
     async def _abort(self, worker, request_id: str, metadata) -> None:
-        # The RPC is cancelled already; Abort makes sure the engine lets go as well.
+        # The RPC is cancelled already; Abort makes sure the engine lets go as well. Not to a worker the pool
+        # found unresponsive: the Abort would hold up the retry or migration for its whole timeout, and the
+        # connection the pool closed cancels the call on the worker's side when it reads again.
+        if worker.unresponsive:
+            log.info("abort of %s on %s skipped: the worker is unresponsive", request_id, worker.address)
+            return
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + min(5.0, self.cleanup_timeout_s)
             try:

@@ -38,7 +38,9 @@ from orchestrator.engine.errors import (
     WorkerNotReady,
     from_rpc_error,
 )
+from orchestrator.engine import h2_streams
 from orchestrator.engine.h2_streams import H2Channel
+from orchestrator.engine.keepalive import KeepalivePolicy
 from orchestrator.engine.loop_thread import LoopThread, StreamInbox
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import (
@@ -62,12 +64,18 @@ HealthState = lifecycle_pb2.HealthState
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
     # One TCP connection per worker; do not let grpc share subchannels across our clients.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+
+def _keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """grpcio's keepalive, as our h2 transport's (engine/keepalive.py). grpc-core's client pings only after the
+    interval without data read, and sends at most grpc.http2.max_pings_without_data (2 by default) pings while
+    it sends no data: left at that default, a silent call never collects the 2 strikes after which a stock
+    server closes the connection with GOAWAY too_many_pings (unlimited, 0, did: at 4 intervals)."""
+    return [("grpc.keepalive_time_ms", max(1, round(interval_s * 1000))),
+            ("grpc.keepalive_timeout_ms", max(1, round(timeout_s * 1000)))]
 
 
 def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
@@ -124,9 +132,8 @@ _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 
 
 _TERMINAL_EVENTS = (ev.Finished, ev.PrefillReady, ev.Failed)
-# How long a call whose terminal event was read may take to send its status before it is cancelled (grpcio;
-# the h2 transport resets such a stream after one keepalive period, the same 30 s).
-STATUS_GRACE_S = 30.0
+# How long a call whose terminal event was read may take to send its status before it is cancelled:
+# h2_streams.STATUS_GRACE_S, one figure for both transports.
 
 
 class GenerateStream:
@@ -208,8 +215,11 @@ class EngineClient:
     @classmethod
     @asynccontextmanager
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
-                   name: str | None = None, tls: ChannelTls | None = None,
-                   stream_transport: str = "h2") -> AsyncIterator["EngineClient"]:
+                   name: str | None = None, tls: ChannelTls | None = None, stream_transport: str = "h2",
+                   keepalive_interval_s: float = 30.0,
+                   keepalive_timeout_s: float = 10.0) -> AsyncIterator["EngineClient"]:
+        """`keepalive_*`: a PING after that long without hearing from the worker while calls are open, to be
+        answered within the timeout (engine/keepalive.py says how servers' ping policies are respected)."""
         if stream_transport not in STREAM_TRANSPORTS:
             raise ValueError(f"stream_transport: expected one of {STREAM_TRANSPORTS}, got {stream_transport!r}")
         address = address.removeprefix("grpc://")
@@ -218,14 +228,16 @@ class EngineClient:
             if stream_transport == "h2":
                 client._h2 = H2Channel(address, worker=client.name, nursery=nursery,
                                        ssl_context=None if tls is None else tls.ssl_context(),
-                                       server_name=None if tls is None else tls.server_name)
+                                       server_name=None if tls is None else tls.server_name,
+                                       keepalive=KeepalivePolicy(keepalive_interval_s, keepalive_timeout_s))
+            options = [*_CHANNEL_OPTIONS, *_keepalive_options(keepalive_interval_s, keepalive_timeout_s)]
 
             async def connect() -> None:  # grpc.aio objects belong to the loop they are made on
                 if tls is None:
-                    client._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                    client._channel = grpc.aio.insecure_channel(address, options=options)
                 else:
                     client._channel = grpc.aio.secure_channel(address, tls.credentials(), options=[
-                        *_CHANNEL_OPTIONS, *tls.options()])
+                        *options, *tls.options()])
                 client._inference = openengine_pb2_grpc.InferenceStub(client._channel)
                 client._control = openengine_pb2_grpc.ControlStub(client._channel)
 
@@ -283,10 +295,15 @@ class EngineClient:
             def cancel_if_no_status() -> None:  # the pump reads the call to its status, if that comes in time
                 pump = holder.get("pump")
                 if pump is not None and not pump.done():
-                    timer = asyncio.get_running_loop().call_later(STATUS_GRACE_S, cancel)
+                    timer = asyncio.get_running_loop().call_later(h2_streams.STATUS_GRACE_S, cancel)
                     pump.add_done_callback(lambda _: timer.cancel())
 
             self._loop_thread.call_soon(cancel_if_no_status if stream.ended else cancel)
+
+    def fail_calls_if_silent(self, quiet_s: float, why: str) -> int:
+        """Fail every open call (WorkerUnavailable) when nothing arrived from the worker for `quiet_s` seconds:
+        see H2Channel.fail_if_silent; how many calls. With grpcio, its keepalive (30 s + 10 s) does it: 0."""
+        return self._h2.fail_if_silent(quiet_s, why) if self._h2 is not None else 0
 
     def _decode_event(self, payload: bytes) -> ev.Event | None:
         return ev.decode_bytes(payload, worker=self.name)

@@ -8,31 +8,51 @@ arrive on trio's own thread: engine/http2.py parses the frames, we cut the gRPC 
 and decode them.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
-stream of that worker is multiplexed on it. What is kept from gRPC over HTTP/2:
-- the request: HEADERS (`:path /package.Service/Method`, `content-type: application/grpc`,
-  `te: trailers`), one length-prefixed uncompressed message, END_STREAM; sent within the peer's flow
-  control windows (a 20 MB request with images waits for WINDOW_UPDATEs);
-- the response: messages cut from DATA frames whatever their split, flow-control credit returned as
-  they are read, `grpc-status` / `grpc-message` from the trailers (or a trailers-only response)
-  mapped by errors.from_grpc_status, exactly as for grpcio;
+stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-HTTP2.md) it implements
+(tests/test_transport_conformance.py holds it to it, against h2's server side and a stock grpc.aio server):
+- the request: HEADERS (`:method POST`, `:scheme`, `:path /package.Service/Method`, `:authority`,
+  `content-type: application/grpc`, `te: trailers`, `grpc-accept-encoding: identity`, `user-agent`, and a
+  unary call's timeout as `grpc-timeout`), one length-prefixed uncompressed message, END_STREAM; sent within
+  the peer's flow control windows (a 20 MB request with images waits for WINDOW_UPDATEs);
+- the response: messages cut from DATA frames whatever their split, at most MAX_MESSAGE_BYTES (64 MiB, as
+  grpcio): a larger length prefix fails the call RESOURCE_EXHAUSTED at once, nothing of it buffered; a
+  stream's flow-control credit goes back as its reader takes the messages (STREAM_RECEIVE_WINDOW bytes wait
+  at most: a slow reader holds up its worker, not our memory); a message flagged compressed is inflated when
+  the response's `grpc-encoding` is gzip or deflate (a grpc-core server with a default compression algorithm
+  compresses whatever the client accepts), to at most 64 MiB, and fails the call INTERNAL otherwise;
+- the status: `grpc-status` / `grpc-message` from the trailers or a trailers-only response, mapped by
+  errors.from_grpc_status exactly as for grpcio; without a grpc-status, a `:status` other than 200 maps as
+  gRPC maps HTTP statuses (a proxy, or no gRPC server); a `content-type` other than application/grpc*, a
+  grpc-status that is not a number, and every HTTP/2 stream error (engine/http2.py) fail that call INTERNAL
+  and only it; a call failed while its stream is open resets it (RST_STREAM CANCEL), so the worker stops
+  and the stream slot is free;
 - leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
   the server sees as a cancelled RPC; a stream whose caller read its terminal event (`let_end`) is left
-  to end with its trailers instead (engine/client.py says why), and reset only if it lingers past a
-  keepalive period;
-- a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams
-  the server will not process and sends new streams to a new connection;
+  to end with its trailers instead (engine/client.py says why), and reset only if it lingers past
+  STATUS_GRACE_S;
+- a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams the
+  server will not process, naming its code and debug data, and new streams, and those waiting for a slot on
+  that connection, go to a new one;
 - the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot;
-- a unary call's timeout as `grpc-timeout`, and DEADLINE_EXCEEDED (retryable) when it passes.
-Plaintext (h2c, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
+- keepalive PINGs that respect the server's ping policy (engine/keepalive.py), their ACKs matched to them;
+- a unary call's DEADLINE_EXCEEDED (retryable) when its timeout passes.
+Plaintext (h2c with prior knowledge, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
+What it deliberately does not do: compress requests, or ask for compressed responses (inflating costs CPU
+on every token); client or bidirectional streaming (every call sends one message); request metadata other
+than what a call is given (a leg's trace context), and response metadata other than the status (initial
+metadata is read for its status only;
+`grpc-status-details-bin` is ignored); retries, hedging and transparent retries of streams a GOAWAY or
+REFUSED_STREAM turned away (they fail retryable: the orchestrator retries at its own level); name
+resolution and load balancing (one address per worker); sizing windows by BDP probes (fixed windows).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import ssl
 import urllib.parse
+import zlib
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -44,22 +64,29 @@ from orchestrator.eager_send import EagerSender
 from orchestrator.engine import http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.engine.inbox import TrioInbox
+from orchestrator.engine.keepalive import KeepalivePolicy
 
 log = logging.getLogger("orchestrator.engine")
 
-_WINDOW = 16 * 1024 * 1024  # our receive window, per stream and for the connection: no stall on long streams
+# Receive flow control: each stream may have STREAM_RECEIVE_WINDOW bytes on their way or waiting for its reader,
+# credited back as the reader takes them (a reader that does not read stops its worker there); the connection's
+# window is credited as bytes arrive, so that one slow reader never stalls the other streams.
+STREAM_RECEIVE_WINDOW = 1024 * 1024
+CONNECTION_RECEIVE_WINDOW = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a response message above this fails its call, as grpcio's limit does
+# A stream whose caller read its terminal event is left to end with its status; one still open after this long
+# is reset (client.py's grpcio path cancels such a call after the same time).
+STATUS_GRACE_S = 30.0
+_FRESH_CONNECTION_TRIES = 3  # a call that never started on a connection that went away tries a new one
 _READ_SIZE = 256 * 1024
-# While streams are open, a PING every KEEPALIVE_S that must be answered within KEEPALIVE_TIMEOUT_S: a worker
-# host that vanished (no FIN, no RST) fails its streams in seconds, as grpcio's keepalive does with our options.
-KEEPALIVE_S = 30.0
-KEEPALIVE_TIMEOUT_S = 10.0
 _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
 
 
 class H2Stream(TrioInbox):
     """The messages of one call as they arrive, decoded; read with get_batch()."""
 
-    __slots__ = ("id", "rpc", "decode", "let_end", "_buffer", "_status", "_message", "_outbound")
+    __slots__ = ("id", "rpc", "decode", "let_end", "unread", "_connection", "_buffer", "_status", "_message",
+                 "_encoding", "_outbound")
 
     def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
         super().__init__()
@@ -67,10 +94,17 @@ class H2Stream(TrioInbox):
         self.rpc = rpc
         self.decode = decode
         self.let_end = False  # the caller is done and the call is over but for its status: do not reset it
+        self.unread = 0  # DATA bytes behind messages still queued for the reader: their credit waits for it
+        self._connection: _Connection | None = None
         self._buffer = bytearray()
         self._status: int | None = None
         self._message = ""
+        self._encoding = b"identity"  # the response's grpc-encoding: what its messages flagged compressed used
         self._outbound = _prefix(request) + request
+
+    def _taken(self) -> None:
+        if self.unread and self._connection is not None:  # the reader took them: the worker may send that much more
+            self._connection._credit(self, flush=True)
 
     def _close(self, error: BaseException | None) -> None:
         if not self._closed:
@@ -110,7 +144,7 @@ class H2Channel:
     """The HTTP/2 connection to one worker for its streaming calls; lives in `nursery`."""
 
     def __init__(self, address: str, *, worker: str, nursery: trio.Nursery, ssl_context: ssl.SSLContext | None = None,
-                 server_name: str | None = None):
+                 server_name: str | None = None, keepalive: KeepalivePolicy | None = None):
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.authority = address
@@ -122,6 +156,7 @@ class H2Channel:
         self._connecting = trio.Lock()
         self._closed = False
         self._header_blocks: dict[tuple[str, str], bytes] = {}
+        self.keepalive = keepalive or KeepalivePolicy()  # this worker's, across its connections
 
     def header_block(self, path: str, scheme: str) -> bytes:
         """The request headers of a call to `path`, HPACK-encoded once (they never change)."""
@@ -130,7 +165,7 @@ class H2Channel:
             block = self._header_blocks[path, scheme] = http2.encode_headers([
                 (b":method", b"POST"), (b":scheme", scheme.encode()), (b":path", path.encode()),
                 (b":authority", self.authority.encode()), (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"), (b"user-agent", b"orchestrator-h2")])
+                (b"te", b"trailers"), (b"grpc-accept-encoding", b"identity"), (b"user-agent", b"orchestrator-h2")])
         return block
 
     async def _current(self, rpc: str) -> "_Connection":
@@ -170,12 +205,19 @@ class H2Channel:
         is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own.
         `metadata` (lower-case ASCII keys) goes out as request headers, as grpcio sends call metadata."""
         rpc = path.rsplit("/", 1)[-1]
-        connection = await self._current(rpc)
         stream = H2Stream(rpc, decode, request)
-        extra = b"" if timeout is None else _grpc_timeout(timeout)
+        extra_headers = b"" if timeout is None else _grpc_timeout(timeout)
         if metadata:
-            extra += http2.encode_headers([(key.encode(), value.encode()) for key, value in metadata])
-        await connection.start(stream, path, extra)
+            extra_headers += http2.encode_headers([(key.encode(), value.encode()) for key, value in metadata])
+        for _ in range(_FRESH_CONNECTION_TRIES):
+            connection = await self._current(rpc)
+            if await connection.start(stream, path, extra_headers):
+                break
+            # The connection went away (GOAWAY, or lost) while the call waited for a stream slot there: it never
+            # started, so a fresh connection takes it instead of failing it (and burning one of its retries).
+        else:
+            raise unavailable(f"{self.authority} went away {_FRESH_CONNECTION_TRIES} times before the call could "
+                              f"start", worker=self.worker, rpc=rpc)
         try:
             yield stream
         finally:
@@ -203,6 +245,22 @@ class H2Channel:
         if self._connection is not None:
             self._connection.close()
 
+    def fail_if_silent(self, quiet_s: float, why: str) -> int:
+        """Drop the connection and fail its calls as WorkerUnavailable (retryable: they retry or migrate
+        elsewhere) when it has calls open and nothing arrived on it for `quiet_s` seconds; how many calls.
+        For the pool, whose health check found the worker unresponsive: a frozen process (SIGSTOP, a hung
+        host) keeps its connection open, and the keepalive would take KEEPALIVE_S + KEEPALIVE_TIMEOUT_S to
+        notice. A worker that is only slow to answer its health check still sends its tokens: it is left be."""
+        connection = self._connection
+        if connection is None or not connection.usable or not connection.streams:
+            return 0
+        if trio.current_time() - connection.last_arrival < quiet_s:
+            return 0
+        calls = len(connection.streams)
+        connection.usable = False  # new calls go to a new connection at once
+        connection._fail(trio.BrokenResourceError(why))  # the connection's task fails every open stream with it
+        return calls
+
 
 class _Connection:
     """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
@@ -213,20 +271,30 @@ class _Connection:
         self.receiver = EagerReceiver(transport)
         self.channel = channel
         self.scheme = scheme
-        self.wire = http2.ClientConnection(self, receive_window=_WINDOW)
+        self.wire = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
+                                           connection_window=CONNECTION_RECEIVE_WINDOW)
         self.streams: dict[int, H2Stream] = {}
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
+        self.goaway = ""  # the worker's GOAWAY, named for the errors of the calls it ends ("GOAWAY CODE: debug")
+        self.pings_sent = 0
         self._dirty = trio.Event()  # set when the wire has bytes to send
         self._slot_freed = trio.Event()
-        self._ping_answered = trio.Event()
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
-        self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last keepalive
+        self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last sweep
         self._arrived: list[H2Stream] = []  # streams given messages by the read being processed
         self._scope = trio.CancelScope()
+        # When bytes last came from the worker, or run() began: the keepalive pings only after this much quiet
+        # (engine/keepalive.py), and H2Channel.fail_if_silent fails the calls of a worker silent for long.
+        self.last_arrival = 0.0
+        self._last_ping = 0.0  # the PING awaiting its ACK, and how many went since the last HEADERS or DATA
+        self._pings_since_data = 0
+        self._ping_payload = b""
+        self._ping_answered = trio.Event()
 
     # ---- the three tasks: reader, writer, keepalive ----------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
+        self.last_arrival = trio.current_time()
         self.wire.initiate()
         self._dirty.set()
         try:
@@ -276,6 +344,7 @@ class _Connection:
             data = await self.receiver.receive_some(_READ_SIZE)
             if not data:
                 raise trio.BrokenResourceError("the worker closed the connection")
+            self.last_arrival = trio.current_time()
             try:
                 self.wire.receive(data)
             finally:
@@ -283,18 +352,36 @@ class _Connection:
                 self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
 
     async def _keepalive(self) -> None:
+        """PINGs by the keepalive policy while streams are open, and the sweep of streams left lingering."""
+        policy = self.channel.keepalive
+        next_sweep = trio.current_time() + STATUS_GRACE_S
         while True:
-            await trio.sleep(KEEPALIVE_S)
-            self._reset_lingering()
-            if not self.streams:
-                continue
-            self._ping_answered = trio.Event()
-            self.wire.ping(os.urandom(8))
-            self._kick()
-            with trio.move_on_after(KEEPALIVE_TIMEOUT_S):
-                await self._ping_answered.wait()
-                continue
-            raise trio.BrokenResourceError(f"no answer to a keepalive ping within {KEEPALIVE_TIMEOUT_S:g} s")
+            ping_at = self._ping_due() if self.streams else trio.current_time() + policy.interval_s
+            await trio.sleep_until(min(ping_at, next_sweep))
+            now = trio.current_time()
+            if now >= next_sweep:
+                self._reset_lingering()
+                next_sweep = now + STATUS_GRACE_S
+            if self.streams and now >= self._ping_due():  # (anything heard meanwhile moved it later)
+                await self._ping(policy.timeout_s)
+
+    def _ping_due(self) -> float:
+        return self.channel.keepalive.ping_due(quiet_since=self.last_arrival, last_ping=self._last_ping,
+                                               pings_since_data=self._pings_since_data)
+
+    async def _ping(self, timeout: float) -> None:
+        """One PING, answered by an ACK with its own payload within `timeout`, or the connection has failed."""
+        self.pings_sent += 1
+        self._pings_since_data += 1
+        self._last_ping = trio.current_time()
+        self._ping_payload = self.pings_sent.to_bytes(8, "big")
+        self._ping_answered = trio.Event()
+        self.wire.ping(self._ping_payload)
+        self._kick()
+        with trio.move_on_after(timeout):
+            await self._ping_answered.wait()
+            return
+        raise trio.BrokenResourceError(f"no answer to a keepalive ping within {timeout:g} s")
 
     def _kick(self) -> None:
         if self.wire.wants_to_send:
@@ -324,18 +411,24 @@ class _Connection:
                 await self.sender.send_all(data)
 
     # ---- streams ---------------------------------------------------------------------------------
-    async def start(self, stream: H2Stream, path: str, extra_headers: bytes = b"") -> None:
+    async def start(self, stream: H2Stream, path: str, extra_headers: bytes = b"") -> bool:
+        """Open `stream` once a slot is free; False when the connection went away first (the call never started
+        here: the channel takes it to a fresh connection)."""
         while self.usable and not self.wire.can_open:
             await self._slot_freed.wait()
         if not self.usable or self.wire.going_away:
             self.usable = False
-            raise self._unavailable(stream.rpc, "the connection closed before the call started")
+            return False
+        if not self.streams:  # an idle connection: its silence so far says nothing about this call
+            self.last_arrival = trio.current_time()
+        stream._connection = self
         stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
                                           stream._outbound)
         self.streams[stream.id] = stream
         if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
             self.usable = False
         self._flush()
+        return True
 
     def finish(self, stream: H2Stream) -> None:
         """The caller is done with `stream`: a call still running is cancelled, unless it is only its status
@@ -343,14 +436,26 @@ class _Connection:
         if not stream.closed:
             if stream.let_end and self.usable:
                 stream._items = collections.deque(maxlen=0)
+                if stream.unread:  # nobody will read what was queued: its credit goes back now
+                    self._credit(stream, flush=True)
                 return
             self._cancel(stream)
         stream._close(stream._error)
         self._forget(stream)
 
+    def _credit(self, stream: H2Stream, *, flush: bool = False) -> None:
+        """What `stream` received is read (or will never be): its flow-control credit goes back to the worker.
+        From the reader's task the WINDOW_UPDATE is sent at once (`flush`); the connection's reader sends its
+        own after each read."""
+        count, stream.unread = stream.unread, 0
+        if stream.id in self.streams:
+            self.wire.consumed(stream.id, count)
+            if flush:
+                self._flush()
+
     def _reset_lingering(self) -> None:
-        """A stream left to end by itself that is still open a keepalive period later is reset: a worker that
-        never sends its trailers cannot hold a stream slot forever."""
+        """A stream left to end by itself that is still open a sweep (STATUS_GRACE_S) later is reset: a worker
+        that never sends its trailers cannot hold a stream slot forever."""
         for stream in self._lingering:
             if stream.id in self.streams:
                 self._abandon(stream, None)
@@ -384,35 +489,82 @@ class _Connection:
         stream._close(self._reset_error(stream, code))
         self._forget(stream)
 
-    def _on_goaway(self, code: int, refused: list[H2Stream]) -> None:
+    def _on_stream_error(self, stream: H2Stream, code: int, why: str) -> None:
+        """The wire reset a stream whose frames broke HTTP/2: that call fails, the others go on."""
+        stream._close(self._error(grpc.StatusCode.INTERNAL, stream, f"the worker broke HTTP/2 on this stream: {why}"))
+        self._forget(stream)
+
+    def _on_goaway(self, code: int, debug: bytes, refused: list[H2Stream]) -> None:
         self.usable = False
+        detail = debug.decode("utf-8", "replace")[:200].strip()
+        self.goaway = f"GOAWAY {http2.error_name(code)}" + (f": {detail}" if detail else "")
+        if code == http2.ENHANCE_YOUR_CALM and debug == b"too_many_pings":
+            keepalive = self.channel.keepalive
+            if keepalive.too_many_pings():
+                log.warning("worker %s closed a connection with GOAWAY too_many_pings: its ping policy is stricter "
+                            "than our keepalive; pinging it at most every %g s from now on (doubled again at each "
+                            "further one, not logged)", self.channel.authority, keepalive.interval_s)
         for stream in refused:
-            stream._close(self._unavailable(stream.rpc, "the worker is going away (GOAWAY) and did not start "
-                                                        "this call"))
+            stream._close(self._unavailable(stream.rpc, f"the worker is going away ({self.goaway}) and did not "
+                                                        f"start this call"))
             self._forget(stream)
         self._on_capacity()  # callers waiting for a slot here go to a new connection
 
-    def _on_ping_ack(self) -> None:
-        self._ping_answered.set()
+    def _on_ping_ack(self, payload: bytes) -> None:
+        if payload == self._ping_payload:  # an ACK of some other PING answers nothing we asked
+            self._ping_answered.set()
 
     def _on_data(self, stream: H2Stream, data: bytes) -> None:
+        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (engine/keepalive.py)
+        stream.unread += len(data)
         buffer = stream._buffer
         if not buffer and len(data) >= _HEADER and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5:
             self._deliver(stream, data[5:])  # the usual case: one whole message in one frame
-            return
-        buffer += data
-        while len(buffer) >= _HEADER:
-            if buffer[0] != 0:
-                stream._close(EngineError("the worker sent a compressed message (none was negotiated)",
-                                          worker=self.channel.worker, rpc=stream.rpc))
-                return
-            length = int.from_bytes(buffer[1:5], "big")
-            if len(buffer) < _HEADER + length:
-                break
-            payload = bytes(buffer[_HEADER:_HEADER + length])
-            del buffer[:_HEADER + length]
-            if not self._deliver(stream, payload):
-                return
+        else:
+            buffer += data
+            while len(buffer) >= _HEADER:
+                flag, length = buffer[0], int.from_bytes(buffer[1:5], "big")
+                if length > MAX_MESSAGE_BYTES or (flag and (flag != 1 or stream._encoding not in _DECOMPRESSORS)):
+                    self._refuse_message(stream, flag, length)  # known from its prefix, before it is buffered
+                    return
+                if len(buffer) < _HEADER + length:
+                    break
+                payload = bytes(buffer[_HEADER:_HEADER + length])
+                del buffer[:_HEADER + length]
+                if flag and (payload := self._decompress(stream, payload)) is None:
+                    return
+                if not self._deliver(stream, payload):
+                    return
+        if not stream._items and stream.unread:  # nothing waits for the reader (a message in part, or dropped)
+            self._credit(stream)
+
+    def _decompress(self, stream: H2Stream, payload: bytes) -> bytes | None:
+        """A message compressed with the response's grpc-encoding, inflated to at most MAX_MESSAGE_BYTES (a small
+        message can inflate to gigabytes); None when the call failed on it instead."""
+        inflater = _DECOMPRESSORS[stream._encoding]()
+        try:
+            message = inflater.decompress(payload, MAX_MESSAGE_BYTES + 1)
+        except zlib.error as exc:
+            self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a "
+                                              f"{stream._encoding.decode()} message that does not inflate: {exc}"))
+            return None
+        if len(message) > MAX_MESSAGE_BYTES:
+            self._abandon(stream, self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, stream, f"the worker sent a "
+                                              f"message that inflates above our limit of {MAX_MESSAGE_BYTES} bytes"))
+            return None
+        return message
+
+    def _refuse_message(self, stream: H2Stream, flag: int, length: int) -> None:
+        if flag == 1:
+            error = self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a compressed message with "
+                                f"grpc-encoding {stream._encoding.decode(errors='replace')!r}, which we do not inflate")
+        elif flag != 0:
+            error = self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a message with flags {flag:#x}")
+        else:
+            error = self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, stream,
+                                f"the worker sent a message of {length} bytes, above our limit of {MAX_MESSAGE_BYTES}")
+        stream._buffer.clear()
+        self._abandon(stream, error)
 
     def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
         try:
@@ -439,16 +591,38 @@ class _Connection:
                 log.exception("handing over the messages of %s stream %d from %s failed", stream.rpc, stream.id,
                               self.channel.authority)
                 self._abandon(stream, exc)
+                continue
+            if not stream._items and stream.unread:  # the direct handler took them all
+                self._credit(stream)
 
     def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
+        self._pings_since_data = 0  # the worker sent HEADERS: its ping strikes are forgiven
+        http_status = content_type = grpc_status = None
         for name, value in headers:
-            if name == b":status" and value != b"200":
-                stream._status = _HTTP_TO_GRPC.get(value, grpc.StatusCode.UNKNOWN).value[0]
-                stream._message = f"HTTP status {value.decode(errors='replace')} from the worker"
+            if name == b":status":
+                http_status = value
+            elif name == b"content-type":
+                content_type = value
             elif name == b"grpc-status":
-                stream._status = int(value)
+                grpc_status = value
             elif name == b"grpc-message":
                 stream._message = urllib.parse.unquote(value.decode(errors="replace"))
+            elif name == b"grpc-encoding":
+                stream._encoding = value
+        if grpc_status is not None:
+            if not grpc_status.isdigit():  # this call's trailers are broken, not the connection
+                self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent grpc-status "
+                                                  f"{grpc_status.decode(errors='replace')!r}, not a number"))
+                return
+            stream._status = int(grpc_status)
+        elif http_status is not None and http_status != b"200":  # not a gRPC answer: a proxy's, or no gRPC server
+            status = _HTTP_TO_GRPC.get(http_status, grpc.StatusCode.UNKNOWN)
+            self._abandon(stream, self._error(status, stream, f"HTTP status {http_status.decode(errors='replace')} "
+                                                              f"from the worker"))
+            return
+        if http_status is not None and content_type is not None and not content_type.startswith(b"application/grpc"):
+            self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker answered with "
+                                              f"content-type {content_type.decode(errors='replace')!r}, not gRPC"))
 
     def _on_end(self, stream: H2Stream) -> None:
         if stream._buffer:
@@ -468,19 +642,29 @@ class _Connection:
         if code == http2.REFUSED_STREAM:
             return self._unavailable(stream.rpc, "the worker refused the stream (REFUSED_STREAM)")
         status = grpc.StatusCode.CANCELLED if code == http2.CANCEL else grpc.StatusCode.INTERNAL
-        return from_grpc_status(status, f"the worker reset the stream ({http2.error_name(code)})",
-                                worker=self.channel.worker, rpc=stream.rpc)
+        return self._error(status, stream, f"the worker reset the stream ({http2.error_name(code)})")
+
+    def _error(self, status: grpc.StatusCode, stream: H2Stream, why: str) -> EngineError:
+        return from_grpc_status(status, why, worker=self.channel.worker, rpc=stream.rpc)
 
     def _unavailable(self, rpc: str, why: str) -> EngineError:
         return unavailable(f"{why} ({self.channel.authority})", worker=self.channel.worker, rpc=rpc)
 
     def _fail_all(self, cause: BaseException | None) -> None:
         why = f"the connection to the worker was lost: {cause}" if cause else "the connection to the worker closed"
+        if self.goaway:
+            why += f", after {self.goaway}"
         for stream in list(self.streams.values()):
             error = self._unavailable(stream.rpc, why)
             error.__cause__ = cause
             stream._close(error)
             self._forget(stream)
+
+
+# The encodings of a compressed response we inflate. We ask for none (grpc-accept-encoding: identity): inflating
+# costs CPU on every token. But a grpc-core server with a default compression algorithm (grpc.aio.server's
+# `compression`) compresses whatever the client accepts: such a server is read as grpcio reads it.
+_DECOMPRESSORS = {b"gzip": lambda: zlib.decompressobj(wbits=31), b"deflate": lambda: zlib.decompressobj(wbits=15)}
 
 
 def unavailable(why: str, *, worker: str, rpc: str) -> EngineError:

@@ -2,16 +2,46 @@
 
 Why our own and not h2: h2 is a complete, general state machine and costs about 100 µs of CPU to open
 and close one stream and 8 µs per DATA frame (benchmarks/engine_client.py); a gRPC client needs a small
-part of HTTP/2. What this keeps:
-- the connection preface and SETTINGS both ways (our SETTINGS: no push, a large receive window; the
-  peer's: MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE), each acknowledged;
-- request HEADERS (+ CONTINUATION when needed) from a pre-encoded header block, and the request body
-  as DATA within the peer's connection and stream windows, resumed on WINDOW_UPDATE;
-- response HEADERS / CONTINUATION decoded by hpack (the HPACK decoder of the h2 project; every block is
-  decoded, for any stream, so the dynamic table stays in step), DATA with or without padding;
-- receive flow control: a WINDOW_UPDATE once half of a window was used (credit as bytes arrive);
-- PING answered; RST_STREAM and GOAWAY reported; our own RST_STREAM, PING and GOAWAY;
-- connection errors (a frame that breaks the protocol) queue a GOAWAY and raise ProtocolError.
+part of HTTP/2. What of RFC 9113 it implements (tests/test_http2.py checks it against h2's server side, an
+independent implementation, and against hand-made frames; tests/test_transport_conformance.py over sockets):
+- §3.4 the preface; §6.5 SETTINGS both ways, each acknowledged. Ours: ENABLE_PUSH 0, MAX_HEADER_LIST_SIZE,
+  INITIAL_WINDOW_SIZE (the streams' receive window). The peer's: MAX_CONCURRENT_STREAMS (until its first
+  SETTINGS we open at most 100 streams, §6.5.2's recommended minimum, so a burst at connect is not refused),
+  INITIAL_WINDOW_SIZE (applied to open streams; taking one past 2^31-1 is a connection error, §6.9.2),
+  MAX_FRAME_SIZE; an ENABLE_PUSH other than 0 from a server is a connection error.
+- §5.1 stream states for a client (open on HEADERS, half-closed once the body is sent, closed on END_STREAM
+  or RST_STREAM) and §8.1's response: informational (1xx) header blocks, skipped; the response headers;
+  DATA; trailers, which must end the stream. DATA before the response headers, or a header block after them
+  without END_STREAM, is that stream's error (§5.4.2: RST_STREAM PROTOCOL_ERROR, reported); the connection
+  and its other streams go on.
+- §4.3, §6.2, §6.10 header blocks: ours sent as HEADERS + CONTINUATION from a pre-encoded block; the peer's
+  decoded by hpack (the h2 project's decoder), every block whatever its stream, so that the dynamic table
+  stays in step; a block is bounded by MAX_HEADER_LIST_SIZE while it accumulates (HEADERS followed by
+  CONTINUATION frames without end: the CONTINUATION flood), a connection error (ENHANCE_YOUR_CALM) above it.
+- §6.1 DATA, with or without padding.
+- §5.2, §6.9 flow control both ways. Sending: the request body within the peer's connection and stream
+  windows, resumed on WINDOW_UPDATE; a WINDOW_UPDATE of 0, or one taking a window past 2^31-1, is a stream
+  error on a stream and a connection error on the connection. Receiving: a stream's window is credited back
+  as its reader consumes (consumed()), so a reader that does not read stops its sender with a stream window
+  waiting; the connection's is credited as bytes arrive (a slow stream must not stop the others); DATA
+  beyond either window is a FLOW_CONTROL_ERROR (stream, or connection).
+- §6.7 PING answered; the ACKs of ours reported with their payload, for the caller to match to its own.
+- §6.4 RST_STREAM and §6.8 GOAWAY both ways (a GOAWAY's code, debug data and the streams above its last id
+  are reported); §5.4.1 a frame that breaks the connection queues a GOAWAY and raises ProtocolError.
+- §4.1, §5.5 frames of unknown types are ignored; PRIORITY is checked for size and ignored.
+What it deliberately does not do:
+- server push (§8.4: disabled; a PUSH_PROMISE is a connection error), CONNECT (§8.5), the upgrade from
+  HTTP/1.1 (plaintext is h2 with prior knowledge, as gRPC's h2c; TLS with ALPN h2 is the caller's);
+- priorities (§5.3, deprecated by RFC 9113): PRIORITY frames and the HEADERS priority fields are skipped;
+- an HPACK dynamic table of our own: our blocks never index (encode_headers), so the peer's
+  SETTINGS_HEADER_TABLE_SIZE needs nothing from us;
+- checking the peer's header fields against §8.2-§8.3 (lowercase names, no connection-specific fields,
+  pseudo-headers first): the caller reads the fields it knows, and ignores the rest;
+- STREAM_CLOSED errors (§5.1) for frames on a stream the peer ended: they are dropped, as they cannot be told
+  apart from frames in flight on a stream we reset;
+- the SETTINGS acknowledgement timeout (§6.5.3) and rate limits on the peer's PING, SETTINGS or RST_STREAM
+  frames (a worker is not an adversary; what it can make us hold is bounded per frame, header block, stream
+  window and message).
 The caller (engine/h2_streams.py) owns the socket and the streams' meaning; each stream is an opaque
 handle given to open_stream() and handed back to the callbacks.
 """
@@ -30,14 +60,14 @@ END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, COMPRESSION_ERROR = 0x0, 0x1, 0x3, 0x6, 0x9
-REFUSED_STREAM, CANCEL = 0x7, 0x8
+REFUSED_STREAM, CANCEL, ENHANCE_YOUR_CALM = 0x7, 0x8, 0xb
 ERROR_NAMES = {0x0: "NO_ERROR", 0x1: "PROTOCOL_ERROR", 0x2: "INTERNAL_ERROR", 0x3: "FLOW_CONTROL_ERROR",
                0x4: "SETTINGS_TIMEOUT", 0x5: "STREAM_CLOSED", 0x6: "FRAME_SIZE_ERROR", 0x7: "REFUSED_STREAM",
                0x8: "CANCEL", 0x9: "COMPRESSION_ERROR", 0xa: "CONNECT_ERROR", 0xb: "ENHANCE_YOUR_CALM",
                0xc: "INADEQUATE_SECURITY", 0xd: "HTTP_1_1_REQUIRED"}
 
 SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 0x2, 0x3
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
 _FRAME_HEADER = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, R + stream id
 
@@ -45,6 +75,10 @@ DEFAULT_WINDOW = 65535
 DEFAULT_MAX_FRAME = 16384
 MAX_WINDOW = 2**31 - 1
 MAX_STREAM_ID = 2**31 - 1
+UNLIMITED_STREAMS = 2**31
+# Until the server's SETTINGS name its limit, we open at most this many streams: RFC 9113 §6.5.2 recommends a
+# limit of no less than 100, so a server that set exactly that refuses nothing of a burst at connect.
+STREAMS_BEFORE_SETTINGS = 100
 
 
 class ProtocolError(Exception):
@@ -63,11 +97,12 @@ class Events(Protocol):
     """What the connection reports; `handle` is what was given to open_stream()."""
 
     def _on_headers(self, handle: Any, headers: list[tuple[bytes, bytes]]) -> None: ...
-    def _on_data(self, handle: Any, data: bytes) -> None: ...
+    def _on_data(self, handle: Any, data: bytes) -> None: ...  # give credit back with consumed() once it is read
     def _on_end(self, handle: Any) -> None: ...
-    def _on_reset(self, handle: Any, code: int) -> None: ...
-    def _on_goaway(self, code: int, refused: list[Any]) -> None: ...
-    def _on_ping_ack(self) -> None: ...
+    def _on_reset(self, handle: Any, code: int) -> None: ...  # the peer reset the stream
+    def _on_stream_error(self, handle: Any, code: int, why: str) -> None: ...  # we reset it: it broke HTTP/2
+    def _on_goaway(self, code: int, debug: bytes, refused: list[Any]) -> None: ...
+    def _on_ping_ack(self, payload: bytes) -> None: ...
     def _on_capacity(self) -> None: ...  # a window opened or a stream slot was freed
 
 
@@ -154,37 +189,49 @@ def _skip_string(block: bytes, at: int) -> int:
     return start + 1 + length
 
 
+def _setting(key: int, value: int) -> bytes:
+    return key.to_bytes(2, "big") + value.to_bytes(4, "big")
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
 class _Stream:
-    __slots__ = ("id", "handle", "send_window", "body", "offset", "received")
+    __slots__ = ("id", "handle", "send_window", "body", "offset", "receive_window", "credit", "responded")
 
-    def __init__(self, stream_id: int, handle: Any, send_window: int, body: bytes):
+    def __init__(self, stream_id: int, handle: Any, send_window: int, body: bytes, receive_window: int):
         self.id = stream_id
         self.handle = handle
         self.send_window = send_window
         self.body = memoryview(body)
         self.offset = 0
-        self.received = 0  # flow-controlled bytes since our last WINDOW_UPDATE for it
+        self.receive_window = receive_window  # what the peer may still send on it
+        self.credit = 0  # bytes the reader consumed since our last WINDOW_UPDATE for it
+        self.responded = False  # the (final, non-1xx) response headers arrived: DATA and trailers may follow
 
 
 class ClientConnection:
     """One HTTP/2 client connection: feed it bytes with receive(), take bytes with data_to_send()."""
 
-    def __init__(self, events: Events, *, receive_window: int = DEFAULT_WINDOW,
+    def __init__(self, events: Events, *, receive_window: int = DEFAULT_WINDOW, connection_window: int | None = None,
                  max_header_list_size: int = 64 * 1024):
+        """`receive_window`: each stream's (SETTINGS_INITIAL_WINDOW_SIZE, at least the default 65,535), given back
+        as the reader consumes; `connection_window`: the connection's, given back as bytes arrive."""
         self.events = events
         self.receive_window = receive_window
+        self.connection_window = connection_window or receive_window
+        self.max_header_list_size = max_header_list_size
         self.streams: dict[int, _Stream] = {}
         self.next_stream_id = 1
         self.going_away = False  # a GOAWAY came, or ids ran out: no new streams here
-        # the peer's settings (RFC 9113 §6.5.2 defaults until its SETTINGS frame)
-        self.max_concurrent_streams = 2**31
+        # the peer's settings (RFC 9113 §6.5.2 defaults until its SETTINGS frame, but see STREAMS_BEFORE_SETTINGS)
+        self.max_concurrent_streams = STREAMS_BEFORE_SETTINGS
         self.peer_initial_window = DEFAULT_WINDOW
         self.max_frame_size = DEFAULT_MAX_FRAME
         self.send_window = DEFAULT_WINDOW
+        self._settings_received = False
+        self._receivable = DEFAULT_WINDOW  # connection-level bytes the peer may still send (our credit so far)
         self._received = 0  # connection-level bytes since our last WINDOW_UPDATE
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
         self._stable_blocks: dict[bytes, tuple] = {}  # see _decode_block
@@ -195,12 +242,14 @@ class ClientConnection:
 
     # ---- our side --------------------------------------------------------------------------------
     def initiate(self) -> None:
-        settings = SETTINGS_ENABLE_PUSH.to_bytes(2, "big") + (0).to_bytes(4, "big")
+        settings = (_setting(SETTINGS_ENABLE_PUSH, 0)
+                    + _setting(SETTINGS_MAX_HEADER_LIST_SIZE, self.max_header_list_size))
         if self.receive_window != DEFAULT_WINDOW:
-            settings += SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + self.receive_window.to_bytes(4, "big")
+            settings += _setting(SETTINGS_INITIAL_WINDOW_SIZE, self.receive_window)
         self._out += PREFACE + frame(SETTINGS, 0, 0, settings)
-        if self.receive_window > DEFAULT_WINDOW:
-            self._window_update(0, self.receive_window - DEFAULT_WINDOW)
+        if self.connection_window > DEFAULT_WINDOW:
+            self._window_update(0, self.connection_window - DEFAULT_WINDOW)
+            self._receivable += self.connection_window - DEFAULT_WINDOW
 
     @property
     def can_open(self) -> bool:
@@ -214,7 +263,7 @@ class ClientConnection:
         self.next_stream_id += 2
         if self.next_stream_id > MAX_STREAM_ID:
             self.going_away = True
-        stream = _Stream(stream_id, handle, self.peer_initial_window, body)
+        stream = _Stream(stream_id, handle, self.peer_initial_window, body, self.receive_window)
         self.streams[stream_id] = stream
         first, rest = header_block[:self.max_frame_size], header_block[self.max_frame_size:]
         self._out += frame(HEADERS, 0 if rest else END_HEADERS, stream_id, first)
@@ -232,6 +281,20 @@ class ClientConnection:
             self._out += frame(RST_STREAM, 0, stream_id, code.to_bytes(4, "big"))
             if stream in self._sending:
                 self._sending.remove(stream)
+
+    def consumed(self, stream_id: int, count: int) -> None:
+        """The reader of a stream took `count` bytes of its DATA: that much credit goes back to the peer, in one
+        WINDOW_UPDATE once it is half a window. A stream whose reader does not read stops its sender when its window
+        is used up (a bounded buffer per stream); the connection window is credited as bytes arrive, so that one
+        slow reader never stops the other streams."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return  # ended or reset: no more DATA comes to credit
+        stream.credit += count
+        if stream.credit >= self.receive_window // 2:
+            self._window_update(stream_id, stream.credit)
+            stream.receive_window += stream.credit
+            stream.credit = 0
 
     def ping(self, payload: bytes) -> None:
         self._out += frame(PING, 0, 0, payload)
@@ -308,11 +371,15 @@ class ClientConnection:
         if stream_id == 0:
             raise ProtocolError("DATA on stream 0")
         length = len(payload)
+        if length > self._receivable:  # our credit counts once queued: a peer that had not seen it is below this
+            raise ProtocolError("DATA beyond the connection's flow-control window", FLOW_CONTROL_ERROR)
+        self._receivable -= length
         self._received += length
-        # Credit goes back as bytes arrive, once half a window was used: our window never stops the peer, and
-        # an overrun cannot be told from a peer that already saw the credit (so it is not checked).
-        if self._received >= self.receive_window // 2:
+        # The connection's credit goes back as bytes arrive, once half a window was used: the streams' windows
+        # bound what waits for readers (see consumed), and a stream that is not read must not stop the others.
+        if self._received >= self.connection_window // 2:
             self._window_update(0, self._received)
+            self._receivable += self._received
             self._received = 0
         if flags & PADDED:
             payload = self._unpad(payload)
@@ -320,13 +387,18 @@ class ClientConnection:
         if stream is None:
             self._check_known(stream_id)
             return  # a stream we reset: its bytes only count for the connection window
-        stream.received += length
-        if stream.received >= self.receive_window // 2 and not flags & END_STREAM:
-            self._window_update(stream_id, stream.received)
-            stream.received = 0
+        if length > stream.receive_window:
+            self._stream_error(stream, FLOW_CONTROL_ERROR, "DATA beyond the stream's flow-control window")
+            return
+        stream.receive_window -= length
+        if not stream.responded:
+            self._stream_error(stream, PROTOCOL_ERROR, "DATA before the response headers")
+            return
+        if length != len(payload):  # padding is never read by anyone: its credit goes back at once
+            self.consumed(stream_id, length - len(payload))
         if payload:
             self.events._on_data(stream.handle, payload)
-        if flags & END_STREAM:
+        if flags & END_STREAM and stream_id in self.streams:  # (the reader may have given up on it just now)
             self._end(stream_id)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
@@ -340,12 +412,14 @@ class ClientConnection:
                     raise ProtocolError("HEADERS too short for its priority fields", FRAME_SIZE_ERROR)
                 payload = payload[5:]
             self._headers = (stream_id, flags, bytearray(payload))
+            self._check_header_block_size()
             if flags & END_HEADERS:
                 self._header_block_done()
         elif kind == CONTINUATION:
             if self._headers is None or self._headers[0] != stream_id:
                 raise ProtocolError("CONTINUATION without the HEADERS it continues")
             self._headers[2].extend(payload)
+            self._check_header_block_size()
             if flags & END_HEADERS:
                 self._header_block_done()
         elif kind == SETTINGS:
@@ -356,7 +430,7 @@ class ClientConnection:
             if stream_id != 0 or len(payload) != 8:
                 raise ProtocolError("a PING frame must be 8 bytes on stream 0", FRAME_SIZE_ERROR)
             if flags & ACK:
-                self.events._on_ping_ack()
+                self.events._on_ping_ack(payload)
             else:
                 self._out += frame(PING, ACK, 0, payload)
         elif kind == RST_STREAM:
@@ -381,6 +455,14 @@ class ClientConnection:
                 raise ProtocolError("PRIORITY must be 5 bytes", FRAME_SIZE_ERROR)
         # any other type is an extension frame: ignored (RFC 9113 §4.1)
 
+    def _check_header_block_size(self) -> None:
+        """A header block is bounded while it accumulates, not only once decoded: HEADERS followed by CONTINUATION
+        frames without end (the CONTINUATION flood) would otherwise grow without limit. A block is never larger
+        than the header list it encodes, so the list's limit bounds it; it cannot be skipped either (the HPACK
+        table would leave the peer's), hence a connection error."""
+        if len(self._headers[2]) > self.max_header_list_size:
+            raise ProtocolError(f"a header block above {self.max_header_list_size} bytes", ENHANCE_YOUR_CALM)
+
     def _header_block_done(self) -> None:
         stream_id, flags, block = self._headers
         self._headers = None
@@ -388,6 +470,17 @@ class ClientConnection:
         stream = self.streams.get(stream_id)
         if stream is None:
             self._check_known(stream_id)
+            return
+        # A response (RFC 9113 §8.1): informational (1xx) header blocks, the response headers, DATA, and trailers
+        # that end the stream; nothing after them.
+        if not stream.responded:
+            if headers and headers[0][0] == b":status" and headers[0][1][:1] == b"1":
+                if flags & END_STREAM:
+                    self._stream_error(stream, PROTOCOL_ERROR, "an informational response that ends the stream")
+                return  # informational: nothing a gRPC call uses
+            stream.responded = True
+        elif not flags & END_STREAM:
+            self._stream_error(stream, PROTOCOL_ERROR, "trailers without END_STREAM")
             return
         self.events._on_headers(stream.handle, headers)
         if flags & END_STREAM and stream_id in self.streams:
@@ -418,6 +511,16 @@ class ClientConnection:
         self.events._on_end(stream.handle)
         self.events._on_capacity()
 
+    def _stream_error(self, stream: _Stream, code: int, why: str) -> None:
+        """A frame that breaks one stream (RFC 9113 §5.4.2): RST_STREAM(code), reported, forgotten; the connection
+        and its other streams go on."""
+        self.streams.pop(stream.id, None)
+        if stream in self._sending:
+            self._sending.remove(stream)
+        self._out += frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
+        self.events._on_stream_error(stream.handle, code, f"{why} ({error_name(code)})")
+        self.events._on_capacity()
+
     def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id != 0:
             raise ProtocolError("SETTINGS on a stream")
@@ -427,21 +530,30 @@ class ClientConnection:
             return
         if len(payload) % 6:
             raise ProtocolError("SETTINGS length is not a multiple of 6", FRAME_SIZE_ERROR)
+        limit = None if self._settings_received else UNLIMITED_STREAMS  # the first SETTINGS end our own limit
+        self._settings_received = True
         for at in range(0, len(payload), 6):
             key, value = int.from_bytes(payload[at:at + 2], "big"), int.from_bytes(payload[at + 2:at + 6], "big")
             if key == SETTINGS_MAX_CONCURRENT_STREAMS:
-                self.max_concurrent_streams = value
+                limit = value
+            elif key == SETTINGS_ENABLE_PUSH and value != 0:
+                raise ProtocolError(f"SETTINGS_ENABLE_PUSH {value} from a server")  # RFC 9113 §6.5.2
             elif key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolError(f"SETTINGS_INITIAL_WINDOW_SIZE {value}", FLOW_CONTROL_ERROR)
                 delta, self.peer_initial_window = value - self.peer_initial_window, value
                 for stream in self.streams.values():
                     stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:  # RFC 9113 §6.9.2: a connection error
+                        raise ProtocolError(f"SETTINGS_INITIAL_WINDOW_SIZE {value} takes stream {stream.id}'s "
+                                            f"window past 2^31-1", FLOW_CONTROL_ERROR)
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     raise ProtocolError(f"SETTINGS_MAX_FRAME_SIZE {value}")
                 self.max_frame_size = value
             # HEADER_TABLE_SIZE: we never index, so never use the peer's table; others do not apply to us
+        if limit is not None:
+            self.max_concurrent_streams = limit
         self._out += frame(SETTINGS, ACK, 0)
         self._send_bodies()
         self.events._on_capacity()
@@ -450,15 +562,22 @@ class ClientConnection:
         if len(payload) != 4:
             raise ProtocolError("WINDOW_UPDATE must be 4 bytes", FRAME_SIZE_ERROR)
         increment = int.from_bytes(payload, "big") & 0x7fffffff
-        if increment == 0:
-            raise ProtocolError("a WINDOW_UPDATE of 0")
         if stream_id == 0:
+            if increment == 0:
+                raise ProtocolError("a WINDOW_UPDATE of 0 for the connection")
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
                 raise ProtocolError("the connection window grew past 2^31-1", FLOW_CONTROL_ERROR)
         elif (stream := self.streams.get(stream_id)) is not None:
+            if increment == 0:  # RFC 9113 §6.9: on a stream, a stream error
+                self._stream_error(stream, PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                return
             stream.send_window += increment
+            if stream.send_window > MAX_WINDOW:
+                self._stream_error(stream, FLOW_CONTROL_ERROR, "the stream's window grew past 2^31-1")
+                return
         else:
+            self._check_known(stream_id)
             return
         self._send_bodies()
         self.events._on_capacity()
@@ -473,7 +592,7 @@ class ClientConnection:
             if stream in self._sending:
                 self._sending.remove(stream)
             handles.append(stream.handle)
-        self.events._on_goaway(int.from_bytes(payload[4:8], "big"), handles)
+        self.events._on_goaway(int.from_bytes(payload[4:8], "big"), bytes(payload[8:]), handles)
 
     def _unpad(self, payload: bytes) -> bytes:
         if not payload or payload[0] >= len(payload):

@@ -3,7 +3,8 @@
 Subclasses fill `_items` and call `_wake_reader()` (StreamInbox from the asyncio loop thread through
 its dispatcher), or fill them and call `hand_over()` once the producer has put in everything it has
 at that moment (H2Stream: the HTTP/2 connection's reader task, after each socket read), and close
-with an error or none.
+with an error or none. `_taken()` is called each time the reader took a batch: a subclass whose producer
+must not run ahead of the reader (H2Stream: HTTP/2 flow control) learns there that it may send more.
 
 Direct delivery: while the reader waits with nothing queued, `hand_over()` gives what arrived to the
 reader's `direct` handler, called right there in the producing task, instead of waking the reader.
@@ -69,11 +70,15 @@ class TrioInbox:
         batch = list(items)
         items.clear()
         if batch:
+            self._taken()
             return batch
         # closed: every item is queued before the close, so nothing can arrive after this point
         if self._error is not None:
             raise self._error
         return []
+
+    def _taken(self) -> None:
+        """The reader took what was queued (H2Stream gives the worker its flow-control credit back here)."""
 
     def _abort(self, _: Any) -> trio.lowlevel.Abort:
         self._reader = None

@@ -5,7 +5,12 @@ before any byte of the response) -> execute in the request's nursery, which is c
 client disconnects (the native server calls back; under plain ASGI a watcher task waits in receive()).
 A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
 after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
-response.
+response, also when the shutdown grace ends before it does (`cut_in_flight`: a 503 with Retry-After, or
+that final error event).
+
+Memory: a failed request frees its body when its error is handled, not at the next full garbage
+collection. No local variable keeps a handled error (its traceback holds the frames that hold the body:
+a reference cycle), and the body readers drop their buffers before they raise.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
+from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.limits import KeyAccount
-from orchestrator.frontend.http_server import BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
@@ -77,6 +82,7 @@ class App:
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
+        self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
                                         max_image_bytes=limits.max_image_bytes,
@@ -163,36 +169,55 @@ class App:
     async def completions(self, scope, receive, send) -> None:
         await self._complete("completion", scope, receive, send)
 
+    def cut_in_flight(self) -> int:
+        """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
+        a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
+        cut its connection. Their nurseries are cancelled, which aborts their engine work. How many there were."""
+        for cut in self._cuttable:
+            cut.cancel()
+        return len(self._cuttable)
+
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get(API_KEY)
         with self.tracer.request(scope, key) as request_span:
-            await self._serve_completion(kind, scope, receive, send, self.accounts.get(key), request_span)
+            await self._answer(kind, scope, receive, send, self.accounts.get(key), request_span)
 
-    async def _serve_completion(self, kind: str, scope: Scope, receive: Receive, send: Send,
-                                account: KeyAccount | None, request_span) -> None:
+    async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
+                      request_span) -> None:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set(**{"orchestrator.request_id": request_id})
-        headers = [(b"x-request-id", request_id.encode())]
         extensions = scope.get("extensions") or {}
-        response = _Response(send, headers, extensions.get(SEND_NOW))
+        response = _Response(send, [(b"x-request-id", request_id.encode())], extensions.get(SEND_NOW))
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
+        cut = trio.CancelScope()
+        self._cuttable.add(cut)
+        try:
+            with cut:
+                outcome = await self._serve_completion(kind, scope, request_id, response, receive, account)
+            if cut.cancelled_caught:
+                outcome = "error"
+                await response.error(ApiError(503, "the server shut down before this request finished; retry it",
+                                              code="draining", retry_after=1))
+        finally:
+            self._cuttable.discard(cut)
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            self.metrics.request_done(route, outcome)
+            request_span.set(**{"orchestrator.outcome": outcome})
+
+    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
+                                receive: Receive, account: KeyAccount | None) -> str:
+        """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
+        extensions = scope.get("extensions") or {}
         admitted = False
         try:
-            if self.draining:
-                raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            if extensions.get(BODY_ARRIVED):  # the native server has all of it: nothing to wait for
-                body, size = await read_json(receive, self.config.limits.max_request_bytes)
-            else:
-                with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
-                    body, size = await read_json(receive, self.config.limits.max_request_bytes)
-            self.trim_due |= size >= BIG_BODY_BYTES
-            api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+            api = await self._parse(kind, scope, receive)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
@@ -201,29 +226,57 @@ class App:
             if account is not None:
                 account.planned(plan.prompt_tokens)
             on_disconnect = extensions.get(ON_DISCONNECT)
-            outcome = await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
+            return await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
+        # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
+        # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
+        # keeps every frame of the traceback, the request body among their locals, until a full GC pass.
         except (ApiError, RequestError, EngineError) as error:
-            api_error = to_api_error(error)
-            outcome = "client_error" if api_error.status < 500 else "error"
-            if api_error.status >= 500:  # the client's body is scrubbed; the whole story is here
-                self.failure_log("request %s failed with %d: %s", request_id, api_error.status, cause_chain(error))
-            await response.error(api_error)
+            return await self._refuse(error, request_id, response)
         except trio.TooSlowError:
-            outcome = "client_error"
-            await response.error(ApiError(408, f"the request body did not arrive within "
-                                               f"{self.config.http.body_timeout_s:g} s", code="request_timeout"))
+            return await self._refuse(ApiError(408, f"the request body did not arrive within "
+                                                    f"{self.config.http.body_timeout_s:g} s",
+                                               code="request_timeout"), request_id, response)
         except ClientGone:
-            outcome = "disconnected"
+            bad_body = extensions.get(BAD_BODY)
+            why = bad_body() if bad_body is not None else None
+            if why is None:
+                return "disconnected"
+            return await self._refuse(ApiError(400, f"the request body is malformed: {why}", code="bad_request"),
+                                      request_id, response)
         except Exception:
             log.exception("request %s failed", request_id)
             await response.error(ApiError(500, f"internal error while serving request {request_id}"))
+            return "error"
         finally:
-            self.inflight -= 1
-            self.metrics.inflight.dec()
-            self.metrics.request_done(route, outcome)
             if admitted:
                 account.ended(response.usage)
-            request_span.set(**{"orchestrator.outcome": outcome})
+
+    async def _refuse(self, error: Exception, request_id: str, response: "_Response") -> str:
+        """Answer a failed request with its error (logged with its cause chain when it is ours); its outcome."""
+        api_error = to_api_error(error)
+        if api_error.status >= 500:  # the client's body is scrubbed; the whole story is here
+            self.failure_log("request %s failed with %d: %s", request_id, api_error.status, cause_chain(error))
+        await response.error(api_error)
+        return "client_error" if api_error.status < 500 else "error"
+
+    async def _parse(self, kind: str, scope: Scope, receive: Receive):
+        """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
+        it announces more than limits.max_request_bytes."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
+        limit = self.config.limits.max_request_bytes
+        announced = _header(scope, b"content-length")
+        if announced is not None and announced.isdigit() and int(announced) > limit:
+            raise _too_large(limit)
+        if (scope.get("extensions") or {}).get(BODY_ARRIVED):  # the native server has all of it: nothing to wait
+            body = await read_json(receive, limit, on_size=self._body_read)
+        else:
+            with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+                body = await read_json(receive, limit, on_size=self._body_read)
+        return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+
+    def _body_read(self, size: int) -> None:
+        self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
     async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive,
                    on_disconnect: Callable[[Callable[[], None]], None] | None) -> str:
@@ -431,36 +484,66 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_json(receive: Receive, limit: int) -> tuple[Any, int]:
-    """The JSON body and its size in bytes."""
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _ignore_size(size: int) -> None:
+    pass
+
+
+async def read_json(receive: Receive, limit: int, *, on_size: Callable[[int], None] = _ignore_size) -> Any:
+    """The JSON body; `on_size` is told its size in bytes once it is read (also when it is then refused).
+    Nothing raised from here refers to the body: its buffers are dropped first (see the module docstring)."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            chunks.clear()
             raise ClientGone()
         body = message.get("body", b"")
         size += len(body)
         if size > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            del body, message
+            chunks.clear()
+            on_size(size)
+            raise _too_large(limit)
         chunks.append(body)
         if not message.get("more_body"):
             break
+    del body, message
     raw = b"".join(chunks)
+    chunks.clear()
+    on_size(len(raw))
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
+    # A big body (images as data URIs, long prompts) is parsed on a worker thread: the event loop keeps
+    # serving every other stream meanwhile.
+    value, problem = _decode_json(raw) if len(raw) < 1 << 20 else await trio.to_thread.run_sync(_decode_json, raw)
+    param = None
+    if problem is None and _ESCAPED_SURROGATE.search(raw):
+        param = _lone_surrogate_at(value)
+        if param is not None:
+            problem = f"{param}: the string holds a lone UTF-16 surrogate (not valid Unicode text)"
+    del raw
+    if problem is not None:
+        del value
+        raise ApiError(400, problem, param=param)
+    return value
+
+
+def _decode_json(raw: bytes) -> tuple[Any, str | None]:
+    """(the value, None) or (None, why not). Returns instead of raising: an error raised through
+    trio.to_thread.run_sync forms a cycle with the outcome that carried it (its traceback holds the frame
+    that holds the outcome), and a JSONDecodeError keeps the whole decoded text as its `doc`."""
     try:
-        # A big body (images as data URIs, long prompts) is parsed on a worker thread: the event loop keeps
-        # serving every other stream meanwhile.
-        body = json.loads(raw) if len(raw) < 1 << 20 else await trio.to_thread.run_sync(json.loads, raw)
+        return json.loads(raw), None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return None, f"the request body is not valid JSON: {exc}"  # short: line, column and position
     except RecursionError:
-        raise ApiError(400, "the request body nests too deeply") from None
+        return None, "the request body nests too deeply"
     except ValueError as exc:  # e.g. an integer of more than 4,300 digits
-        raise ApiError(400, f"the request body is not usable JSON: {exc}") from None
-    if _ESCAPED_SURROGATE.search(raw):
-        _refuse_lone_surrogates(body)
-    return body, len(raw)
+        return None, f"the request body is not usable JSON: {exc}"
 
 
 # JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"); such a string has no UTF-8 form, so no engine
@@ -468,20 +551,25 @@ async def read_json(receive: Receive, limit: int) -> tuple[Any, int]:
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _refuse_lone_surrogates(value, where: str = "body") -> None:
+def _lone_surrogate_at(value, where: str = "body") -> str | None:
+    """Where the first string holding a lone surrogate is (None: nowhere)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ApiError(400, f"{where}: the string holds a lone UTF-16 surrogate (not valid Unicode text)",
-                           param=where) from None
+            return where
     elif isinstance(value, dict):
         for key, item in value.items():
-            _refuse_lone_surrogates(key, where)
-            _refuse_lone_surrogates(item, f"{key}" if where == "body" else f"{where}.{key}")
+            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(
+                item, f"{key}" if where == "body" else f"{where}.{key}")
+            if found is not None:
+                return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _refuse_lone_surrogates(item, f"{where}[{i}]")
+            found = _lone_surrogate_at(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:

@@ -7,7 +7,15 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
 - keep-alive, with `http.keep_alive_s` as the idle limit and as the deadline for a whole request head
   (checked every min(1 s, a quarter of it): a connection goes within that much after the limit);
   pipelined requests are answered in order; `Expect: 100-continue` is honoured.
-- a request head of at most `http.max_header_bytes` (else 431); a malformed request gets 400.
+- a request head of at most `http.max_header_bytes` (else 431); a malformed request gets 400, also when
+  only its chunked body is malformed (the `BAD_BODY` extension tells the application why its body ended).
+- a connection closed while the client may still be sending (a refused head, a body left unread) is
+  half-closed first and what still arrives is read and dropped for up to `_LINGER_S` (RFC 9112 9.6):
+  closing with unread bytes makes the kernel reset the connection, and a client still writing its request
+  then fails on the write and never reads the answer.
+- at most `max_connections` client connections: one more closes the connection idle the longest, or is
+  refused with a 503 when none is idle. Out of file descriptors, accepting pauses and says so in one log
+  line per interval (trio's own loop logged a traceback for every attempt).
 - a response head goes out with the first body bytes, in one write; a body without content-length is
   chunked, its last chunk and terminator in one write.
 - disconnect detection: one reader task per connection; when the client closes, the application's
@@ -30,6 +38,7 @@ The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn 
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket as stdlib_socket
 import ssl
@@ -43,6 +52,7 @@ import trio
 from orchestrator.eager_receive import EagerReceiver
 from orchestrator.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
+from orchestrator.log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -53,6 +63,11 @@ _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before re
 ON_DISCONNECT = "orchestrator.on_disconnect"  # scope["extensions"] key: register a callback for the client going
 BODY_ARRIVED = "orchestrator.body_arrived"  # scope["extensions"] key: True when receive() has the whole body
 SEND_NOW = "orchestrator.send_now"  # scope["extensions"] key: write a chunk of a started response from any task
+BAD_BODY = "orchestrator.bad_body"  # scope["extensions"] key: why the body ended early (malformed), or None
+_LINGER_S = 2.0  # how long a closing connection reads and drops what the client still sends
+# accept() failing for want of descriptors or memory (trio's serve_listeners has the same list): pause, retry
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_PAUSE_S = 0.1
 
 
 @attrs.frozen
@@ -60,6 +75,7 @@ class ServerLimits:
     keep_alive_s: float = 15.0
     max_header_bytes: int = 16 * 1024
     grace_s: float = 10.0
+    max_connections: int | None = None  # open client connections (None: no cap of our own)
 
 
 async def open_listener(host: str, port: int, *, backlog: int, reuse_port: bool = False) -> trio.SocketListener:
@@ -90,8 +106,8 @@ async def serve_http(app: Application, listener: trio.SocketListener, *, limits:
     accepting = trio.CancelScope()
 
     async def accept(connections: trio.Nursery) -> None:
-        with accepting:  # trio pauses accepting while out of file descriptors, instead of spinning
-            await trio.serve_listeners(server.connection, [listener], handler_nursery=connections)
+        with accepting:
+            await server.accept(listener, connections)
 
     async with trio.open_nursery() as connections:
         connections.start_soon(accept, connections)
@@ -113,6 +129,7 @@ class _Server:
         self.draining = False
         self.open: set[_Connection] = set()
         self.idle = trio.Event()  # set once draining and no connection is left
+        self.out_of_resources_log = RateLimitedLog(log, interval=10.0, level=logging.ERROR)
 
     def drain(self) -> None:
         self.draining = True
@@ -134,6 +151,38 @@ class _Server:
             for connection in list(self.open):
                 if connection.waiting_since is not None and connection.waiting_since <= waited_since:
                     connection.reading.cancel()  # its reader stops: the connection ends as if the client went
+
+    async def accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        """Accept connections into `connections` until cancelled, within `limits.max_connections`."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                # Out of descriptors (or memory): the connection waits in the listen queue. A pause instead of
+                # spinning, and one line per interval: a traceback per attempt would bury the log.
+                self.out_of_resources_log("cannot accept connections: %s; %d client connections open; pausing "
+                                          "accept() %.1f s at a time", exc.strerror or exc, len(self.open),
+                                          _ACCEPT_PAUSE_S)
+                await trio.sleep(_ACCEPT_PAUSE_S)
+                continue
+            cap = self.limits.max_connections
+            if cap is not None and len(self.open) >= cap and not self._close_longest_idle():
+                connections.start_soon(_refuse, stream)
+                continue
+            connections.start_soon(self.connection, stream)
+
+    def _close_longest_idle(self) -> bool:
+        """End the connection that has waited longest for a request (keep-alive or an unfinished head);
+        False when every connection has a request being answered."""
+        waiting = [c for c in self.open if c.waiting_since is not None]
+        if not waiting:
+            return False
+        longest = min(waiting, key=lambda connection: connection.waiting_since)
+        longest.waiting_since = None  # it is going: not a candidate again
+        longest.reading.cancel()
+        return True
 
     async def connection(self, stream: trio.SocketStream) -> None:
         try:
@@ -162,7 +211,23 @@ class _Server:
         finally:
             self.open.discard(connection)
             self._check_idle()
-            await _close(transport, forcefully=connection.broken)
+            try:
+                if connection.may_have_unread_input:
+                    await connection.linger()  # not shielded: a drain's final cancel cuts it short
+            finally:
+                connection.release()
+                await _close(transport, forcefully=connection.broken)
+
+
+async def _refuse(stream: trio.SocketStream) -> None:
+    """A connection beyond max_connections while none is idle: a 503, then closed."""
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(wire.error_response(503, "the server has too many open connections; retry shortly",
+                                                      "too_many_connections", retry_after=1))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await _close(stream, forcefully=False)
 
 
 async def _close(stream: trio.abc.Stream, *, forcefully: bool) -> None:
@@ -207,7 +272,8 @@ class _Connection:
         self.head_bytes = 0  # bytes of the request head being read
         self.in_head = False
         self.buffered = 0  # body bytes parsed and not yet taken by the application
-        self.eof = False  # the client closed its side (or the connection broke)
+        self.eof = False  # the client closed its side (or the connection broke, or reading stopped)
+        self.client_closed = False  # the client's FIN was read: nothing more will arrive
         self.broken = False  # a write failed: close without ceremony
         self.backlog = b""  # response bytes write_now() could not send yet; the next write() sends them first
         self.bad_request: tuple[int, str, str] | None = None  # a request that cannot be answered normally
@@ -244,6 +310,7 @@ class _Connection:
                     await self.changed()  # the application has not caught up: stop reading (backpressure)
                 data = await self.receiver.receive_some(_READ_SIZE)
                 if not data:
+                    self.client_closed = True
                     break
                 if self.in_head or self.incoming is None:
                     self.head_bytes += len(data)
@@ -256,6 +323,7 @@ class _Connection:
                     self.notify()
                     while await self.receiver.receive_some(_READ_SIZE):
                         pass
+                    self.client_closed = True
                     break
                 except httptools.HttpParserError as exc:
                     self.bad_request = (400, f"the request is not valid HTTP/1.1: {exc}", "bad_request")
@@ -263,7 +331,39 @@ class _Connection:
                     self._refuse_head()  # still arriving and already too large: read no more of it
                 self.notify()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
-            pass
+            self.client_closed = True  # broken: nothing more can be read
+
+    @property
+    def may_have_unread_input(self) -> bool:
+        """Whether closing now may leave bytes the client sent (or is sending) unread: a refused or unfinished
+        head, a body the application did not read whole, a request pipelined behind the last answered one."""
+        if self.client_closed or self.broken:
+            return False
+        return self.bad_request is not None or self.in_head or self.incoming is not None or len(self.parsed) > 1
+
+    async def linger(self) -> None:
+        """Half-close, then read and drop what the client still sends until it closes or _LINGER_S passes.
+        Closing with unread bytes would reset the connection: a client still writing its request (a big body
+        refused with 413, a head refused with 431) fails on its write and never reads the answer."""
+        with trio.move_on_after(_LINGER_S):
+            try:
+                if isinstance(self.stream, trio.SocketStream):
+                    await self.stream.send_eof()  # the answer is whole: a client reading to the end sees it end
+                while await self.receiver.receive_some(_READ_SIZE):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
+
+    def release(self) -> None:
+        """Drop the request bodies this connection still holds, at once. The parser and the connection refer
+        to each other (its callbacks), so without this a 1 MB read-ahead of a refused body would wait for a
+        full garbage collection."""
+        for request in (*self.parsed, self.incoming):
+            if request is not None:
+                request.body.clear()
+        self.parsed.clear()
+        self.incoming = None
+        self.parser = None
 
     def _gone(self) -> None:
         """The client closed its side or the connection broke: wake receive() and call the callback."""
@@ -352,6 +452,7 @@ class _Connection:
         exchange = _Exchange(self, request)
         scope["extensions"][ON_DISCONNECT] = exchange.call_on_disconnect
         scope["extensions"][BODY_ARRIVED] = request.complete  # reading it cannot wait (no slowloris timer needed)
+        scope["extensions"][BAD_BODY] = exchange.body_error
         if self.sender.eager:
             scope["extensions"][SEND_NOW] = exchange.send_now
         self.answering = exchange
@@ -366,6 +467,9 @@ class _Connection:
             self.answering = None  # that request is over: a later disconnect is not its business
         if not exchange.finished:
             if exchange.head_sent:  # a response cut short cannot be completed: the client sees it end
+                return False
+            if exchange.body_error() is not None:  # its body was malformed: the client's error, not ours
+                await exchange.send_error(*self.bad_request)
                 return False
             await exchange.send_error(500, "the application sent no response", "internal_error")
             return False
@@ -407,15 +511,21 @@ class _Exchange:
     """The ASGI receive/send pair of one request."""
 
     __slots__ = ("connection", "request", "started", "head_sent", "finished", "status", "headers", "chunked",
-                 "close", "body_done", "continue_sent", "on_gone")
+                 "close", "bodyless", "body_done", "continue_sent", "on_gone")
 
     def __init__(self, connection: _Connection, request: _Request):
         self.connection, self.request = connection, request
         self.started = self.head_sent = self.finished = self.body_done = self.continue_sent = False
         self.status = 200
         self.headers: list = []
-        self.chunked = self.close = False
+        self.chunked = self.close = self.bodyless = False
         self.on_gone: Callable[[], None] | None = None
+
+    def body_error(self) -> str | None:
+        """BAD_BODY: why this request's body ended before it was whole (its framing is malformed: a bad chunk
+        size, say), or None. receive() reports such an end as a disconnect, as ASGI has no other word for it."""
+        bad = self.connection.bad_request  # the parser reads in order: an unfinished body is the last thing parsed
+        return None if bad is None or self.request.complete else bad[1]
 
     def call_on_disconnect(self, callback: Callable[[], None]) -> None:
         """`callback()` once, when the client goes while this request is answered (at once if it has gone).
@@ -483,6 +593,8 @@ class _Exchange:
         if not self.head_sent:  # the head goes out with the first body bytes
             data = self._head()
             self.head_sent = True
+        if self.bodyless:  # the head is the whole response: a body here would be read as the next response
+            return data
         if self.chunked:
             return data + wire.frame_chunk(body) + (b"" if more else wire.LAST_CHUNK)
         return data + body
@@ -490,14 +602,19 @@ class _Exchange:
     def _head(self) -> bytes:
         request, connection = self.request, self.connection
         has_length = wire.has_content_length(self.headers)
-        self.chunked = not has_length and request.http_version == "1.1"
+        # 1xx, 204 and 304 never have a body, nor framing for one (RFC 9110 §15.3.5, §15.4.5, RFC 9112 §6.1); a
+        # HEAD's head says what a GET would get (its content-length, or chunked) and its body is never sent
+        no_body_status = self.status < 200 or self.status in (204, 304)
+        self.bodyless = no_body_status or request.method == "HEAD"
+        self.chunked = not has_length and not no_body_status and request.http_version == "1.1"
         # close after this response: the client asked to, an unread body is left on the connection, a
         # HTTP/1.0 body without length ends with the connection, or the server is draining
-        self.close = (not request.keep_alive or not request.complete or (not has_length and not self.chunked)
-                      or connection.server.draining)
+        self.close = (not request.keep_alive or not request.complete
+                      or (not has_length and not self.chunked and not self.bodyless) or connection.server.draining)
         return wire.render_head(self.status, self.headers, chunked=self.chunked, close=self.close)
 
     async def send_error(self, status: int, message: str, code: str) -> None:
         self.started = self.head_sent = self.finished = True
         self.close = True
-        await self.connection.write(wire.error_response(status, message, code))
+        await self.connection.write(wire.error_response(status, message, code,
+                                                        with_body=self.request.method != "HEAD"))

@@ -99,11 +99,15 @@ def split_target(target: bytes) -> tuple[str, bytes, bytes]:
     return path, raw_path, query
 
 
-def error_response(status: int, message: str, code: str) -> bytes:
-    """A whole response in the OpenAI error format, for a request the application never saw
-    (unparseable, head too large); the connection closes after it."""
+def error_response(status: int, message: str, code: str, *, retry_after: int | None = None,
+                   with_body: bool = True) -> bytes:
+    """A whole response in the OpenAI error format, for a request the application never saw (unparseable,
+    head too large, too many connections) or failed; the connection closes after it. Without its body for
+    a HEAD."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    head = render_head(status, [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())], chunked=False, close=True)
-    return head + body
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    head = render_head(status, headers, chunked=False, close=True)
+    return head + body if with_body else head

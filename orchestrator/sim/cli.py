@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="trtllm: behave as TensorRT-LLM's own OpenEngine server; strict: the spec-only simulator")
     p.add_argument("--schema-revision", type=int, choices=(1, 3), default=1,
                    help="1: tensorrt_llm/grpc/openengine (role per request, no media, no abort by session); "
-                        "3: tensorrt_llm/openengine (declared role, images, abort by session)")
+                        "3: tensorrt_llm/openengine (declared role, images, an abort by session answered but "
+                        "freeing nothing once the prefill finished)")
     p.add_argument("--handoff", choices=HANDOFF_SHAPES, default="both",
                    help="revision 1: what locates the context worker in the KV session (endpoint, opaque_state "
                         "or both)")
@@ -44,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a prefill holds an unpulled KV session; 0: until exit (default: the persona's; "
                         "revision-1 TensorRT-LLM holds it until exit)")
     p.add_argument("--abort-cleanup", action="store_true",
-                   help="honour Control.Abort by kv_session even where the persona does not")
+                   help="advertise supports_abort_cleanup and answer Control.Abort by kv_session where the persona "
+                        "does not (trtllm: answered ABORTED, frees nothing, as the sibling server; strict: frees)")
     p.add_argument("--multimodal", dest="multimodal", action="store_true", default=None,
                    help="ModelInfo.supports_multimodal = true and take images (default: the persona's)")
     p.add_argument("--no-multimodal", dest="multimodal", action="store_false",
