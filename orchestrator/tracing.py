@@ -45,7 +45,7 @@ class _NoSpan:
     def __exit__(self, *exc_info) -> None:
         return None
 
-    def set(self, **attributes) -> None:
+    def set(self, key: str, value) -> None:
         pass
 
 
@@ -133,8 +133,10 @@ class Span:
     def __exit__(self, *exc_info):
         return self._use.__exit__(*exc_info)
 
-    def set(self, **attributes) -> None:
-        self.otel.set_attributes(_clean(attributes))
+    def set(self, key: str, value) -> None:
+        """One attribute (positional: no keyword dict to build on the request path when tracing is off)."""
+        if value is not None:
+            self.otel.set_attribute(key, value)
 
 
 class Tracing:

@@ -186,7 +186,7 @@ class App:
                       request_span) -> None:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
-        request_span.set(**{"orchestrator.request_id": request_id})
+        request_span.set("orchestrator.request_id", request_id)
         extensions = scope.get("extensions") or {}
         response = _Response(send, [(b"x-request-id", request_id.encode())], extensions.get(SEND_NOW))
         self.metrics.inflight.inc()
@@ -206,7 +206,7 @@ class App:
             self.inflight -= 1
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
-            request_span.set(**{"orchestrator.outcome": outcome})
+            request_span.set("orchestrator.outcome", outcome)
 
     async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
                                 receive: Receive, account: KeyAccount | None) -> str:

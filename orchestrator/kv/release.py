@@ -49,7 +49,7 @@ class KvReleaser:
 
     async def _pull(self, worker, leg: g.GenerateRequest, lease: KvLease) -> bool:
         with self.pool.lease(worker), tracing.leg_span("kv_release", worker.address, leg.request_id) as span:
-            span.set(**{"orchestrator.kv_session": lease.session.session_id})
+            span.set("orchestrator.kv_session", lease.session.session_id)
             try:
                 async with worker.client.generate(leg, metadata=span.metadata) as stream:
                     while batch := await stream.next_batch():
