@@ -68,22 +68,24 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     binary = aiperf_binary(args.install)
-    tmp = Path(tempfile.mkdtemp(prefix="orch-aiperf-"))
     rows = []
-    for mode in args.modes:
-        for coalesce in (False, True):
-            workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
-            try:
-                roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
-                addresses = {role: workers.start(role, "--time-scale", str(args.time_scale)).address for role in roles}
-                label = f"{mode}-{'coalesced' if coalesce else 'per-token'}"
-                config = write_config(tmp / f"{label}.yaml", mode, {r: [a] for r, a in addresses.items()},
-                                      http={"coalesce_tokens": coalesce})
-                server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
-                rows.append((mode, coalesce, run_aiperf(binary, server.url, tmp / label, args)))
-            finally:
-                servers.close()
-                workers.close()
+    with tempfile.TemporaryDirectory(prefix="orch-aiperf-") as scratch:
+        tmp = Path(scratch)
+        for mode in args.modes:
+            for coalesce in (False, True):
+                workers, servers = SimWorkers(tmp), OrchestratorServers(tmp)
+                try:
+                    roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
+                    addresses = {role: workers.start(role, "--time-scale", str(args.time_scale)).address
+                                 for role in roles}
+                    label = f"{mode}-{'coalesced' if coalesce else 'per-token'}"
+                    config = write_config(tmp / f"{label}.yaml", mode, {r: [a] for r, a in addresses.items()},
+                                          http={"coalesce_tokens": coalesce})
+                    server = servers.start(config, env={"ORCH_LOG_LEVEL": "WARNING"})
+                    rows.append((mode, coalesce, run_aiperf(binary, server.url, tmp / label, args)))
+                finally:
+                    servers.close()
+                    workers.close()
     report(rows, args)
     return 0
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
     finally:
         servers.close()
         workers.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # the logs and configs of this run: nothing left behind
     report(rows, args)
     return 0
 

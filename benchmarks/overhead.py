@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -222,6 +223,7 @@ def main(argv=None) -> int:
     finally:
         servers.close()
         workers.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.max_tokens} streamed tokens per request, sim workers at zero cost, 2-core machine")
     report(rows)
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
                    (("aggregated", agg), ("disaggregated", dis))}
     finally:
         workers.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nload point: {args.streams} streams, {args.input_len} prompt tokens, {args.output_len} output tokens, "
           f"one arrival every {args.stagger * 1e3:.0f} ms, profile {args.profile}, 2 GPUs each (GPU time)")
     print(f"{'topology':28} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)")

@@ -6,6 +6,7 @@ rejected so that a typo never passes silently. `orchestrator check-config FILE` 
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -164,9 +165,31 @@ def _read_pem_files(section, name: str, base_dir: Path, file: str) -> tuple[byte
 
 
 @attrs.frozen
-class AuthConfig:
-    """API keys (Bearer). Any of the three sources; none at all: no authentication."""
+class KeyLimits:
+    """One API key's limits, each optional; enforced per orchestrator process (frontend/limits.py)."""
 
+    requests_per_s: float | None = attrs.field(default=None, validator=_positive)  # token bucket, 1 s of burst
+    tokens_per_min: int | None = attrs.field(default=None, validator=_positive)  # prompt + completion, 1 min of burst
+    max_concurrency: int | None = attrs.field(default=None, validator=_positive)  # requests in flight at once
+
+
+@attrs.frozen
+class ApiKeyConfig:
+    """A named API key: the name labels its usage metrics and logs (never the secret), which is inline
+    (`key`), in an environment variable (`key_env`) or alone in a file (`key_file`, e.g. a mounted Secret)."""
+
+    name: str
+    key: str | None = None
+    key_env: str | None = None
+    key_file: str | None = None
+    limits: KeyLimits | None = None
+
+
+@attrs.frozen
+class AuthConfig:
+    """API keys (Bearer). Any of the sources; none at all: no authentication."""
+
+    keys: tuple[ApiKeyConfig, ...] = ()  # named keys, with usage metrics and optional limits per name
     api_keys: tuple[str, ...] = ()  # inline (prefer a file or the environment for real keys)
     api_keys_file: str | None = None  # one key per line; relative to the config file
     api_keys_env: str | None = None  # the name of an environment variable holding comma-separated keys
@@ -202,6 +225,15 @@ class HttpConfig:
 
 
 @attrs.frozen
+class TracingConfig:
+    """OpenTelemetry traces over OTLP/HTTP (orchestrator/tracing.py); no `tracing:` section: no tracing at all."""
+
+    endpoint: str  # the collector's traces URL, e.g. http://otel-collector:4318/v1/traces
+    sample_ratio: float = 1.0  # of the traces that start here; a client's sampled traceparent is always followed
+    service_name: str = "orchestrator"
+
+
+@attrs.frozen
 class SimSpec:
     profile: str = "llama3-8b-h100"
     time_scale: float = 1.0
@@ -218,6 +250,7 @@ class WorkerLaunch:
     sim: SimSpec | None = None
     command: tuple[str, ...] = ()  # a real worker: argv with {port} substituted
     register: bool = False  # run `orchestrator register` beside it (etcd discovery)
+    env: dict[str, str] = attrs.field(factory=dict)  # added to its environment, e.g. CUDA_VISIBLE_DEVICES
 
 
 @attrs.frozen
@@ -248,6 +281,7 @@ class Config:
     stream_transport: str = "h2"
     keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()
+    tracing: TracingConfig | None = None  # OpenTelemetry; off without this section
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
     base_dir: Path = attrs.field(default=Path("."), eq=False)
@@ -398,6 +432,43 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
     for name in ("prefill_retries", "decode_retries", "migration_limit"):
         if getattr(config.limits, name) < 0:
             raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
+    _check_keys(config.auth, file)
+    _check_tracing(config.tracing, file)
+    for i, worker in enumerate(config.launch.workers):
+        for name in worker.env:
+            if not name or "=" in name or "\0" in name:
+                raise ConfigError(file, f"launch.workers[{i}].env", "environment variable names without '='", name)
+
+
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+
+
+def _check_keys(auth: AuthConfig, file: str) -> None:
+    seen: set[str] = set()
+    for i, key in enumerate(auth.keys):
+        where = f"auth.keys[{i}]"
+        if not KEY_NAME.fullmatch(key.name):
+            raise ConfigError(file, f"{where}.name", "a name of letters, digits and _ . : - (at most 64, used as a "
+                              "metrics label)", key.name)
+        if key.name in seen:
+            raise ConfigError(file, f"{where}.name", "a name no other key has", key.name)
+        seen.add(key.name)
+        sources = [source for source in ("key", "key_env", "key_file") if getattr(key, source) is not None]
+        if len(sources) != 1:
+            raise ConfigError(file, where, "exactly one of key, key_env or key_file "
+                              f"(got {', '.join(sources) or 'none'})")
+
+
+def _check_tracing(tracing: TracingConfig | None, file: str) -> None:
+    if tracing is None:
+        return
+    if not tracing.endpoint.startswith(("http://", "https://")):
+        raise ConfigError(file, "tracing.endpoint", "an OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces",
+                          tracing.endpoint)
+    if not 0.0 <= tracing.sample_ratio <= 1.0:
+        raise ConfigError(file, "tracing.sample_ratio", "a number from 0 to 1", tracing.sample_ratio)
+    if not tracing.service_name:
+        raise ConfigError(file, "tracing.service_name", "a non-empty name", tracing.service_name)
 
 
 def load(path: str | Path, *, check_paths: bool = True) -> Config:

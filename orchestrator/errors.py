@@ -33,6 +33,10 @@ class WorkerDiscoveryFailed(RequestError):
     """The worker's capabilities (ServerInfo + ModelInfo) could not be read, or lack what is needed."""
 
 
+class RateLimited(RequestError):
+    """The API key is over one of its limits (requests/s, tokens/min, concurrency); `retry_after` says when."""
+
+
 class RequestTimedOut(RequestError):
     """The request did not finish within limits.request_timeout_s."""
 

@@ -99,12 +99,14 @@ class FakeEngineClient:
         self.calls: list[tuple[str, object]] = []
         self.cancelled: list[str] = []  # request ids whose stream was left before its script ended
         self.aborts: list[object] = []  # request ids and kv sessions asked to abort
+        self.metadata: dict[str, tuple] = {}  # the gRPC metadata each Generate call was sent with, by request id
 
     @asynccontextmanager
-    async def generate(self, request: generation_pb2.GenerateRequest):
+    async def generate(self, request: generation_pb2.GenerateRequest, metadata: tuple[tuple[str, str], ...] = ()):
         copy = generation_pb2.GenerateRequest()
         copy.CopyFrom(request)
         self.calls.append(("Generate", copy))
+        self.metadata[request.request_id] = tuple(metadata)
         stream = _FakeStream(self.script(copy))
         try:
             yield stream
@@ -113,7 +115,7 @@ class FakeEngineClient:
                 self.cancelled.append(request.request_id)
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
-                    timeout: float | None = 5.0):
+                    timeout: float | None = 5.0, metadata: tuple[tuple[str, str], ...] = ()):
         await trio.lowlevel.checkpoint()
         target = request_id if request_id is not None else kv_session
         self.calls.append(("Abort", target))

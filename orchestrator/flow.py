@@ -27,6 +27,7 @@ from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import HandoffError, check_session
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.tokenizer import IncrementalDetokenizer
+from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,12 @@ class RequestFlow:
 
     async def _whole(self, worker, leg: g.GenerateRequest) -> None:
         await self.c.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
-                                on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens, migrate=self.migrate)
+                                on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens, migrate=self.migrate,
+                                migration=self.migrations)
 
     async def _split(self, full: g.GenerateRequest, prefill_worker, decode_worker) -> None:
         c, state = self.c, self.state
-        result = await c.prefill.run(prefill_worker, full, decode_worker)
+        result = await c.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations)
         prefill_done = trio.current_time()
         c.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
@@ -91,11 +93,15 @@ class RequestFlow:
         try:
             await c.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
                                detokenizer=self.detokenizer, on_chunk=self._on_chunk,
-                               prompt_tokens=self.plan.prompt_tokens, lease=lease, migrate=self.migrate)
+                               prompt_tokens=self.plan.prompt_tokens, lease=lease, migrate=self.migrate,
+                               migration=self.migrations)
         finally:
             if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
                 await c.releaser.release_unpulled(lease, full, decode_worker)
         if state.first_token_at is not None and streamed_before == 0:
+            # PrefillReady -> the decode leg's first token: the KV transfer and the decode's first step
+            tracing.span_between("kv_handoff", prefill_done, state.first_token_at, kv_session=lease.session.session_id,
+                                 prefill_worker=lease.prefill_worker.address)
             c.metrics.by_stage["kv_handoff"].observe(state.first_token_at - prefill_done)
             c.metrics.by_stage["decode"].observe(trio.current_time() - state.first_token_at)
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,9 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
+        self.env = env  # added to ours (launch.workers[].env: e.g. the GPU a worker may use)
         self.process: trio.Process | None = None
         self.ready_url: str | None = None
         self.ready = trio.Event()
@@ -57,7 +60,7 @@ class Child:
         """Start the process and pump its output; returns when it exits."""
         self.process = await trio.lowlevel.open_process(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         log.info("started %s (pid %d): %s", self.name, self.process.pid, " ".join(self.argv))
         task_status.started()
         try:
@@ -120,7 +123,7 @@ class Launcher:
         self.host = host or config.http.host
         self.children: list[Child] = []
         self.etcd_url: str | None = None
-        self._tmp = tempfile.mkdtemp(prefix="orch-launch-")
+        self._tmp: str | None = None  # etcd's data, when launch.etcd is enabled
 
     async def _start(self, nursery: trio.Nursery, child: Child, *, ready_timeout: float) -> Child:
         self.children.append(child)
@@ -134,6 +137,7 @@ class Launcher:
     async def up(self, nursery: trio.Nursery) -> str:
         launch = self.config.launch
         timeout = launch.ready_timeout_s
+        self._check_port()  # before any worker: real ones take minutes to load
         if launch.etcd.enabled:
             await self._start_etcd(nursery, timeout)
         overrides: list[str] = []
@@ -153,12 +157,12 @@ class Launcher:
                                              "--time-scale", repr(spec.sim.time_scale),
                                              "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
                                              *(ttl_flags if etcd_flags else ()), *spec.sim.args)
-                    child = await self._start(nursery, Child(name, argv), ready_timeout=timeout)
+                    child = await self._start(nursery, Child(name, argv, spec.env), ready_timeout=timeout)
                     address = child.ready_url
                 else:
                     port = free_port()
                     argv = [part.replace("{port}", str(port)) for part in spec.command]
-                    child = Child(name, argv)
+                    child = Child(name, argv, spec.env)
                     self.children.append(child)
                     await nursery.start(child.run)
                     address = f"grpc://127.0.0.1:{port}"
@@ -168,20 +172,40 @@ class Launcher:
                             "--ttl", str(self.config.discovery.etcd.lease_ttl_s),
                             "--model", self.config.model.name)), ready_timeout=timeout)
                 overrides += ["--worker", f"{spec.role}={address}"]
-        serve_argv = orchestrator_argv("serve", "-c", str(self.config_path), "--host", self.host,
-                                       "--port", str(self.http_port))
-        if self.config.discovery.static is not None:
-            serve_argv += overrides
-        elif self.etcd_url:
-            serve_argv += ["--etcd-endpoint", self.etcd_url]
-        child = await self._start(nursery, Child("orchestrator", serve_argv), ready_timeout=timeout)
+        child = await self._start(nursery, Child("orchestrator", self.serve_argv(overrides)), ready_timeout=timeout)
         return child.ready_url
+
+    def serve_argv(self, worker_overrides: list[str]) -> list[str]:
+        """`orchestrator serve` for this config, with the launched workers (`--worker ROLE=ADDRESS` pairs)."""
+        argv = orchestrator_argv("serve", "-c", str(self.config_path), "--host", self.host,
+                                 "--port", str(self.http_port), "--port-flag=--http-port")
+        if self.config.discovery.static is not None:
+            argv += worker_overrides
+        elif self.etcd_url:
+            argv += ["--etcd-endpoint", self.etcd_url]
+        return argv
+
+    def _check_port(self) -> None:
+        """The orchestrator's port is free now (serve says the same if it is taken later)."""
+        from orchestrator.serve import busy_port_message
+
+        if self.http_port == 0:
+            return
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.http_port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise LaunchFailed(busy_port_message(self.host, self.http_port, exc, "--http-port",
+                                                         self.config_path)) from exc
 
     async def _start_etcd(self, nursery: trio.Nursery, timeout: float) -> None:
         binary = shutil.which(self.config.launch.etcd.binary)
         if binary is None:
             raise LaunchFailed(f"{self.config_path}: launch.etcd.binary: {self.config.launch.etcd.binary!r} is not on "
                                "PATH (Debian: apt-get install etcd-server)")
+        self._tmp = tempfile.mkdtemp(prefix="orch-launch-")
         # free_port() is check-then-bind: an etcd that exits at once (its port was taken meanwhile) is started
         # again on fresh ports.
         for attempt in range(5):
@@ -208,7 +232,8 @@ class Launcher:
         with trio.CancelScope(shield=True):
             for child in reversed(self.children):
                 await child.stop()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def died(self) -> Child | None:
         return next((c for c in self.children if c.exited.is_set()), None)

@@ -30,6 +30,7 @@ _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (c
 ROUTES = ("chat", "completions")
 OUTCOMES = ("ok", "error", "client_error", "disconnected")
 KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
+KEY_LIMIT_CODES = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")  # frontend/limits.py
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -80,6 +81,17 @@ class Metrics:
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)
+        # Per API key name (auth:), never the secret; series for every configured key exist from start-up.
+        self.key_requests = Counter("orchestrator_key_requests", "Completion requests admitted, by API key name",
+                                    ["key"], registry=r)
+        self.key_rejections = Counter("orchestrator_key_rejections", "Requests refused with 429 by an API key's "
+                                      "limits, by key name and error code", ["key", "code"], registry=r)
+        self.key_prompt_tokens = Counter("orchestrator_key_prompt_tokens", "Prompt tokens of answered requests "
+                                         "(their usage), by API key name", ["key"], registry=r)
+        self.key_cached_tokens = Counter("orchestrator_key_cached_prompt_tokens", "Prompt tokens the engines found "
+                                         "cached (usage.prompt_tokens_details), by API key name", ["key"], registry=r)
+        self.key_completion_tokens = Counter("orchestrator_key_completion_tokens", "Completion tokens of answered "
+                                             "requests (their usage), by API key name", ["key"], registry=r)
 
         # Every labelled series is created here, at 0; the ones used per request or per token are kept, since a
         # labels() call takes a lock and validates its arguments each time.
@@ -98,6 +110,12 @@ class Metrics:
             self.kv_cleanups.labels(way)
         for code in ErrorCode.keys():
             self.engine_errors.labels(code)
+
+    def key_usage(self, name: str) -> "KeyUsage":
+        """The series of one API key name, created at 0."""
+        return KeyUsage(self.key_requests.labels(name), self.key_prompt_tokens.labels(name),
+                        self.key_cached_tokens.labels(name), self.key_completion_tokens.labels(name),
+                        {code: self.key_rejections.labels(name, code) for code in KEY_LIMIT_CODES})
 
     def request_done(self, route: str, outcome: str) -> None:
         self._requests[route, outcome].inc()
@@ -120,6 +138,23 @@ class PathSeries:
     output_tokens: Any
     itl: Any
     cached_tokens: Any
+
+
+@attrs.frozen
+class KeyUsage:
+    """The series of one API key name."""
+
+    requests: Any
+    prompt_tokens: Any
+    cached_tokens: Any
+    completion_tokens: Any
+    rejections: dict  # by the 429's error code (frontend/limits.py)
+
+    def answered(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        if cached_tokens:
+            self.cached_tokens.inc(cached_tokens)
 
 
 class TokenMeter:

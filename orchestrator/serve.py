@@ -44,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # Set by frontend 0 on the copies it starts (http.processes); not for operators.
     p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--frontend-parent", type=int, default=None, help=argparse.SUPPRESS)
+    # The flag that sets the port of whoever started us (`orchestrator launch`: --http-port), for the busy-port hint.
+    p.add_argument("--port-flag", default="--port", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
@@ -113,19 +115,22 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.metrics import Metrics
     from orchestrator.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator import tracing
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     several = frontend.count > 1
     metrics = Metrics(config.mode, multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
     limits = config.limits
-    async with LoopThread.open() as loop_thread:
+    tracer = tracing.from_config(config)
+    async with LoopThread.open() as loop_thread, tracer.running():
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
                           stream_transport=config.stream_transport, keepalive=config.keepalive)
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
-        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend)
+        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
+                  tracer=tracer)
         shutdown = trio.Event()
         children = None
         # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
@@ -302,13 +307,21 @@ def run(args: argparse.Namespace) -> int:
         busy = _address_in_use(exc)
         if busy is None:
             raise
-        log.error("cannot listen on %s:%d: %s; choose another with --port or http.port in %s", host, port,
-                  busy.strerror or busy, args.config)
+        log.error("%s", busy_port_message(host, port, busy, args.port_flag, args.config))
         return 2
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        elif count > 1 and os.getppid() != args.frontend_parent:  # frontend 0 was killed: it cannot clean up
+            from orchestrator.frontend.multiprocess import leave_metrics_dir
+
+            leave_metrics_dir(os.environ[METRICS_DIR_ENV])
     return 0
+
+
+def busy_port_message(host: str, port: int, error: OSError, flag: str, config_path) -> str:
+    return (f"cannot listen on {host}:{port}: {error.strerror or error}; choose another with {flag} or http.port in "
+            f"{config_path}")
 
 
 def _address_in_use(exc: BaseException) -> OSError | None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite (what CI runs): set-up, then pytest. Extra arguments go to pytest.
+# The whole test suite (what CI runs): set-up (nothing when .venv has it already), then pytest. Extra arguments
+# go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -12,7 +12,8 @@ from orchestrator.testing import OrchestratorServers, SimWorkers, write_config
 
 
 class Deployment:
-    def __init__(self, tmp: Path, mode: str, roles: dict[str, list[tuple[str, ...]]], **sections):
+    def __init__(self, tmp: Path, mode: str, roles: dict[str, list[tuple[str, ...]]], *, server_env: dict | None = None,
+                 **sections):
         self.workers = SimWorkers(tmp)
         self.servers = OrchestratorServers(tmp)
         try:
@@ -20,7 +21,7 @@ class Deployment:
                             for role, flag_sets in roles.items()}
             config = write_config(tmp / f"{mode}.yaml", mode,
                                   {role: [w.address for w in ws] for role, ws in self.by_role.items()}, **sections)
-            self.server = self.servers.start(config)
+            self.server = self.servers.start(config, env=server_env)
         except BaseException:
             self.close()
             raise

@@ -9,6 +9,15 @@ from orchestrator.prefill import context_only_leg
 from orchestrator.synthetic import solid_png
 
 
+async def recent_requests(engine_client, worker) -> list[dict]:
+    """What the simulated worker recorded of its latest Generate calls (GetLoad's `recent_requests`)."""
+    from google.protobuf import json_format
+
+    async with engine_client(worker.address) as client:
+        load = await client.load()
+    return json_format.MessageToDict(load.attributes).get("recent_requests", [])
+
+
 def png_bytes(width=2, height=2, color=(200, 30, 30)) -> bytes:
     return solid_png(width, height, color)
 

@@ -3,6 +3,7 @@ themselves belong to benchmark runs, not to tests)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,10 +12,14 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run(script: str, *args: str) -> str:
+def run(script: str, *args: str, scratch: Path | None = None) -> str:
+    """The script's output; with `scratch`, its temporary directory (TMPDIR), which must be empty afterwards."""
+    env = None if scratch is None else {**os.environ, "TMPDIR": str(scratch)}
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    if scratch is not None:
+        assert list(scratch.iterdir()) == [], "left behind in the temporary directory"
     return done.stdout
 
 
@@ -34,11 +39,11 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
     assert len(re.findall(r"over 2 rounds: a -?[\d.]+--?[\d.]+ ms, b -?[\d.]+--?[\d.]+ us/tok", out)) == 2, out
 
 
-def test_cpu_cost_splits_the_c64_cpu_among_workers_serve_and_client_and_prints_what_0_9_leaves_serve():
+def test_cpu_cost_splits_the_c64_cpu_among_workers_serve_and_client_and_prints_what_0_9_leaves_serve(tmp_path):
     out = run("cpu_cost.py", "--requests", "8", "--concurrency", "4", "--max-tokens", "1", "4",
               "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
               "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
-              "--idle-seconds", "0.2", "--fit-rounds", "1")
+              "--idle-seconds", "0.2", "--fit-rounds", "1", scratch=tmp_path)
     direct = re.search(r"direct: workers (\d+) \+ our client (\d+) = (\d+) us, ([\d.]+) cores busy", out)
     through = re.search(r"via us: workers (\d+) \+ serve (\d+) \+ load generator (\d+) = (\d+) us, "
                         r"([\d.]+) cores busy", out)

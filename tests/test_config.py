@@ -105,6 +105,8 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
     ("launch:\n  workers:\n    - {role: decode, sim: {profile: h200}}\n", "launch.workers[0].sim.profile",
      "llama3-8b-h100"),
     ("launch:\n  workers:\n    - sim: {}\n", "launch.workers[0].role", "required"),
+    ("launch:\n  workers:\n    - {role: decode, sim: {}, env: {CUDA_VISIBLE_DEVICES: 0}}\n",
+     "launch.workers[0].env.CUDA_VISIBLE_DEVICES", "a string"),
     ("http:\n  port: '8000'\n", "http.port", "an integer"),
     ("http:\n  processes: 0\n", "http.processes", "> 0"),
     ("stream_transport: grpc\n", "stream_transport", "grpcio or h2"),

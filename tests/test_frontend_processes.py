@@ -198,17 +198,21 @@ def test_sigterm_to_frontend_0_stops_every_frontend_process(tmp_path):
         deployment.close()
 
 
-def test_a_child_whose_frontend_0_was_killed_drains_and_exits(tmp_path):
+def test_a_child_whose_frontend_0_was_killed_drains_exits_and_removes_the_metrics_directory(tmp_path):
+    scratch = tmp_path / "tmp"  # the temporary directory of the serve processes: their metrics directory goes here
+    scratch.mkdir()
     deployment = Deployment(tmp_path, "aggregated", {"aggregated": [FAST]}, http={"processes": 2},
-                            limits={"shutdown_grace_s": 1})
+                            limits={"shutdown_grace_s": 1}, server_env={"TMPDIR": str(scratch)})
     try:
         first = deployment.server.process.process.pid
         (child,) = frontend_pids(deployment) - {first}
+        assert [p.name[:13] for p in scratch.iterdir()] == ["orch-metrics-"]
         deployment.server.process.process.kill()  # our own child; its child is left an orphan
         deployment.server.process.process.wait(10)
         deadline = time.monotonic() + 15
         while alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(child)
+        assert list(scratch.iterdir()) == []  # frontend 0 could not remove it: its last child did
     finally:
         deployment.close()

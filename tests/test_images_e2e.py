@@ -14,10 +14,10 @@ import threading
 import httpx
 import pytest
 import trio
-from google.protobuf import json_format
 
 from orchestrator.testing import write_config
 from serve_helpers import Deployment
+from sim_helpers import recent_requests
 
 PIL = pytest.importorskip("PIL.Image")
 FAST = ("--time-scale", "0.02", "--schema-revision", "3")
@@ -86,12 +86,6 @@ def disagg(tmp_path_factory):
                             {"prefill": [FAST], "decode": [FAST]}, limits=LOCAL_IMAGES)
     yield deployment
     deployment.close()
-
-
-async def recent_requests(engine_client, worker):
-    async with engine_client(worker.address) as client:
-        load = await client.load()
-    return json_format.MessageToDict(load.attributes)["recent_requests"]
 
 
 async def test_two_images_give_identical_tokens_in_agg_and_disagg_and_reach_both_legs_intact(

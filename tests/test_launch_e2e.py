@@ -4,6 +4,7 @@ import base64
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import httpx
@@ -96,3 +97,67 @@ def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_
     assert "invalid int value: 'lots'" in log.split("launch failed:")[1]  # the tail of the child's log
     assert not any(alive(pid) for pid in pids.values())
     launcher.stop()
+
+
+def environment(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_each_launched_worker_gets_its_own_env_as_the_trtllm_example_gives_each_its_gpu(tmp_path):
+    """Real workers on one host: `env` per worker (CUDA_VISIBLE_DEVICES), for commands and simulated workers."""
+    import yaml
+
+    from orchestrator import config as config_module
+
+    shipped = config_module.load(CONFIGS / "trtllm" / "disagg.yaml", check_paths=False)
+    gpus = {w.role: w.env["CUDA_VISIBLE_DEVICES"] for w in shipped.launch.workers}
+    assert gpus == {"prefill": "0", "decode": "1"}  # each worker on its own GPU, as the file's comment says
+    worker = [sys.executable, "-m", "orchestrator", "sim-worker", "--port", "{port}", "--time-scale", "0"]
+    config = tmp_path / "envs.yaml"
+    config.write_text(yaml.safe_dump({
+        "mode": "disaggregated", "discovery": {"static": {"prefill": [], "decode": []}},
+        "limits": {"health_interval_s": 0.2},
+        "launch": {"workers": [
+            {"role": "prefill", "env": {"CUDA_VISIBLE_DEVICES": "0"}, "command": [*worker, "--role", "prefill"]},
+            {"role": "decode", "env": {"CUDA_VISIBLE_DEVICES": "1"},
+             "sim": {"profile": "llama3-8b-h100", "time_scale": 0}}]}}))
+    launcher = ManagedProcess("launch-env", python_command("launch", str(config), "--http-port", "0"),
+                              log_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "7"})
+    try:
+        url = launcher.wait_ready(60)
+        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny-chat", "max_tokens": 3, "messages": [{"role": "user", "content": "Describe the sea"}]})
+        assert answer.status_code == 200, answer.text
+        pids = child_pids(launcher)
+        assert environment(pids["prefill-0"])["CUDA_VISIBLE_DEVICES"] == "0"
+        assert environment(pids["sim-decode-0"])["CUDA_VISIBLE_DEVICES"] == "1"
+        assert environment(pids["orchestrator"])["CUDA_VISIBLE_DEVICES"] == "7"  # the rest keep the launcher's
+    finally:
+        launcher.stop()
+
+
+@pytest.mark.parametrize("taken", ["before", "meanwhile"])
+def test_a_busy_port_names_the_launch_flag(tmp_path, taken):
+    """`launch` takes --http-port (it refuses --port): its hint must say so, whether it finds the port taken
+    before starting anything or the orchestrator it started finds it taken."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = python_command("launch", str(CONFIGS / "agg.yaml"), "--http-port", str(port))
+        if taken == "meanwhile":  # launch's own check passed; the port is taken by the time serve binds it
+            from orchestrator import config as config_module
+            from orchestrator.launch import Launcher
+
+            launcher = Launcher(config_module.load(CONFIGS / "agg.yaml"), CONFIGS / "agg.yaml", http_port=port,
+                                host=None)
+            argv = launcher.serve_argv(["--worker", "aggregated=grpc://127.0.0.1:9"])
+        launcher = ManagedProcess(f"launch-busy-{taken}", argv, log_dir=tmp_path)
+        assert launcher.process.wait(60) != 0
+    log = launcher.log_path.read_text()
+    assert f"cannot listen on 127.0.0.1:{port}" in log and "choose another with --http-port or http.port" in log, log
+    if taken == "before":
+        assert "started " not in log  # no worker was started for nothing

@@ -87,3 +87,33 @@ def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_s
     assert point["completed"] == 12
     assert point["request_throughput"] <= 2 / point["e2e_s"]["p50"] * 1.05
     assert point["output_tokens_per_s"] <= 2 * point["tokens_per_s_per_user"] * 1.05
+
+
+def test_bench_run_help_shows_every_default_and_what_input_lengths_count():
+    import os
+
+    result = subprocess.run(python_command("bench", "run", "--help"), capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "COLUMNS": "300"})  # one line per option
+    text = " ".join(result.stdout.split("options:", 1)[1].split())
+    for option, default in (("--model MODEL", "(default: tiny-chat)"), ("--warmup WARMUP", "(default: 2)"),
+                            ("--image-share IMAGE_SHARE", "(default: 0.0)"), ("--seed SEED", "(default: 0)"),
+                            ("--timeout TIMEOUT", "(default: 600.0)"), ("--label LABEL", "(default: the URL)")):
+        described = text.split(option, 1)[1].split(" --", 1)[0]
+        assert default in described, (option, described)
+    assert "requests sent before each load point" in text and "seconds a request may take" in text  # the units
+    assert "counted before the chat template" in text
+
+
+def test_bench_run_prints_the_servers_error_not_nan_figures_and_no_carriage_returns_in_a_log(
+        tmp_path, sim_workers, orchestrator_servers):
+    worker = sim_workers.start("aggregated", "--time-scale", "0")
+    server = orchestrator_servers.start(write_config(tmp_path / "e.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    result = subprocess.run(python_command("bench", "run", "--url", server.url, "--model", "no-such-model",
+                                           "--concurrency", "2", "--requests", "4", "--warmup", "0", "--input-len", "8",
+                                           "--output-len", "2"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "nan" not in result.stdout, result.stdout
+    assert "no request completed" in result.stdout
+    assert "4 x http_404: the model 'no-such-model' does not exist" in result.stdout, result.stdout
+    assert "\r" not in result.stderr and "4/4 requests, errors 4" in result.stderr  # stderr is no terminal here

@@ -13,28 +13,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load generator and agg-vs-disagg comparison")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
     run = sub.add_parser("run", help="run a workload against an OpenAI-compatible endpoint",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         formatter_class=_DefaultsHelp,
                          description="Send seeded chat requests (prompts built with the model's tokenizer) at each "
                                      "concurrency or Poisson rate, stream the answers, and report TTFT, TPOT, ITL, "
                                      "E2E, throughput, tokens/s per user and per GPU, goodput under the SLO and "
                                      "errors by kind. Exits 1 when any request failed.")
     run.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    run.add_argument("--model", default="tiny-chat")
+    run.add_argument("--model", default="tiny-chat", help="the model name the requests ask for")
     run.add_argument("--model-dir", default="builtin:tiny-chat", help="tokenizer used to build prompts")
-    run.add_argument("--input-len", default="512", help="N or LOW:HIGH (uniform)")
-    run.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform)")
+    run.add_argument("--input-len", default="512", help="prompt tokens per request, N or LOW:HIGH (uniform), counted "
+                     "before the chat template: the server's prompt_tokens add the template's own tokens")
+    run.add_argument("--output-len", default="128", help="max_tokens per request (with ignore_eos), N or LOW:HIGH "
+                     "(uniform)")
     run.add_argument("--concurrency", type=int, nargs="*", default=[], help="concurrency sweep")
     run.add_argument("--rate", type=float, nargs="*", default=[], help="Poisson request-rate sweep (req/s)")
     run.add_argument("--requests", type=int, default=32, help="recorded requests per load point")
-    run.add_argument("--warmup", type=int, default=2)
-    run.add_argument("--image-share", type=float, default=0.0)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--warmup", type=int, default=2, help="requests sent before each load point and not recorded")
+    run.add_argument("--image-share", type=float, default=0.0, help="fraction of requests (0 to 1) with an image")
+    run.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and image choices")
     run.add_argument("--gpus", type=int, default=1, help="GPU count of the topology, for tokens/s per GPU")
     run.add_argument("--slo-ttft", type=float, default=None, help="goodput bound on TTFT (s)")
     run.add_argument("--slo-tpot", type=float, default=None, help="goodput bound on TPOT (s)")
     run.add_argument("--time-scale", type=float, default=1.0, help="report simulated GPU time (sim workers)")
-    run.add_argument("--timeout", type=float, default=600.0)
-    run.add_argument("--label", default="")
+    run.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    run.add_argument("--label", default="", help="names the results in the output (default: the URL)")
     run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     run.set_defaults(run=run_command)
     compare = sub.add_parser("compare", help="the same workload on several topologies; writes a report",
@@ -58,6 +60,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(run=lambda args: bench.print_help() or 2)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default in --help, except where the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        if action.required or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def run_command(args: argparse.Namespace) -> int:
     import trio
 
@@ -74,10 +85,15 @@ def run_command(args: argparse.Namespace) -> int:
                               gpus=args.gpus, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                               time_scale=args.time_scale, label=args.label))
     for p in points:
-        print(f"{args.label or args.url} {p['load_kind']}={p['load']:g}: TTFT p50 {p['ttft_s']['p50'] * 1e3:.1f} ms, "
-              f"TPOT p50 {p['tpot_s']['p50'] * 1e3:.2f} ms, {p['output_tokens_per_s']:.0f} tok/s, "
-              f"{p['tokens_per_s_per_user']:.1f} tok/s/user, goodput {p['goodput']:.2f} req/s, "
-              f"errors {sum(p['errors'].values())}")
+        head = f"{args.label or args.url} {p['load_kind']}={p['load']:g}"
+        if p["completed"] == 0:  # no figure means anything: say what the server said instead
+            print(f"{head}: no request completed")
+        else:
+            print(f"{head}: TTFT p50 {p['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 {p['tpot_s']['p50'] * 1e3:.2f} ms, "
+                  f"{p['output_tokens_per_s']:.0f} tok/s, {p['tokens_per_s_per_user']:.1f} tok/s/user, "
+                  f"goodput {p['goodput']:.2f} req/s, errors {sum(p['errors'].values())}")
+        for kind, count in sorted(p["errors"].items()):
+            print(f"{head}: {count} x {kind}: {p['error_messages'].get(kind, '(no message)')}")
     if args.out is not None:
         args.out.write_text(json.dumps({"url": args.url, "points": points}, indent=2) + "\n")
     failed = {kind: 0 for p in points for kind in p["errors"]}

@@ -85,11 +85,14 @@ async def send_one(connection: Connection, body: dict, input_tokens: int, tokeni
                    timeout_s: float) -> RequestRecord:
     chunks: list[tuple[float, int]] = []
     usage: dict = {}
+    stream_error: list[str] = []  # an error event after the stream started
 
     def on_data(payload: bytes, at: float) -> None:
         if payload == b"[DONE]":
             return
         event = json.loads(payload)
+        if event.get("error"):
+            stream_error.append(_error_message(payload))
         if event.get("usage"):
             usage.update(event["usage"])
         for choice in event.get("choices") or ():
@@ -98,16 +101,18 @@ async def send_one(connection: Connection, body: dict, input_tokens: int, tokeni
                 chunks.append((at, max(1, len(tokenizer.encode(text)))))
 
     start = time.perf_counter()
-    error = None
+    error = message = None
     try:
         with trio.fail_after(timeout_s):
             await connection.post_stream("/v1/chat/completions", body, on_data)
     except HttpError as exc:
-        error = f"http_{exc.status}"
+        error, message = f"http_{exc.status}", _error_message(exc.body)
     except trio.TooSlowError:
-        error = "timeout"
+        error, message = "timeout", f"no complete answer within {timeout_s:g} s"
     except (OSError, ConnectionError, ValueError) as exc:
-        error = f"connection:{type(exc).__name__}"
+        error, message = f"connection:{type(exc).__name__}", str(exc)
+    if error is None and stream_error:
+        error, message = "stream_error", stream_error[0]
     end = time.perf_counter()
     output = usage.get("completion_tokens") or sum(k for _, k in chunks)
     if chunks and usage.get("completion_tokens"):  # rescale per-chunk estimates to the true total
@@ -119,17 +124,33 @@ async def send_one(connection: Connection, body: dict, input_tokens: int, tokeni
     if error is None and not chunks:
         error = "no_content"
     return RequestRecord(start=start, end=end, chunks=tuple(chunks), output_tokens=output,
-                         input_tokens=usage.get("prompt_tokens", input_tokens), error=error)
+                         input_tokens=usage.get("prompt_tokens", input_tokens), error=error, error_message=message)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI error body, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode(errors="replace").strip() or "(empty body)"
 
 
 class Progress:
+    """A progress bar redrawn in place on a terminal; elsewhere (a log, a pipe) one line when the point is done."""
+
     def __init__(self, label: str, total: int):
         self.label, self.total, self.done, self.errors = label, total, 0, 0
         self._last = 0.0
+        self._redraw = sys.stderr.isatty()
 
     def tick(self, record: RequestRecord) -> None:
         self.done += 1
         self.errors += record.error is not None
+        if not self._redraw:
+            if self.done == self.total:
+                print(f"{self.label}: {self.done}/{self.total} requests, errors {self.errors}", file=sys.stderr,
+                      flush=True)
+            return
         now = time.monotonic()
         if now - self._last > 0.2 or self.done == self.total:
             self._last = now

@@ -28,6 +28,7 @@ class RequestRecord:
     output_tokens: int = 0
     input_tokens: int = 0
     error: str | None = None  # error kind, e.g. "http_429", "timeout", "connection"
+    error_message: str | None = None  # what the server said (its OpenAI error message), when it said something
 
     @property
     def ok(self) -> bool:
@@ -96,9 +97,12 @@ def aggregate(records: Sequence[RequestRecord], *, gpus: int = 1, slo_ttft: floa
     """All figures of one run (seconds and per-second units)."""
     ok = [r for r in records if r.ok]
     errors: dict[str, int] = {}
+    messages: dict[str, str] = {}  # the first message of each error kind
     for r in records:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
+            if r.error_message and r.error not in messages:
+                messages[r.error] = r.error_message
     if records:
         window = max(r.end for r in records) - min(r.start for r in records)
     else:
@@ -120,6 +124,7 @@ def aggregate(records: Sequence[RequestRecord], *, gpus: int = 1, slo_ttft: floa
         "requests": len(records),
         "completed": len(ok),
         "errors": errors,
+        "error_messages": messages,
         "duration_s": window,
         "ttft_s": summary([r.ttft for r in ok]),
         "tpot_s": summary([t for r in ok if (t := r.tpot) is not None]),

@@ -25,6 +25,7 @@ from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.retry import with_retries
+from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +37,20 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None) -> None:
+                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None, migration: int = 0) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
-        `detokenizer` may carry on from an earlier leg of the same request (a migration)."""
+        `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th)."""
         streamed_before = state.completion_tokens
         failed_on = [worker]
+        attempts = 0
 
         async def attempt(chosen) -> None:
+            nonlocal attempts
+            attempts += 1
             failed_on[0] = chosen
-            await self._one_attempt(chosen, leg, sink, state, detokenizer, on_chunk, prompt_tokens, lease,
-                                    streamed_before)
+            with tracing.leg_span("decode", chosen.address, leg.request_id, attempts, migration) as span:
+                await self._one_attempt(chosen, leg, sink, state, detokenizer, on_chunk, prompt_tokens, lease,
+                                        streamed_before, span.metadata)
 
         try:
             await with_retries(self.pool, worker, attempt, retries=self.retries, metrics=self.metrics,
@@ -57,10 +62,11 @@ class DecodeStage:
             await migrate(error, failed_on[0])
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, detokenizer,
-                           on_chunk, prompt_tokens: int, lease: KvLease | None, streamed_before: int) -> None:
+                           on_chunk, prompt_tokens: int, lease: KvLease | None, streamed_before: int,
+                           metadata) -> None:
         with self.pool.lease(worker):
             try:
-                async with worker.client.generate(leg) as stream:
+                async with worker.client.generate(leg, metadata=metadata) as stream:
                     try:
                         await stream_output(stream, sink, detokenizer, state, worker=worker.address,
                                             on_chunk=on_chunk)
@@ -74,7 +80,7 @@ class DecodeStage:
                             lease.pulled = True  # this leg streamed a token: its worker has the KV
             finally:
                 if state.finished is None:
-                    await self._abort(worker, leg.request_id)
+                    await self._abort(worker, leg.request_id, metadata)
         if not state.terminal:
             raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
                               code=ErrorCode.ERROR_CODE_INTERNAL)
@@ -84,7 +90,7 @@ class DecodeStage:
         cached = state.settle_cached(prompt, lease.cached_tokens if lease is not None else state.cached_tokens)
         await sink.finish(finish_reason(state), prompt, state.completion_tokens, cached_tokens=cached)
 
-    async def _abort(self, worker, request_id: str) -> None:
+    async def _abort(self, worker, request_id: str, metadata) -> None:
         # The RPC is cancelled already; Abort makes sure the engine lets go as well. Not to a worker the pool
         # found unresponsive: the Abort would hold up the retry or migration for its whole timeout, and the
         # connection the pool closed cancels the call on the worker's side when it reads again.
@@ -94,7 +100,7 @@ class DecodeStage:
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + min(5.0, self.cleanup_timeout_s)
             try:
-                await worker.client.abort(request_id=request_id, timeout=5.0)
+                await worker.client.abort(request_id=request_id, timeout=5.0, metadata=metadata)
             except EngineError as exc:
                 log.info("abort of %s on %s: %s", request_id, worker.address, exc)
 

@@ -258,10 +258,13 @@ class EngineClient:
 
     # ---- inference ---------------------------------------------------------------------------
     @asynccontextmanager
-    async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[GenerateStream]:
+    async def generate(self, request: generation_pb2.GenerateRequest,
+                       metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[GenerateStream]:
+        """`metadata`: gRPC request metadata, e.g. the leg's `traceparent` (orchestrator/tracing.py)."""
         self._check_open("Generate")
         if self._h2 is not None:  # messages become events as they are cut from the frames, in one step
-            async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(), self._decode_event) as inbox:
+            async with self._h2.stream(_GENERATE_PATH, request.SerializeToString(), self._decode_event,
+                                       metadata=metadata) as inbox:
                 stream = GenerateStream(inbox, self.name, decoded=True)
                 try:
                     yield stream
@@ -274,7 +277,7 @@ class EngineClient:
         stub = self._inference
 
         def start() -> None:  # on the loop thread; no round trip back to trio needed
-            call = stub.Generate(request)
+            call = stub.Generate(request, metadata=metadata or None)
             holder["call"] = call
             # asyncio keeps only weak references to tasks: `holder` keeps the pump alive with the stream
             holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
@@ -306,14 +309,14 @@ class EngineClient:
         return ev.decode_bytes(payload, worker=self.name)
 
     # ---- control -----------------------------------------------------------------------------
-    async def _unary(self, rpc: str, request, timeout: float | None):
+    async def _unary(self, rpc: str, request, timeout: float | None, metadata: tuple[tuple[str, str], ...] = ()):
         self._check_open(rpc)
         if self._h2 is not None:
             return await self._h2.unary(f"/openengine.v1.Control/{rpc}", request.SerializeToString(),
-                                        _CONTROL_RESPONSES[rpc].FromString, timeout=timeout)
+                                        _CONTROL_RESPONSES[rpc].FromString, timeout=timeout, metadata=metadata)
         method = getattr(self._control, rpc)
         try:
-            return await self._loop_thread.run(lambda: method(request, timeout=timeout))
+            return await self._loop_thread.run(lambda: method(request, timeout=timeout, metadata=metadata or None))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, worker=self.name, rpc=rpc) from None
 
@@ -372,12 +375,13 @@ class EngineClient:
         return results["Health"].state, results["GetLoad"]
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
-                    timeout: float | None = 5.0) -> lifecycle_pb2.AbortResponse:
+                    timeout: float | None = 5.0,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> lifecycle_pb2.AbortResponse:
         if (request_id is None) == (kv_session is None):
             raise ValueError("abort takes exactly one of request_id or kv_session")
         request = (lifecycle_pb2.AbortRequest(request_id=request_id) if request_id is not None
                    else lifecycle_pb2.AbortRequest(kv_session=kv_session))
-        return await self._unary("Abort", request, timeout)
+        return await self._unary("Abort", request, timeout, metadata)
 
     # ---- capabilities and readiness ------------------------------------------------------------
     async def _discover(self) -> WorkerCapabilities:

@@ -38,8 +38,9 @@ stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-H
 - a unary call's DEADLINE_EXCEEDED (retryable) when its timeout passes.
 Plaintext (h2c with prior knowledge, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 What it deliberately does not do: compress requests, or ask for compressed responses (inflating costs CPU
-on every token); client or bidirectional streaming (every call sends one message); custom request
-metadata, and response metadata other than the status (initial metadata is read for its status only;
+on every token); client or bidirectional streaming (every call sends one message); request metadata other
+than what a call is given (a leg's trace context), and response metadata other than the status (initial
+metadata is read for its status only;
 `grpc-status-details-bin` is ignored); retries, hedging and transparent retries of streams a GOAWAY or
 REFUSED_STREAM turned away (they fail retryable: the orchestrator retries at its own level); name
 resolution and load balancing (one address per worker); sizing windows by BDP probes (fixed windows).
@@ -197,13 +198,17 @@ class H2Channel:
 
     @asynccontextmanager
     async def stream(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
-                     timeout: float | None = None) -> AsyncIterator[H2Stream]:
+                     timeout: float | None = None,
+                     metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[H2Stream]:
         """Start the call `path` with one request message; leaving early cancels it (RST_STREAM).
         `decode` turns each response message into what get_batch() hands out; a message it turns into None
-        is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own."""
+        is dropped. `timeout` is sent as `grpc-timeout` (the server's deadline); the caller enforces its own.
+        `metadata` (lower-case ASCII keys) goes out as request headers, as grpcio sends call metadata."""
         rpc = path.rsplit("/", 1)[-1]
         stream = H2Stream(rpc, decode, request)
         extra_headers = b"" if timeout is None else _grpc_timeout(timeout)
+        if metadata:
+            extra_headers += http2.encode_headers([(key.encode(), value.encode()) for key, value in metadata])
         for _ in range(_FRESH_CONNECTION_TRIES):
             connection = await self._current(rpc)
             if await connection.start(stream, path, extra_headers):
@@ -219,13 +224,13 @@ class H2Channel:
             connection.finish(stream)
 
     async def unary(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
-                    timeout: float | None) -> Any:
+                    timeout: float | None, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
         """A unary call: its one response message, or the EngineError grpcio would give (DEADLINE_EXCEEDED
         after `timeout`)."""
         rpc = path.rsplit("/", 1)[-1]
         messages: list = []
         with trio.move_on_after(timeout if timeout is not None else float("inf")) as deadline:
-            async with self.stream(path, request, decode, timeout=timeout) as stream:
+            async with self.stream(path, request, decode, timeout=timeout, metadata=metadata) as stream:
                 while batch := await stream.get_batch():
                     messages.extend(batch)
         if deadline.cancelled_caught:

@@ -34,11 +34,13 @@ from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
+from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.metrics import Metrics
 from orchestrator.pool import WorkerPool
+from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 Scope = dict[str, Any]
@@ -46,6 +48,8 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
+# The scope key under which the request's API key name travels from the auth check to the handler.
+API_KEY = "orchestrator.api_key"
 _ENGINE_ID_PREFIX = secrets.token_hex(3)
 _engine_ids = itertools.count()
 
@@ -63,7 +67,8 @@ def new_request_id(given: str | None) -> str:
 
 class App:
     def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics,
-                 api_keys: ApiKeys | None = None, frontend: FrontendProcess = FrontendProcess()):
+                 api_keys: ApiKeys | None = None, frontend: FrontendProcess = FrontendProcess(),
+                 tracer=tracing.DISABLED):
         self.config = config
         self.frontend = frontend  # which of the frontend processes behind the port this is
         self.coordinator = coordinator
@@ -71,6 +76,9 @@ class App:
         self.metrics = metrics
         self.draining = False
         self.api_keys = api_keys or ApiKeys([])
+        self.accounts = {key.name: KeyAccount(key.name, metrics.key_usage(key.name), key.limits)
+                         for key in self.api_keys.keys}
+        self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
@@ -97,12 +105,14 @@ class App:
         if scope["type"] != "http":
             return
         handler = self.routes.get((scope["method"], scope["path"]))
-        if handler is not None and self._needs_key(scope["path"]) and not self.api_keys.allows(
-                _header(scope, b"authorization")):
-            error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
-                             code="invalid_api_key")
-            await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
-            return
+        if handler is not None and self._needs_key(scope["path"]):
+            key = self.api_keys.identify(_header(scope, b"authorization"))
+            if key is None:
+                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+                return
+            scope[API_KEY] = key.name
         if handler is None:
             allowed = [m for (m, p) in self.routes if p == scope["path"]]
             error = (ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
@@ -138,7 +148,7 @@ class App:
         body = {"status": status, "mode": self.config.mode, "ready_workers": roles}
         # The operator's view (worker addresses, states, causes): to every caller when no API keys are
         # configured, else only to callers with a key.
-        if not self.api_keys.enabled or self.api_keys.allows(_header(scope, b"authorization")):
+        if not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None:
             body["workers"] = self.pool.snapshot()
             body["frontend"] = self.frontend.describe()
             if not self.pool.registry_healthy:
@@ -168,8 +178,15 @@ class App:
         return len(self._cuttable)
 
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
+        key = scope.get(API_KEY)
+        with self.tracer.request(scope, key) as request_span:
+            await self._answer(kind, scope, receive, send, self.accounts.get(key), request_span)
+
+    async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
+                      request_span) -> None:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
+        request_span.set("orchestrator.request_id", request_id)
         extensions = scope.get("extensions") or {}
         response = _Response(send, [(b"x-request-id", request_id.encode())], extensions.get(SEND_NOW))
         self.metrics.inflight.inc()
@@ -179,7 +196,7 @@ class App:
         self._cuttable.add(cut)
         try:
             with cut:
-                outcome = await self._serve_completion(kind, scope, request_id, response, receive)
+                outcome = await self._serve_completion(kind, scope, request_id, response, receive, account)
             if cut.cancelled_caught:
                 outcome = "error"
                 await response.error(ApiError(503, "the server shut down before this request finished; retry it",
@@ -189,17 +206,25 @@ class App:
             self.inflight -= 1
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
+            request_span.set("orchestrator.outcome", outcome)
 
     async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
-                                receive: Receive) -> str:
+                                receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         extensions = scope.get("extensions") or {}
+        admitted = False
         try:
+            if account is not None:  # before the body is read: a key over its limits costs nothing more
+                account.admit()
+                admitted = True
             api = await self._parse(kind, scope, receive)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
-            plan = await self.coordinator.plan(api, engine_id)
+            with tracing.span("plan"):
+                plan = await self.coordinator.plan(api, engine_id)
+            if account is not None:
+                account.planned(plan.prompt_tokens)
             on_disconnect = extensions.get(ON_DISCONNECT)
             return await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
@@ -222,6 +247,9 @@ class App:
             log.exception("request %s failed", request_id)
             await response.error(ApiError(500, f"internal error while serving request {request_id}"))
             return "error"
+        finally:
+            if admitted:
+                account.ended(response.usage)
 
     async def _refuse(self, error: Exception, request_id: str, response: "_Response") -> str:
         """Answer a failed request with its error (logged with its cause chain when it is ours); its outcome."""
@@ -290,6 +318,7 @@ class App:
             await response.end_stream()
         else:
             await send_json(response.send, 200, sink.response(request_id, model, created), response.headers)
+            response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
 
 
@@ -347,6 +376,7 @@ class _StreamingSink:
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
                      cached_tokens: int | None = None) -> None:
+        self.response.usage = (prompt_tokens, completion_tokens, cached_tokens)
         data = self.writer.finish(reason)
         if self.api.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
@@ -399,6 +429,7 @@ class _Response:
         self.done = False
         self.tail = b""  # the final chunk(s) of a stream, written together with [DONE]
         self.ending = False  # the engine has finished: further chunks join the tail
+        self.usage: tuple[int, int, int | None] | None = None  # (prompt, completion, cached) of the answer
 
     async def start_stream(self) -> None:
         self.streaming = True

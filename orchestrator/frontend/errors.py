@@ -41,7 +41,7 @@ def _default_type(status: int) -> str:
 
 
 _DOMAIN_STATUS = {errors.InvalidRequest: 400, errors.ModelNotFound: 404, errors.NoWorkerAvailable: 503,
-                  errors.WorkerDiscoveryFailed: 503, errors.RequestTimedOut: 504}
+                  errors.WorkerDiscoveryFailed: 503, errors.RequestTimedOut: 504, errors.RateLimited: 429}
 _ENGINE_STATUS = {
     ErrorCode.ERROR_CODE_INVALID_ARGUMENT: 400,
     ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE: 400,

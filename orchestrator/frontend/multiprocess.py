@@ -19,8 +19,10 @@ Metrics are summed across the processes (orchestrator/metrics.py, prometheus mul
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
 import signal
 from typing import Callable
 
@@ -140,6 +142,39 @@ async def _set_when_ready(child: Child, event: trio.Event) -> None:
     await child.ready.wait()  # also set when the child exits
     if child.ready_url is not None:
         event.set()
+
+
+def leave_metrics_dir(directory: str) -> None:
+    """A child frontend whose frontend 0 is gone (killed, so it could not remove the metrics directory it made),
+    on its way out: the last frontend process out removes the directory.
+
+    Under an exclusive lock on the directory, each child removes its own live files (mark_process_dead), then
+    looks for another frontend process that still has them and runs; none: it is the last, and removes the lot.
+    A process killed before it could remove its files has them still, but does not run: it does not count."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    from orchestrator.metrics import FrontendProcesses
+
+    try:
+        handle = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        mark_process_dead(os.getpid(), directory)
+        if not [pid for pid in FrontendProcesses(directory).live_pids() if _running(pid)]:
+            shutil.rmtree(directory, ignore_errors=True)
+            log.info("removed the metrics directory %s: the last frontend process is leaving", directory)
+    finally:
+        os.close(handle)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class ParentWatch:

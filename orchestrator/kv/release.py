@@ -17,6 +17,7 @@ from orchestrator.engine import EngineError, Failed
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv.lease import KvLease
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,10 @@ class KvReleaser:
                     "timed out" if scope.cancelled_caught else "no decode worker could pull it")
 
     async def _pull(self, worker, leg: g.GenerateRequest, lease: KvLease) -> bool:
-        with self.pool.lease(worker):
+        with self.pool.lease(worker), tracing.leg_span("kv_release", worker.address, leg.request_id) as span:
+            span.set("orchestrator.kv_session", lease.session.session_id)
             try:
-                async with worker.client.generate(leg) as stream:
+                async with worker.client.generate(leg, metadata=span.metadata) as stream:
                     while batch := await stream.next_batch():
                         failed = next((e for e in batch if isinstance(e, Failed)), None)
                         if failed is not None:

@@ -21,6 +21,7 @@ from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
 from orchestrator.retry import with_retries
+from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +39,40 @@ class PrefillStage:
         self.pool, self.metrics, self.releaser = pool, metrics, releaser
         self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
 
-    async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None) -> PrefillResult:
+    async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None, *,
+                  migration: int = 0) -> PrefillResult:
         leg = context_only_leg(full)
+        attempts = 0
 
         async def attempt(worker) -> PrefillResult:
-            outcome = await self._one_attempt(worker, leg, full, decode_worker)
-            if outcome.session is not None:
-                return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens))
-            if outcome.answer:
-                return PrefillResult(answer=outcome.answer)
-            raise (outcome.failed.error if outcome.failed is not None else
-                   EngineError(outcome.error, worker=worker.address, rpc="Generate",
-                               code=ErrorCode.ERROR_CODE_INTERNAL))
+            nonlocal attempts
+            attempts += 1
+            with tracing.leg_span("prefill", worker.address, leg.request_id, attempts, migration) as span:
+                outcome = await self._one_attempt(worker, leg, full, decode_worker, span.metadata)
+                if outcome.session is not None:
+                    return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens))
+                if outcome.answer:
+                    return PrefillResult(answer=outcome.answer)
+                raise (outcome.failed.error if outcome.failed is not None else
+                       EngineError(outcome.error, worker=worker.address, rpc="Generate",
+                                   code=ErrorCode.ERROR_CODE_INTERNAL))
 
         _, result = await with_retries(self.pool, first_worker, attempt, retries=self.retries, metrics=self.metrics,
                                        what=f"prefill of {leg.request_id}")
         return result
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, full: g.GenerateRequest,
-                           decode_worker) -> PrefillOutcome:
+                           decode_worker, metadata) -> PrefillOutcome:
         with self.pool.lease(worker):
-            async with worker.client.generate(leg) as stream:
+            async with worker.client.generate(leg, metadata=metadata) as stream:
                 try:
                     return await _until_outcome(stream)
                 except trio.Cancelled:
                     with trio.CancelScope(shield=True) as cleanup:
                         cleanup.deadline = trio.current_time() + self.cleanup_timeout_s
                         try:
-                            await worker.client.abort(request_id=leg.request_id, timeout=self.cleanup_timeout_s)
+                            await worker.client.abort(request_id=leg.request_id, timeout=self.cleanup_timeout_s,
+                                                      metadata=metadata)
                             outcome = await _until_outcome(stream)
                         except EngineError as exc:
                             log.warning("abort of prefill %s on %s failed: %s", leg.request_id, worker.address, exc)

@@ -57,6 +57,15 @@ class StallWatch:
                 self.on_stall()
 
 
+def trace_headers(context) -> dict[str, str] | None:
+    """The W3C trace context a call's gRPC metadata carries, as TensorRT-LLM's servicer reads it for
+    `generate_async(trace_headers=...)` (tensorrt_llm/grpc/openengine/request_mapping.py `_trace_headers`): the keys
+    `traceparent` and `tracestate`, anything else ignored."""
+    headers = {item.key: item.value for item in context.invocation_metadata() or ()
+               if item.key in ("traceparent", "tracestate")}
+    return headers or None
+
+
 class EngineUnavailable(Exception):
     """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
 
@@ -73,7 +82,7 @@ class AdmissionService:
         watchdog: asyncio.Task | None = None
         try:
             try:
-                sim_request = await self._admit(request, outbox)
+                sim_request = await self._admit(request, outbox, trace_headers(context))
             except EngineUnavailable as refusal:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
@@ -178,7 +187,8 @@ class AdmissionService:
             raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "a context-only leg must set stopping.max_tokens = 1")
         return kind
 
-    async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox) -> SimRequest:
+    async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox,
+                     trace: dict[str, str] | None = None) -> SimRequest:
         c, persona = self.config, self.persona
         if self.draining:  # a stopping grpc server refuses new calls UNAVAILABLE; there is no DRAINING code
             raise EngineUnavailable("worker is draining")
@@ -240,7 +250,7 @@ class AdmissionService:
                             "media_options": json_format.MessageToDict(request.media_options), "media": [
             {"source": m.WhichOneof("source"), "value": getattr(m, m.WhichOneof("source"))[:80]
              if m.WhichOneof("source") != "raw_bytes" else "", "uuid": m.uuid, "identity": identity}
-            for m, identity in zip(request.media, media_ids)]})
+            for m, identity in zip(request.media, media_ids)], "trace": trace or {}})
         prompt_len = len(prompt_ids) + len(media_ids) * c.profile.image_tokens
         window = c.context_window
         if prompt_len >= window:

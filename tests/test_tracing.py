@@ -1,0 +1,61 @@
+"""Tracing on the fake workers: each leg attempt is a span with its worker, attempt, retry and migration, and each
+engine call carries that span's traceparent; with tracing off no engine call carries any."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from orchestrator import tracing
+from orchestrator.config import TracingConfig
+from orchestrator.decode import StreamState, generation_leg
+from orchestrator.engine import EngineError, PrefillReady
+from orchestrator.testing import Fail, Send
+from orchestrator.tokenizer import IncrementalDetokenizer
+from test_stages_unit import SESSION, TOKENIZER, Sink, decode_tokens, deployment, full, prefill_script, workers
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+         "headers": [(b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")]}
+
+
+async def run_split(prefill, decode, pool):
+    lease = (await prefill.run(workers(pool, "prefill")[0], full())).lease
+    await decode.run(workers(pool, "decode")[0], generation_leg(full(), lease.session), Sink(), StreamState(),
+                     detokenizer=IncrementalDetokenizer(TOKENIZER), on_chunk=lambda n: None, prompt_tokens=3,
+                     lease=lease, migration=2)
+
+
+def traceparent(span) -> str:
+    context = span.get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
+
+
+async def test_every_leg_attempt_is_a_span_whose_traceparent_its_engine_call_carries(autojump_clock):
+    busy = EngineError("overloaded", worker="p0", rpc="Generate", retryable=True)
+    pool, (p0, p1), (d0,), prefill, decode, *_ = deployment(
+        [prefill_script(Fail(busy)), prefill_script(Send(PrefillReady(SESSION)))], [lambda request: decode_tokens(2)])
+    exported = InMemorySpanExporter()
+    tracer = tracing.Tracing(TracingConfig(endpoint="http://127.0.0.1:9/v1/traces"), exporter=exported)
+    with tracer.request(SCOPE, "team-a"):
+        await run_split(prefill, decode, pool)
+    spans = {(s.name, s.attributes.get("orchestrator.attempt")): s for s in exported.get_finished_spans()}
+    root = spans["POST /v1/chat/completions", None]
+    assert f"{root.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"  # the client's trace goes on
+    assert f"{root.parent.span_id:016x}" == "b7ad6b7169203331" and root.attributes["orchestrator.api_key"] == "team-a"
+    first, second, generation = spans["prefill", 1], spans["prefill", 2], spans["decode", 1]
+    assert (first.attributes["orchestrator.worker"], first.attributes["orchestrator.retry"]) == ("grpc://p0", False)
+    assert (second.attributes["orchestrator.worker"], second.attributes["orchestrator.retry"]) == ("grpc://p1", True)
+    assert generation.attributes["orchestrator.migration"] == 2 and first.attributes["orchestrator.migration"] == 0
+    assert all(span.parent.span_id == root.context.span_id for span in (first, second, generation))
+    assert first.status.status_code.name == "ERROR"  # the failed attempt says so
+    assert p0.metadata["r1"] == (("traceparent", traceparent(first)),)
+    assert p1.metadata["r1"] == (("traceparent", traceparent(second)),)
+    assert d0.metadata["r1-gen"] == (("traceparent", traceparent(generation)),)
+    tracer.provider.shutdown()
+
+
+async def test_without_tracing_no_engine_call_carries_trace_metadata(autojump_clock):
+    pool, (p0,), (d0,), prefill, decode, *_ = deployment([prefill_script(Send(PrefillReady(SESSION)))],
+                                                         [lambda request: decode_tokens(2)])
+    await run_split(prefill, decode, pool)
+    assert p0.metadata == {"r1": ()} and d0.metadata == {"r1-gen": ()}
+    assert tracing.span("plan") is tracing.NO_SPAN and tracing.DISABLED.request(SCOPE, None) is tracing.NO_SPAN
