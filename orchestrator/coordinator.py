@@ -79,7 +79,7 @@ class Coordinator:
         workers = tuple(self.pool.pick(role) for role in roles)
         caps = tuple([await self._capabilities(w) for w in workers])
         if path == "local" and not caps[0].runs_whole_requests_on_decode:
-            # A revision-3 decode worker refuses a request without a KV session: prefill it elsewhere.
+            # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
             path, workers = "disaggregated", (self.pool.pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]

@@ -7,8 +7,7 @@
 A script maps each Generate request to steps: `Wait(seconds)` (on trio's clock, so `autojump_clock`
 makes it instant), `Send(*events)`, `Fail(error)` (the RPC raises), `Hang()` (nothing more, ever). The
 client records every call (`calls`), which streams were left before their script ended (`cancelled`),
-and what Abort was asked (`aborts`). `abort_error` makes Abort fail, as TensorRT-LLM's UNIMPLEMENTED
-for Abort(kv_session) does. Exported by the testkit (orchestrator.testing).
+and what Abort was asked (`aborts`). Exported by the testkit (orchestrator.testing).
 """
 
 from __future__ import annotations
@@ -90,12 +89,10 @@ class _FakeStream:
 
 class FakeEngineClient:
     def __init__(self, name: str, caps: WorkerCapabilities | None = None,
-                 script: Callable[[generation_pb2.GenerateRequest], Sequence[Step]] = lambda request: [],
-                 abort_error: EngineError | None = None):
+                 script: Callable[[generation_pb2.GenerateRequest], Sequence[Step]] = lambda request: []):
         self.name = self.address = name
         self.caps = caps or capabilities()
         self.script = script
-        self.abort_error = abort_error
         self.calls: list[tuple[str, object]] = []
         self.cancelled: list[str] = []  # request ids whose stream was left before its script ended
         self.aborts: list[object] = []  # request ids and kv sessions asked to abort
@@ -119,8 +116,6 @@ class FakeEngineClient:
         await trio.lowlevel.checkpoint()
         target = request_id if request_id is not None else kv_session
         self.calls.append(("Abort", target))
-        if kv_session is not None and self.abort_error is not None:
-            raise self.abort_error
         self.aborts.append(target)
 
     async def capabilities(self) -> WorkerCapabilities:

@@ -116,8 +116,8 @@ class RequestFlow:
             # have to ask for one token more than the client's max_tokens).
             log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
                         failed_worker.address, error.code_name)
-            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens,
-                                   cached_tokens=self.state.cached_tokens)
+            cached = self.state.settle_cached(plan.prompt_tokens, self.state.cached_tokens)
+            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens, cached_tokens=cached)
             return
         if self.migrations >= c.config.limits.migration_limit:
             raise error

@@ -342,6 +342,8 @@ def _describe(worker: Worker) -> dict:
                           "schema_revision": caps.schema_revision, "data_parallel_size": caps.data_parallel_size,
                           "kv_block_size": caps.kv_block_size, "total_kv_blocks": caps.total_kv_blocks,
                           "guided_decoding": caps.guided_decoding.supported,
+                          # advertised abort by session (never relied on: orchestrator/kv/lease.py)
+                          "supports_abort_cleanup": caps.supports_abort_cleanup,
                           # e.g. trtllm_supports_dp_rank_targeting, trtllm_kv_event_hash_algo, trtllm_node
                           "extra": {key: json.loads(value) for key, value in caps.extra}}
     sample = worker.load_sample

@@ -28,12 +28,14 @@ class LoadSample:
     def reports_kv(self) -> bool:
         return self.used_kv_blocks is not None and bool(self.total_kv_blocks)
 
-    def kv_load(self, sent_since: int) -> float:
-        """The fraction of the KV cache in use, with each request sent since the sample assumed to take as
-        many blocks as an average running one."""
-        used = self.used_kv_blocks or 0
-        per_request = used / self.requests if self.requests else 0.0
-        return (used + sent_since * per_request) / self.total_kv_blocks
+    @property
+    def blocks_per_request(self) -> float | None:
+        return (self.used_kv_blocks or 0) / self.requests if self.requests else None
+
+    def kv_load(self, sent_since: int, per_request: float) -> float:
+        """The fraction of the KV cache in use, with each request sent since the sample assumed to take
+        `per_request` blocks (an average running request's)."""
+        return ((self.used_kv_blocks or 0) + sent_since * per_request) / self.total_kv_blocks
 
 
 class Candidate(Protocol):
@@ -62,6 +64,10 @@ class LeastLoaded:
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
         # KV usage only where every candidate reports it: a fraction and a request count do not compare.
         by_kv = all(s is not None and s.reports_kv for s in samples)
+        # What a request sent since a sample is assumed to take: that worker's average running request, or for
+        # an idle worker the others' (else a burst would all land on the idle one, its score never rising).
+        averages = [s.blocks_per_request for s in samples if s is not None and s.blocks_per_request is not None]
+        fallback = sum(averages) / len(averages) if averages else 1.0
 
         def score(i: int) -> tuple[float, float, int]:
             c, sample = candidates[i], samples[i]
@@ -69,7 +75,11 @@ class LeastLoaded:
             if sample is None:
                 return 0.0, float(c.inflight), rotation
             requests = float(sample.requests + c.sent_since_load)
-            return (sample.kv_load(c.sent_since_load) if by_kv else 0.0), requests, rotation
+            if not by_kv:
+                return 0.0, requests, rotation
+            per_request = sample.blocks_per_request
+            return sample.kv_load(c.sent_since_load, fallback if per_request is None else per_request), requests, \
+                rotation
 
         return candidates[min(range(len(candidates)), key=score)]
 

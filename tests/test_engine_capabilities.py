@@ -5,7 +5,7 @@ import trio
 import trio.testing
 
 from orchestrator.engine.capabilities import SingleFlightCache
-from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
+from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError, IncompatibleWorker
 
 
 class FakeWorker:
@@ -142,6 +142,21 @@ async def test_a_failed_re_read_keeps_the_last_known_capabilities(nursery):
     cache.invalidate()
     worker.fail_with = None
     assert await cache.get() == "capabilities#3"  # and replaced once a read works
+
+
+async def test_a_re_read_that_times_out_keeps_them_but_an_incompatible_worker_does_not(nursery, autojump_clock):
+    worker = FakeWorker()
+    worker.release.set()
+    cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
+    assert await cache.get() == "capabilities#1"
+    cache.invalidate()
+    worker.hang = True
+    assert await cache.get() == "capabilities#1"  # after the 5 s timeout
+    worker.hang = False
+    cache.invalidate()
+    worker.fail_with = IncompatibleWorker("requires client revision >= 9", worker="w", rpc="GetServerInfo")
+    with pytest.raises(DiscoveryFailed, match="requires client revision"):
+        await cache.get()
 
 
 async def test_without_last_known_capabilities_a_failure_stands(nursery):

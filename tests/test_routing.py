@@ -45,6 +45,18 @@ def test_least_loaded_scores_by_kv_usage_when_every_engine_reports_it():
                                    now=10.1).address == "long"
 
 
+def test_a_burst_does_not_all_land_on_an_idle_worker_when_scoring_by_kv():
+    """An idle worker's sample says nothing of what a request takes: the others' average does."""
+    idle = FakeWorker("idle", sample=(10.0, 0, 0, 1000))
+    busy = FakeWorker("busy", sample=(10.0, 1, 10, 1000))
+    policy, picks = LeastLoaded(0.5), []
+    for _ in range(20):
+        chosen = policy.choose([idle, busy], now=10.1)
+        chosen.sent_since_load += 1
+        picks.append(chosen.address)
+    assert 8 <= picks.count("idle") <= 12, picks  # they share it, the idle one first
+
+
 def test_least_loaded_falls_back_to_local_inflight_when_samples_are_stale():
     a = FakeWorker("a", inflight=3, sample=(0.0, 0))
     b = FakeWorker("b", inflight=1, sample=(0.0, 50))

@@ -38,7 +38,7 @@ from orchestrator.engine.errors import from_engine_error, from_grpc_status
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import InvalidRequest
 from orchestrator.frontend.errors import to_api_error
-from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, KvAction, check_session, unpulled_session_action
+from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, check_session
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.prefill import context_only_leg, prefill_outcome
@@ -252,13 +252,6 @@ def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_th
     assert leg.response.return_output_logprobs and leg.response.output_candidates.top_n == 1
     assert leg.extra["detokenize"] is False and leg.extra["conversation_id"] == "agentx-session"
     assert not leg.HasField("kv")
-
-
-def test_the_kv_rule_frees_a_session_only_by_pulling_it():
-    """UPSTREAM no-abort-cleanup, held-until-exit, late-abort: no revision's abort by session is proof."""
-    rule = unpulled_session_action
-    assert rule(decode_leg_in_flight=True) is KvAction.KEEP_DECODE_UNTIL_FIRST_TOKEN
-    assert rule(decode_leg_in_flight=False) is KvAction.PULL_WITH_RELEASE_LEG
 
 
 def test_image_support_needs_every_signal_and_follows_the_path():

@@ -123,15 +123,15 @@ def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabi
 
 
 def check_media_options(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:
-    """`workers`: (role, takes GenerateRequest.media_options: revision 3 with supports_per_request_media_options)."""
+    """`workers`: (role, takes GenerateRequest.media_options: it advertises supports_per_request_media_options)."""
     if req.media_options is None:
         return
     if not req.images:
         raise invalid("media_io_kwargs: only allowed with media in the request", param="media_io_kwargs")
     for role, takes in workers:
         if not takes:
-            raise invalid(f"media_io_kwargs: the {role} worker does not take per-request media options (schema "
-                          "revision 3 with supports_per_request_media_options)", param="media_io_kwargs",
+            raise invalid(f"media_io_kwargs: the {role} worker does not take per-request media options (it does "
+                          "not advertise supports_per_request_media_options)", param="media_io_kwargs",
                           code="media_options_not_supported")
 
 

@@ -2,7 +2,7 @@
 
 The generation leg is the full request plus `kv.session`, the KvSessionRef exactly as the prefill
 returned it, and the prefill's media when the handoff needs them. The release leg only pulls a
-session, so a prefill worker that cannot abort sessions frees its blocks.
+session: the one way to make a prefill worker free a session no decode leg read (orchestrator/kv/lease.py).
 """
 
 from __future__ import annotations

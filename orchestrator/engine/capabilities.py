@@ -22,7 +22,7 @@ import attrs
 import trio
 from google.protobuf import json_format
 
-from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError
+from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError, IncompatibleWorker
 from orchestrator.log import cause_chain
 from orchestrator.openengine.v1 import generation_pb2, model_pb2, server_pb2
 from orchestrator.roles import Role
@@ -247,13 +247,16 @@ class SingleFlightCache(Generic[T]):
     async def _run(self, attempt: _Attempt[T]) -> None:
         self.attempts += 1
         try:
-            with trio.fail_after(self._timeout):
-                value = await self._fetch()
-        except trio.TooSlowError:
-            attempt.error = EngineError(f"no answer within {self._timeout:g} s", worker=self._worker,
-                                        rpc="GetServerInfo/GetModelInfo", retryable=True)
+            try:
+                with trio.fail_after(self._timeout):
+                    value = await self._fetch()
+            except trio.TooSlowError:
+                raise EngineError(f"no answer within {self._timeout:g} s", worker=self._worker,
+                                  rpc="GetServerInfo/GetModelInfo", retryable=True) from None
         except EngineError as exc:
-            if self._last_known is not None and not isinstance(exc, ClientClosed):
+            # An outage (UNAVAILABLE, a timeout) says nothing new about the worker: keep what it last reported.
+            # A worker that now refuses us (IncompatibleWorker) or a closing client is news: let it stand.
+            if self._last_known is not None and not isinstance(exc, (ClientClosed, IncompatibleWorker)):
                 log.warning("%s of %s failed; keeping the capabilities it last reported: %s", self._what,
                             self._worker, cause_chain(exc))
                 self._value = attempt.value = self._last_known

@@ -9,7 +9,7 @@ from orchestrator.kv.handoff import (
     decode_needs_media,
     first_gen_tokens,
 )
-from orchestrator.kv.lease import KvAction, KvLease, unpulled_session_action
+from orchestrator.kv.lease import KvLease
 
-__all__ = ["SESSION_ATTRIBUTES", "TRTLLM_HANDOFF_PROFILE", "HandoffError", "KvAction", "KvLease", "check_session",
-           "decode_needs_media", "first_gen_tokens", "unpulled_session_action"]
+__all__ = ["SESSION_ATTRIBUTES", "TRTLLM_HANDOFF_PROFILE", "HandoffError", "KvLease", "check_session",
+           "decode_needs_media", "first_gen_tokens"]

@@ -105,7 +105,7 @@ class AdmissionService:
                     yield response  # returns when the transport took it: a reader that does not read blocks here
                     if watch is not None:
                         watch.waiting_since = None
-                        if watch.stalled:  # the request was aborted meanwhile: say why, now that we can
+                        if watch.stalled and not terminal_in_flight:  # aborted meanwhile: say why, now we can
                             yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
                                 code=E.ERROR_CODE_OVERLOADED, retryable=True,
                                 message=f"response stream not read for {timeout:g} s; request aborted"))
@@ -126,7 +126,8 @@ class AdmissionService:
             if watchdog is not None:
                 watchdog.cancel()
             if sim_request is not None:
-                self.active.pop(rid, None)
+                if self.active.get(rid) is sim_request:  # a stalled stream's id may have been taken again
+                    del self.active[rid]
                 if self.scheduler.cancel(sim_request):
                     self.cancelled_by_client += 1
                     log.info("request %s cancelled by the client", rid)

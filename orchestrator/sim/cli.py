@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-metrics", choices=LOAD_METRICS, default="on",
                    help="GetLoad as TensorRT-LLM answers it with load metrics on, off (requests only), or "
                         "unavailable (UNAVAILABLE, as when its load sample is stale)")
-    p.add_argument("--stall-timeout", type=float, default=None,
+    p.add_argument("--stall-timeout", type=_not_negative, default=None,
                    help="seconds a response may wait to be read before the request is aborted with "
                         "ERROR_CODE_OVERLOADED (default: the persona's; revision 1: 30, as TensorRT-LLM's watchdog)")
     p.add_argument("--attention-dp-size", type=int, default=None,
@@ -109,6 +109,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="report this ServerInfo.schema_revision instead of the persona's")
     faults.add_argument("--minimum-client-revision", type=int, default=1)
     p.set_defaults(run=run)
+
+
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: no watchdog), got {text}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace):

@@ -25,7 +25,7 @@ class SimConfig:
     warmup_s: float = 0.0
     persona: Persona = Persona()
     kv_transfer_timeout_s: float | None = None  # None: the persona's (revision-1 TensorRT-LLM: until exit)
-    supports_abort_cleanup: bool = False  # force abort-by-session on where the persona has none
+    supports_abort_cleanup: bool = False  # advertise and answer abort-by-session where the persona does not
     supports_multimodal: bool | None = None  # None: the persona's
     image_paths: str = "both"  # revision 3: where MODALITY_IMAGE is listed (both | aggregate | none)
     max_context_length: int | None = None

@@ -12,7 +12,8 @@ engine as it is, not against our reading of the spec:
   false). Validation errors are gRPC statuses. An omitted max_tokens means "up to the window".
 - revision 3: `tensorrt_llm/openengine/` (server.py, converters.py), the sibling server with a
   declared role per process, image support reported per path in multimodal_capabilities, a JSON
-  handoff under one named profile, abort by kv_session, and max_tokens 32 when omitted.
+  handoff under one named profile, an abort by kv_session answered ABORTED that frees nothing once the
+  context request finished, and max_tokens 32 when omitted.
 - "strict": the simulator's original behaviour, written from the spec alone (declared roles, errors
   as EngineError events, every KV attribute required, a 30 s transfer timeout). Kept as an explicit
   option because it catches protocol slips the real engine would tolerate.
@@ -74,7 +75,8 @@ class Persona:
 
     @property
     def abort_by_session(self) -> bool:
-        """Control.Abort(kv_session) works (revision 3). Revision 1 answers UNIMPLEMENTED."""
+        """Control.Abort(kv_session) is answered (revision 3: ABORTED, freeing nothing after PrefillReady;
+        control.py). Revision 1 answers UNIMPLEMENTED."""
         return not self.revision_1_trtllm
 
     @property
