@@ -149,8 +149,9 @@ class FakePool:
         self.unreachable: list[tuple[object, EngineError]] = []
         self._turn = 0
 
-    def pick(self, role: str, exclude=()):
-        candidates = [w for w in self.workers if w.role == role and w.routable and w not in exclude]
+    def pick(self, role: str, exclude=(), accepts=None):
+        candidates = [w for w in self.workers if w.role == role and w.routable and w not in exclude
+                      and (accepts is None or accepts(w))]
         if not candidates:
             raise NoWorkerAvailable(f"no {role} worker is available", code="no_worker_available", retry_after=1)
         self._turn += 1

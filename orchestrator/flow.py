@@ -13,6 +13,7 @@ import logging
 
 import trio
 
+from orchestrator.convert import serves_features
 from orchestrator.decode import (
     ReplayedStream,
     StreamState,
@@ -41,6 +42,11 @@ class RequestFlow:
         self.failed: list = []  # workers a leg of this request failed on
         self._last_chunk: float | None = None
         self._token_meter = coordinator.metrics.token_meter(plan.path)
+        # Where a retry or a migration may take this request: the planner checked the guide and logprobs
+        # against the first workers only; a replacement must serve them too. None: nothing to check.
+        api = plan.api
+        self.accepts = None if api.guided is None and not api.logprobs else (
+            lambda worker: _serves(api, worker))
 
     async def run(self) -> None:
         series = self.c.metrics.by_path[self.plan.path]
@@ -67,11 +73,12 @@ class RequestFlow:
     async def _whole(self, worker, leg: g.GenerateRequest) -> None:
         await self.c.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
                                 on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens, migrate=self.migrate,
-                                migration=self.migrations)
+                                migration=self.migrations, accepts=self.accepts)
 
     async def _split(self, full: g.GenerateRequest, prefill_worker, decode_worker) -> None:
         c, state = self.c, self.state
-        result = await c.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations)
+        result = await c.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
+                                     accepts=self.accepts)
         prefill_done = trio.current_time()
         c.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
@@ -94,7 +101,7 @@ class RequestFlow:
             await c.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
                                detokenizer=self.detokenizer, on_chunk=self._on_chunk,
                                prompt_tokens=self.plan.prompt_tokens, lease=lease, migrate=self.migrate,
-                               migration=self.migrations)
+                               migration=self.migrations, accepts=self.accepts)
         finally:
             if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
                 await c.releaser.release_unpulled(lease, full, decode_worker)
@@ -124,10 +131,10 @@ class RequestFlow:
         self.failed.append(failed_worker)
         try:
             if plan.path == "disaggregated":
-                decode_worker = c.pool.pick("decode", exclude=tuple(self.failed))
-                prefill_worker = c.pool.pick("prefill")
+                decode_worker = c.pool.pick("decode", exclude=tuple(self.failed), accepts=self.accepts)
+                prefill_worker = c.pool.pick("prefill", accepts=self.accepts)
             else:
-                decode_worker = c.pool.pick(failed_worker.role, exclude=tuple(self.failed))
+                decode_worker = c.pool.pick(failed_worker.role, exclude=tuple(self.failed), accepts=self.accepts)
         except NoWorkerAvailable:
             raise error from None
         self.migrations += 1
@@ -142,3 +149,9 @@ class RequestFlow:
         else:
             await self._whole(decode_worker, leg)
 
+
+def _serves(api, worker) -> bool:
+    """A worker whose capabilities are not known yet is given the benefit of the doubt (its engine refuses what
+    it cannot do, except a guide the sibling server would ignore: discovery runs before a worker is READY)."""
+    caps = worker.client.cached_capabilities if worker.client is not None else None
+    return caps is None or serves_features(api, caps)

@@ -19,7 +19,7 @@ import collections
 import json
 import logging
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import trio
 
@@ -293,8 +293,10 @@ class WorkerPool:
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 
-    def pick(self, role: str, exclude: tuple[Worker, ...] = ()) -> Worker:
-        candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude]
+    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None) -> Worker:
+        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes."""
+        candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
+                      and (accepts is None or accepts(w))]
         if not candidates:
             states = collections.Counter(str(w.state) for w in self.workers.values() if w.role == role)
             known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))

@@ -19,8 +19,10 @@ T = TypeVar("T")
 
 
 async def with_retries(pool, first, attempt: Callable[[object], Awaitable[T]], *, retries: int, metrics,
-                       what: str, may_retry: Callable[[EngineError], bool] = lambda error: True) -> tuple[object, T]:
-    """Returns (the worker that succeeded, its result)."""
+                       what: str, may_retry: Callable[[EngineError], bool] = lambda error: True,
+                       accepts: Callable[[object], bool] | None = None) -> tuple[object, T]:
+    """Returns (the worker that succeeded, its result). A retry goes only to a worker `accepts` takes (one that
+    serves the request's features: the planner checked only the first workers)."""
     tried = [first]
     worker = first
     while True:
@@ -33,7 +35,7 @@ async def with_retries(pool, first, attempt: Callable[[object], Awaitable[T]], *
             if not error.retryable or not may_retry(error) or len(tried) > retries:
                 raise
             try:
-                worker = pool.pick(worker.role, exclude=tuple(tried))
+                worker = pool.pick(worker.role, exclude=tuple(tried), accepts=accepts)
             except NoWorkerAvailable:
                 raise error from None
             tried.append(worker)

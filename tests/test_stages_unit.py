@@ -11,6 +11,7 @@ import attrs
 import pytest
 import trio
 
+from orchestrator.convert import parse_chat, serves_features
 from orchestrator.decode import StreamState, generation_leg
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
@@ -176,6 +177,25 @@ async def test_a_retryable_decode_failure_before_the_first_token_moves_to_anothe
     sink, _ = await run_decode(decode, first, generation_leg(full(), SESSION), lease_on(pool))
     assert sink.finished == ("length", 2) and [w.client for w, _ in pool.unreachable] == [d0]
     assert d1.generated()[0].kv.session == SESSION  # the retry pulls the same session
+
+
+async def test_a_retry_goes_only_to_a_worker_that_serves_the_requests_features(autojump_clock):
+    """The planner checks the guide against the first workers; a retry must not land where it is ignored."""
+    from orchestrator.engine.capabilities import FeatureSupport
+    from orchestrator.fake_engine import capabilities
+
+    gone = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
+    pool, _, (d0, guided, plain), _, decode, *_ = deployment(
+        [prefill_script()], [lambda r: [Fail(gone)], lambda r: decode_tokens(2), lambda r: decode_tokens(2)])
+    guided.caps = attrs.evolve(capabilities("decode"), guided_decoding=FeatureSupport(True))
+    api = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "response_format": {"type": "json_object"}})
+    first = next(w for w in workers(pool, "decode") if w.client is d0)
+    sink, state = Sink(), StreamState()
+    await decode.run(first, generation_leg(full(), SESSION), sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
+                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease_on(pool),
+                     accepts=lambda w: serves_features(api, w.client.caps))
+    assert sink.finished == ("length", 2) and plain.generated() == [] and len(guided.generated()) == 1
 
 
 async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_goes_to_the_migration_hook(autojump_clock):

@@ -16,9 +16,11 @@ from orchestrator.convert.engine import (
     check_worker_media,
     full_leg,
     resolve_limits,
+    serves_features,
 )
 from orchestrator.convert.media import ImageRef, MediaLimits
 
 __all__ = ["ApiRequest", "ImageRef", "Limits", "MediaLimits", "check_media_capability",
            "check_media_options", "check_media_sources", "check_worker_features",
-           "check_worker_media", "full_leg", "parse_chat", "parse_completion", "resolve_limits"]
+           "check_worker_media", "full_leg", "parse_chat", "parse_completion", "resolve_limits",
+           "serves_features"]

@@ -17,7 +17,7 @@ import attrs
 
 from orchestrator.convert.api import ApiRequest
 from orchestrator.convert.media import ImageRef
-from orchestrator.errors import WorkerDiscoveryFailed, invalid
+from orchestrator.errors import InvalidRequest, WorkerDiscoveryFailed, invalid
 from orchestrator.openengine.v1 import generation_pb2 as g
 
 if TYPE_CHECKING:  # capabilities are read, never fetched, here
@@ -120,6 +120,16 @@ def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabi
             if logprobs.max_top_n is not None and top_n > logprobs.max_top_n:
                 raise invalid(f"top_logprobs: {where} returns at most {logprobs.max_top_n} candidates, "
                               f"{top_n} were asked for", param="top_logprobs", code="logprobs_not_supported")
+
+
+def serves_features(req: ApiRequest, caps: WorkerCapabilities) -> bool:
+    """Whether a worker takes every generation feature the request needs (check_worker_features' rule): what
+    a retry or a migration asks of the worker it moves the request to."""
+    try:
+        check_worker_features(req, [("", caps)])
+    except InvalidRequest:
+        return False
+    return True
 
 
 def check_media_options(req: ApiRequest, workers: list[tuple[str, bool]]) -> None:

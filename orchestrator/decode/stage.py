@@ -37,7 +37,8 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None, migration: int = 0) -> None:
+                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None, migration: int = 0,
+                  accepts: Callable[[object], bool] | None = None) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
         `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th)."""
         streamed_before = state.completion_tokens
@@ -55,7 +56,7 @@ class DecodeStage:
         try:
             await with_retries(self.pool, worker, attempt, retries=self.retries, metrics=self.metrics,
                                what=f"{worker.role} leg {leg.request_id}",
-                               may_retry=lambda error: state.completion_tokens == streamed_before)
+                               may_retry=lambda error: state.completion_tokens == streamed_before, accepts=accepts)
         except EngineError as error:
             if migrate is None or state.completion_tokens == streamed_before:
                 raise

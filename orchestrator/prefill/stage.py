@@ -40,7 +40,8 @@ class PrefillStage:
         self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
 
     async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None, *,
-                  migration: int = 0) -> PrefillResult:
+                  migration: int = 0, accepts=None) -> PrefillResult:
+        """`accepts(worker)`: whether a retry may go there (orchestrator.retry)."""
         leg = context_only_leg(full)
         attempts = 0
 
@@ -58,7 +59,7 @@ class PrefillStage:
                                    code=ErrorCode.ERROR_CODE_INTERNAL))
 
         _, result = await with_retries(self.pool, first_worker, attempt, retries=self.retries, metrics=self.metrics,
-                                       what=f"prefill of {leg.request_id}")
+                                       what=f"prefill of {leg.request_id}", accepts=accepts)
         return result
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, full: g.GenerateRequest,
