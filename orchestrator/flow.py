@@ -59,7 +59,8 @@ class RequestFlow:
                 self.c.metrics.by_stage["decode"].observe(trio.current_time() - self.started)
         finally:
             self._token_meter.flush()  # whatever way the request ends
-        series.cached_tokens.inc(self.state.cached_tokens or 0)
+        if self.state.cached_tokens:  # most requests have none: no counter call for them
+            series.cached_tokens.inc(self.state.cached_tokens)
 
     def _on_chunk(self, tokens: int) -> None:
         now = trio.current_time()

@@ -64,10 +64,12 @@ class LeastLoaded:
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
         # KV usage only where every candidate reports it: a fraction and a request count do not compare.
         by_kv = all(s is not None and s.reports_kv for s in samples)
-        # What a request sent since a sample is assumed to take: that worker's average running request, or for
-        # an idle worker the others' (else a burst would all land on the idle one, its score never rising).
-        averages = [s.blocks_per_request for s in samples if s is not None and s.blocks_per_request is not None]
-        fallback = sum(averages) / len(averages) if averages else 1.0
+        fallback = 1.0
+        if by_kv:
+            # What a request sent since a sample is assumed to take: that worker's average running request, or
+            # for an idle worker the others' (else a burst would all land on the idle one, its score never rising).
+            averages = [s.blocks_per_request for s in samples if s.blocks_per_request is not None]
+            fallback = sum(averages) / len(averages) if averages else 1.0
 
         def score(i: int) -> tuple[float, float, int]:
             c, sample = candidates[i], samples[i]
