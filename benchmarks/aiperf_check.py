@@ -26,7 +26,7 @@ from pathlib import Path
 
 from orchestrator.models import TINY_CHAT
 from orchestrator.processes import OrchestratorServers, SimWorkers
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF_VENV = ROOT / ".venv-aiperf"

@@ -18,7 +18,7 @@ import h2.config
 import h2.connection
 import h2.events
 
-from orchestrator.engine import http2
+from orchestrator.transport import http2
 
 HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/openengine.v1.Engine/Generate"),
            (b":authority", b"127.0.0.1:50051"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),

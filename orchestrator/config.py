@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
-from orchestrator.roles import ROLES  # noqa: F401 - the roles a config names, re-exported
+from orchestrator.workers.roles import ROLES  # noqa: F401 - the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded")
@@ -123,7 +123,7 @@ class LimitsConfig:
 
 @attrs.frozen
 class KeepaliveConfig:
-    """HTTP/2 keepalive on the worker connections, either stream_transport (orchestrator/engine/keepalive.py)."""
+    """HTTP/2 keepalive on the worker connections, either stream_transport (orchestrator/transport/keepalive.py)."""
 
     # A PING once a connection with calls open heard nothing from its worker for this long; at most two while
     # the worker sends nothing, then one per 5 minutes (a stock gRPC server's limit); doubled after a GOAWAY

@@ -107,13 +107,13 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     With `frontend.count` > 1 this is one of several frontend processes on the port (see
     orchestrator/frontend/multiprocess.py); frontend 0 starts the others with `child_argv(index, port)`.
     """
-    from orchestrator.coordinator import Coordinator
+    from orchestrator.flow.coordinator import Coordinator
     from orchestrator.engine import LoopThread
     from orchestrator.frontend import memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
-    from orchestrator.pool import WorkerPool
+    from orchestrator.workers.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
     from orchestrator import tracing
 

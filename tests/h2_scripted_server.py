@@ -24,7 +24,7 @@ import h2.exceptions
 import h2.settings
 import trio
 
-from orchestrator.engine import http2
+from orchestrator.transport import http2
 
 GRPC_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from orchestrator.testing import OrchestratorServers, SimWorkers, write_config
+from orchestrator.testkit.plugin import OrchestratorServers, SimWorkers, write_config
 
 
 class Deployment:

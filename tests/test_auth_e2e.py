@@ -11,7 +11,7 @@ import trio
 from orchestrator import config as config_module
 from orchestrator.config import ApiKeyConfig, AuthConfig, ConfigError
 from orchestrator.frontend.auth import ApiKey, ApiKeys, load_api_keys
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 from sim_helpers import recent_requests
 
 FAST = ("--time-scale", "0")

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from orchestrator.testing import python_command
+from orchestrator.testkit.plugin import python_command
 
 pytest.importorskip("matplotlib")
 METRICS = ["ttft_s", "tpot_s", "itl_s", "e2e_s", "request_throughput", "output_tokens_per_s",

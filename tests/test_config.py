@@ -10,7 +10,7 @@ import yaml
 from orchestrator import config as config_module
 from orchestrator.config import ConfigError
 from orchestrator.launch import check_sim_workers
-from orchestrator.testing import python_command
+from orchestrator.testkit.plugin import python_command
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -7,7 +7,7 @@ import sys
 import httpx
 import trio
 
-from orchestrator.testing import ManagedProcess, write_config
+from orchestrator.testkit.plugin import ManagedProcess, write_config
 from serve_helpers import chat_body
 
 # The server starts with a soft limit of 256 open files under a hard limit of 1,024, as a service manager

@@ -208,7 +208,7 @@ def test_media_options_go_only_to_workers_that_take_them_and_only_with_media():
 
 
 def _caps(**features):
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     return attrs.evolve(capabilities("decode"), instance_id="trtllm-d0", **features)
 

@@ -21,7 +21,7 @@ from orchestrator.engine import (
 from orchestrator.engine.errors import StreamStalled
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
-from orchestrator.testing import free_port, wait_for_load
+from orchestrator.testkit.plugin import free_port, wait_for_load
 
 
 @pytest.fixture(params=["grpcio", "h2"])
@@ -114,7 +114,7 @@ async def test_a_call_left_after_its_terminal_event_is_cancelled_if_its_status_n
         sim_workers, engine_client, monkeypatch):
     """The status is 30 s late: the call is cancelled after the grace (grpcio: a timer; h2: a sweep of such
     streams every grace), so a worker that never ends its calls cannot pile them up."""
-    from orchestrator.engine import h2_streams
+    from orchestrator.transport import h2_grpc as h2_streams
 
     monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.3)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")

@@ -10,7 +10,7 @@ import trio
 
 from orchestrator.discovery import keys
 from orchestrator.discovery.registry import WorkerSpec
-from orchestrator.testing import EtcdServer, python_command, write_config
+from orchestrator.testkit.plugin import EtcdServer, python_command, write_config
 
 pytestmark = pytest.mark.etcd
 FAST = ("--time-scale", "0.02")
@@ -171,7 +171,7 @@ def test_register_refuses_a_role_mismatch(etcd_server, sim_workers):
 
 async def test_register_sidecar_announces_withdraws_and_revokes(tmp_path, etcd_server, sim_workers,
                                                                  orchestrator_servers):
-    from orchestrator.testing import ManagedProcess
+    from orchestrator.testkit.plugin import ManagedProcess
 
     server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated"))
     worker = sim_workers.start("aggregated", *FAST)
@@ -194,7 +194,7 @@ async def test_register_sidecar_announces_withdraws_and_revokes(tmp_path, etcd_s
 
 async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_ones(
         tmp_path, etcd_server, sim_workers, orchestrator_servers):
-    from orchestrator.testing import ManagedProcess
+    from orchestrator.testkit.plugin import ManagedProcess
 
     server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated", name="rm.yaml"))
     leaving = sim_workers.start("aggregated", "--time-scale", "1")  # ~6 ms per token: a long stream

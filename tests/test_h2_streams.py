@@ -11,10 +11,11 @@ import trio
 import trio.testing
 from sim_helpers import read_to_finished
 
-from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable, h2_streams
-from orchestrator.engine.h2_streams import H2Stream, _Connection
+from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
+from orchestrator.transport import h2_grpc as h2_streams
+from orchestrator.transport.h2_grpc import H2Stream, _Connection
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.testing import wait_for_load
+from orchestrator.testkit.plugin import wait_for_load
 
 
 def request(rid, max_tokens=8, ids=(5, 6, 7, 8, 9), **stopping):
@@ -330,7 +331,7 @@ async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes
         sim_workers, engine_client, monkeypatch):
     """After Finished the caller leaves without a reset (the status is due at once); a worker whose status
     then never comes (here 30 s late) cannot keep the stream open: it is reset a grace period later."""
-    from orchestrator.engine import h2_streams
+    from orchestrator.transport import h2_grpc as h2_streams
 
     monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")

@@ -129,7 +129,7 @@ async def test_requests_still_running_when_the_shutdown_grace_ends_get_a_503_or_
     with Retry-After, a started stream a final SSE error event and [DONE]; none is cut off bare."""
     import signal
 
-    from orchestrator.testing import write_config
+    from orchestrator.testkit.plugin import write_config
     from serve_helpers import sse_events
 
     worker = sim_workers.start("aggregated", "--time-scale", "1")

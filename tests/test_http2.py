@@ -11,7 +11,7 @@ import h2.settings
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.engine import http2
+from orchestrator.transport import http2
 
 REQUEST_HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/openengine.v1.Engine/Generate"),
                    (b":authority", b"127.0.0.1:50051"), (b"content-type", b"application/grpc"),

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 from serve_helpers import Deployment
 from sim_helpers import recent_requests
 

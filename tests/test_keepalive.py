@@ -1,6 +1,6 @@
 """When a keepalive PING goes (engine/keepalive.py): pure rules, with grpc-core's ping policy as the reference."""
 
-from orchestrator.engine.keepalive import FREE_PINGS, SERVER_MIN_PING_INTERVAL_S, KeepalivePolicy
+from orchestrator.transport.keepalive import FREE_PINGS, SERVER_MIN_PING_INTERVAL_S, KeepalivePolicy
 
 
 def test_a_ping_goes_only_after_the_interval_without_hearing_anything():

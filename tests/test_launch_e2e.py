@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchestrator.testing import ManagedProcess, ProcessFailed, python_command
+from orchestrator.testkit.plugin import ManagedProcess, ProcessFailed, python_command
 from sim_helpers import png_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

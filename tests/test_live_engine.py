@@ -13,7 +13,7 @@ import os
 import httpx
 import pytest
 
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 
 pytestmark = pytest.mark.live_engine
 CONNECT_DEADLINE = float(os.environ.get("ORCH_LIVE_TIMEOUT", "60"))

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.testing import free_port
+from orchestrator.testkit.plugin import free_port
 
 TESTS = Path(__file__).resolve().parent
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import trio
 
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 from serve_helpers import chat_body
 
 STEP = ("--time-scale", "0.5")

@@ -6,8 +6,8 @@ from orchestrator.config import RoutingConfig
 from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import LoopThread
 from orchestrator.metrics import Metrics
-from orchestrator.pool import WorkerPool
-from orchestrator.worker_state import WorkerState
+from orchestrator.workers.pool import WorkerPool
+from orchestrator.workers.states import WorkerState
 
 
 class ScriptedRegistry(WorkerRegistry):

@@ -2,7 +2,7 @@
 
 import attrs
 
-from orchestrator.routing import LeastLoaded, LoadSample, RoundRobin, make_policy
+from orchestrator.workers.routing import LeastLoaded, LoadSample, RoundRobin, make_policy
 
 
 @attrs.define

@@ -11,7 +11,7 @@ import openai
 import pytest
 import trio
 
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 from serve_helpers import Deployment, chat_body, sse_events
 
 FAST = ("--time-scale", "0.02")
@@ -286,7 +286,7 @@ async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_p
     # speed: 29-40 of the 67 early ones were seen on 2 cores).
     assert outcomes["mid_stream"] >= 60 and outcomes["before_first_token"] >= 20, outcomes
     async with engine_client(prefill.address) as p, engine_client(decode.address) as d:
-        from orchestrator.testing import wait_for_load
+        from orchestrator.testkit.plugin import wait_for_load
 
         for client in (p, d):
             load = await wait_for_load(client, lambda l: l.running_requests == 0 and l.active_kv_sessions == 0
@@ -479,7 +479,7 @@ async def test_1000_cancelled_streams_leave_no_socket_half_closed(tmp_path, sim_
             await trio.sleep(0.1)
     assert sockets_in_close_wait(port) == 0, "sockets still in CLOSE_WAIT 3 s after 1,000 hang-ups"
     async with engine_client(worker.address) as client:
-        from orchestrator.testing import wait_for_load
+        from orchestrator.testkit.plugin import wait_for_load
 
         await wait_for_load(client, lambda load: load.running_requests == 0 and load.queued_requests == 0,
                             timeout=10)

@@ -31,7 +31,7 @@ from orchestrator.engine.client import HealthState
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.prefill import context_only_leg
-from orchestrator.testing import wait_for_load
+from orchestrator.testkit.plugin import wait_for_load
 
 FAST = ("--time-scale", "0")
 

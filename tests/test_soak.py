@@ -6,7 +6,7 @@ import httpx
 import pytest
 import trio
 
-from orchestrator.testing import wait_for_load, write_config
+from orchestrator.testkit.plugin import wait_for_load, write_config
 
 pytestmark = pytest.mark.slow
 REQUESTS = 3000

@@ -24,8 +24,8 @@ from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.retry import with_retries
-from orchestrator.testing import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
+from orchestrator.flow.retry import with_retries
+from orchestrator.testkit.plugin import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
@@ -67,7 +67,7 @@ class Sink:
 
 
 def deployment(prefill_scripts=(), decode_scripts=(), abort_cleanup=False, retries=1):
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     prefills = [FakeEngineClient(f"p{i}", capabilities("prefill", abort_cleanup=abort_cleanup), script)
                 for i, script in enumerate(prefill_scripts)]
@@ -182,7 +182,7 @@ async def test_a_retryable_decode_failure_before_the_first_token_moves_to_anothe
 async def test_a_retry_goes_only_to_a_worker_that_serves_the_requests_features(autojump_clock):
     """The planner checks the guide against the first workers; a retry must not land where it is ignored."""
     from orchestrator.engine.capabilities import FeatureSupport
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     gone = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
     pool, _, (d0, guided, plain), _, decode, *_ = deployment(
@@ -278,8 +278,8 @@ async def test_retries_stop_at_the_limit_and_keep_the_original_error_when_no_wor
 
 def coordinator(tmp_path, mode, pool, **sections):
     from orchestrator import config as config_module
-    from orchestrator.coordinator import Coordinator
-    from orchestrator.testing import write_config
+    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator.testkit.plugin import write_config
 
     config = config_module.load(write_config(tmp_path / "c.yaml", mode, {}, **sections))
     return Coordinator(config, pool, TOKENIZER, Metrics())
@@ -293,7 +293,7 @@ def chat(**extra):
 
 
 async def test_a_disaggregated_request_through_the_coordinator(tmp_path, autojump_clock):
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     prefill = FakeEngineClient("p0", capabilities(), lambda r: [Wait(0.02), Send(Tokens((WORD,))),
                                                                 Send(PrefillReady(SESSION))])
@@ -311,7 +311,7 @@ async def test_a_disaggregated_request_through_the_coordinator(tmp_path, autojum
 
 
 async def test_a_disaggregated_request_whose_decode_fails_releases_its_session(tmp_path, autojump_clock):
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     wrong = EngineError("bad", worker="d0", rpc="Generate")
     prefill = FakeEngineClient("p0", capabilities(), lambda r: [Send(PrefillReady(SESSION))])
@@ -331,7 +331,7 @@ async def test_a_decode_worker_lost_after_the_last_token_ends_the_answer_without
                                                                                              autojump_clock):
     """Found by test_migration_e2e: a worker SIGKILLed between its last token and its finish made the continuation
     ask for max(1, 0) tokens, so the client got max_tokens + 1."""
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     lost = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
     prefill = FakeEngineClient("p0", capabilities(), lambda r: [Send(Tokens((WORD,))), Send(PrefillReady(SESSION))])
@@ -353,7 +353,7 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_
     """A declared decode role that packs its handoff under a named profile (TensorRT-LLM's sibling server)
     refuses a request without a KV session. Gated on those fields, whatever schema_revision says: upstream
     relabelled the sibling server's fields revision 1."""
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
     from orchestrator.kv import TRTLLM_HANDOFF_PROFILE
 
     sibling = {"schema_revision": revision, "handoff_profile": TRTLLM_HANDOFF_PROFILE}
@@ -370,7 +370,7 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_
 
 async def timed_request(tmp_path, script, request_id):
     """One aggregated worker running `script`, a coordinator whose request_timeout_s is 2, and a planned chat."""
-    from orchestrator.fake_engine import capabilities
+    from orchestrator.testkit.fakes import capabilities
 
     worker = FakeEngineClient("d0", capabilities(), script)
     c = coordinator(tmp_path, "aggregated", FakePool([fake_worker("aggregated", worker)]),

@@ -17,7 +17,7 @@ import trio.testing
 from orchestrator.decode.output import ReplayedStream, StreamState, finish_reason, stream_output
 from orchestrator.engine import Finished, Tokens
 from orchestrator.engine.client import GenerateStream
-from orchestrator.engine.inbox import TrioInbox
+from orchestrator.transport.inbox import TrioInbox
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1.generation_pb2 import FinishReason

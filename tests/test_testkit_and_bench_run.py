@@ -6,7 +6,7 @@ import subprocess
 import httpx
 import pytest
 
-from orchestrator.testing import python_command, wait_for_load, write_config
+from orchestrator.testkit.plugin import python_command, wait_for_load, write_config
 
 
 async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim_workers, orchestrator_in_process,

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from orchestrator.processes import ProcessFailed
-from orchestrator.testing import EtcdServer, ManagedProcess, python_command, write_config
+from orchestrator.testkit.plugin import EtcdServer, ManagedProcess, python_command, write_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 FAST = ("--time-scale", "0")

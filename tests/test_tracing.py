@@ -9,7 +9,7 @@ from orchestrator import tracing
 from orchestrator.config import TracingConfig
 from orchestrator.decode import StreamState, generation_leg
 from orchestrator.engine import EngineError, PrefillReady
-from orchestrator.testing import Fail, Send
+from orchestrator.testkit.plugin import Fail, Send
 from orchestrator.tokenizer import IncrementalDetokenizer
 from test_stages_unit import SESSION, TOKENIZER, Sink, decode_tokens, deployment, full, prefill_script, workers
 

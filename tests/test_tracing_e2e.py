@@ -23,7 +23,7 @@ import trio
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from orchestrator.testing import write_config
+from orchestrator.testkit.plugin import write_config
 from sim_helpers import recent_requests
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -43,7 +43,7 @@ from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
-from orchestrator.testing import free_port, python_command, wait_for_load, write_config
+from orchestrator.testkit.plugin import free_port, python_command, wait_for_load, write_config
 
 FAST = ("--time-scale", "0.02")
 REVISION_3 = ("--schema-revision", "3")

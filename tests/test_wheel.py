@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from orchestrator.testing import ManagedProcess
+from orchestrator.testkit.plugin import ManagedProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.worker_state import TRANSITIONS, WorkerEvent, WorkerState, next_state, rereads_capabilities
+from orchestrator.workers.states import TRANSITIONS, WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 S, E = WorkerState, WorkerEvent
 ACTIVE = [S.CONNECTING, S.READY, S.UNHEALTHY, S.MISCONFIGURED]

@@ -8,7 +8,7 @@ Workloads (seeded, sizes as public chat and agent traces report them):
 
 Each workload runs on every topology and routing policy of the file, on a **virtual clock**: the simulated
 worker's own scheduler, prefix cache and cost profile (orchestrator.sim), driven step by step like `bench
-plan` does, with today's routing policies from orchestrator.routing (round robin; least loaded, scored by
+plan` does, with today's routing policies from orchestrator.workers.routing (round robin; least loaded, scored by
 the running and queued requests a fresh GetLoad would report). A conversation is a closed-loop user: its
 next turn goes out when the last answer has finished. The hit rate is cached prompt tokens / prompt tokens,
 counted where the prompt is prefilled (usage.cached_prompt_tokens of the simulated workers). These are the
@@ -34,7 +34,7 @@ from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.plan import VirtualClock
 from orchestrator.config import POLICIES, ConfigError, build_attrs
-from orchestrator.routing import LoadSample, make_policy
+from orchestrator.workers.routing import LoadSample, make_policy
 from orchestrator.sim.output import Vocabulary, request_key
 from orchestrator.sim.prefix_cache import Token, expanded_image
 from orchestrator.sim.profiles import PROFILES, Profile

@@ -1,7 +1,7 @@
 """The decode stage: stream a generation leg (or a whole request) from a worker to the client's sink.
 
 - A retryable failure before anything was streamed moves the leg to another worker of the same role
-  (orchestrator.retry); a decode leg pulls the same KV session from there. A failure after tokens
+  (orchestrator.flow.retry); a decode leg pulls the same KV session from there. A failure after tokens
   were streamed goes to `migrate` when one is given (the seam for request migration), else it stands.
 - Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
   Control.Abort makes sure the engine lets go as well.
@@ -24,7 +24,7 @@ from orchestrator.engine.errors import ErrorCode
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.retry import with_retries
+from orchestrator.flow.retry import with_retries
 from orchestrator import tracing
 
 log = logging.getLogger(__name__)

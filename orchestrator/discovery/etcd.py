@@ -19,7 +19,7 @@ import trio
 from orchestrator.discovery import keys
 from orchestrator.discovery.registration import EtcdTls, new_client
 from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.engine.loop_thread import LoopThread
+from orchestrator.transport.loop_thread import LoopThread
 from orchestrator.log import RateLimitedLog, cause_chain
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import json
 import time
 
 from orchestrator.discovery.registry import WorkerSpec
-from orchestrator.roles import ROLES
+from orchestrator.workers.roles import ROLES
 
 
 def workers_prefix(namespace: str, model: str | None = None) -> str:

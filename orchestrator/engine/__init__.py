@@ -19,7 +19,7 @@ from orchestrator.engine.errors import (
     WorkerUnavailable,
 )
 from orchestrator.engine.events import Failed, Finished, PrefillReady, Tokens, Usage
-from orchestrator.engine.loop_thread import LoopThread
+from orchestrator.transport.loop_thread import LoopThread
 
 __all__ = [
     "CLIENT_SCHEMA_REVISION", "ClientClosed", "DiscoveryFailed", "EngineClient", "EngineError", "ErrorCode",

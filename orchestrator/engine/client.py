@@ -38,10 +38,10 @@ from orchestrator.engine.errors import (
     WorkerNotReady,
     from_rpc_error,
 )
-from orchestrator.engine import h2_streams
-from orchestrator.engine.h2_streams import H2Channel
-from orchestrator.engine.keepalive import KeepalivePolicy
-from orchestrator.engine.loop_thread import LoopThread, StreamInbox
+from orchestrator.transport import h2_grpc as h2_streams
+from orchestrator.transport.h2_grpc import H2Channel
+from orchestrator.transport.keepalive import KeepalivePolicy
+from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import (
     generation_pb2,

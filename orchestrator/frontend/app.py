@@ -27,7 +27,7 @@ import trio
 
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits, parse_chat, parse_completion
-from orchestrator.coordinator import Coordinator
+from orchestrator.flow.coordinator import Coordinator
 from orchestrator.engine import EngineError
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
@@ -39,7 +39,7 @@ from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.metrics import Metrics
-from orchestrator.pool import WorkerPool
+from orchestrator.workers.pool import WorkerPool
 from orchestrator import tracing
 
 log = logging.getLogger(__name__)

@@ -49,8 +49,8 @@ import attrs
 import httptools
 import trio
 
-from orchestrator.eager_receive import EagerReceiver
-from orchestrator.eager_send import EagerSender
+from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.transport.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
 from orchestrator.log import RateLimitedLog
 

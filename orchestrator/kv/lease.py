@@ -20,7 +20,7 @@ from orchestrator.openengine.v1 import kv_pb2
 
 @attrs.define(eq=False)
 class KvLease:
-    prefill_worker: object  # orchestrator.pool.Worker (kept loose: this module is pure)
+    prefill_worker: object  # orchestrator.workers.pool.Worker (kept loose: this module is pure)
     session: kv_pb2.KvSessionRef
     cached_tokens: int | None = None  # what the prefill found cached (its PrefillReady usage)
     pulled: bool = False  # a decode leg streamed a token: the worker holds nothing for us any more

@@ -1,6 +1,6 @@
 """A pool worker's life as a pure state machine: states, events, and one transition table.
 
-The pool's monitor (orchestrator.pool) turns health checks, capability checks, failed requests and
+The pool's monitor (orchestrator.workers.pool) turns health checks, capability checks, failed requests and
 registry changes into events; this table alone decides the next state. Only READY workers get
 requests. REMOVING is final: the worker finishes its in-flight requests and is then closed.
 """

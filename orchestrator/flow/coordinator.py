@@ -4,7 +4,7 @@
                the engine request (pure conversion lives in orchestrator.convert);
     execute()  open the request's nursery (the caller's disconnect watch cancels it) and
                dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
-               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.
+               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.request_flow.
 
 Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
 on every worker involved and keep the KV rule, so no prefill blocks are stranded.
@@ -23,14 +23,14 @@ from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
-from orchestrator.flow import RequestFlow
+from orchestrator.flow.request_flow import RequestFlow
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.pool import Worker, WorkerPool
+from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.prompt import prompt_token_ids
+from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.tokenizer import ModelTokenizer
 
 

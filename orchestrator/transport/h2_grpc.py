@@ -59,12 +59,12 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import trio
 
-from orchestrator.eager_receive import EagerReceiver
-from orchestrator.eager_send import EagerSender
-from orchestrator.engine import http2
+from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.transport.eager_send import EagerSender
+from orchestrator.transport import http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
-from orchestrator.engine.inbox import TrioInbox
-from orchestrator.engine.keepalive import KeepalivePolicy
+from orchestrator.transport.inbox import TrioInbox
+from orchestrator.transport.keepalive import KeepalivePolicy
 
 log = logging.getLogger("orchestrator.engine")
 

@@ -11,7 +11,7 @@ Fixtures
 
 Helpers: `ManagedProcess` (start a command, wait for its `ready ...` line, stop it, tail its log),
 `free_port()`, `wait_for_load(...)`; for unit tests without processes, the scripted `FakeEngineClient`,
-`FakePool` and `fake_worker` (orchestrator.fake_engine), run under pytest-trio's `autojump_clock`.
+`FakePool` and `fake_worker` (orchestrator.testkit.fakes), run under pytest-trio's `autojump_clock`.
 
 A five-line test:
 
@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 
 import pytest
 
-from orchestrator.fake_engine import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
+from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
     Fail,
     FakeEngineClient,
     FakePool,

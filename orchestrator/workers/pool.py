@@ -1,6 +1,6 @@
 """The live worker pool: one engine client per worker, its health, capabilities and load.
 
-Each worker's state follows the pure table in orchestrator.worker_state; this module is its monitor
+Each worker's state follows the pure table in orchestrator.workers.states; this module is its monitor
 (health polling, identity checks, load polling) and the picks. A worker is routable when it is READY. Snapshots from the registry are diffed: new workers are connected, removed ones stop
 getting requests at once and are closed when their in-flight requests are done (or a grace
 period passes). A transport failure during a request marks the worker unhealthy until the next
@@ -9,7 +9,7 @@ good health check.
 A worker whose health check gets no answer (timeout or unreachable) while nothing at all arrived on its
 connection for as long is unresponsive (a frozen process keeps its connection open): its open calls are
 failed at once as WorkerUnavailable, so that they retry or migrate to another worker (the decode stage,
-orchestrator/flow.py) instead of waiting for the connection's keepalive (40 s). The pool does not reach
+orchestrator/flow/request_flow.py) instead of waiting for the connection's keepalive (40 s). The pool does not reach
 into requests: the engine client fails the calls, and their readers see a lost connection.
 """
 
@@ -27,11 +27,11 @@ from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.roles import ROLES
-from orchestrator.worker_state import WorkerEvent, WorkerState, next_state, rereads_capabilities
+from orchestrator.workers.roles import ROLES
+from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
-from orchestrator.routing import LoadSample, make_policy
+from orchestrator.workers.routing import LoadSample, make_policy
 
 log = logging.getLogger(__name__)
 

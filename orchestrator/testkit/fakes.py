@@ -7,7 +7,7 @@
 A script maps each Generate request to steps: `Wait(seconds)` (on trio's clock, so `autojump_clock`
 makes it instant), `Send(*events)`, `Fail(error)` (the RPC raises), `Hang()` (nothing more, ever). The
 client records every call (`calls`), which streams were left before their script ended (`cancelled`),
-and what Abort was asked (`aborts`). Exported by the testkit (orchestrator.testing).
+and what Abort was asked (`aborts`). Exported by the testkit (orchestrator.testkit.plugin).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from orchestrator.engine.capabilities import FeatureSupport, WorkerCapabilities
 from orchestrator.engine.events import Event, Failed, Finished, PrefillReady
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
-from orchestrator.worker_state import WorkerState
+from orchestrator.workers.states import WorkerState
 
 
 @attrs.frozen
@@ -131,8 +131,8 @@ class FakeEngineClient:
 
 
 def fake_worker(role: str, client: FakeEngineClient):
-    """A pool Worker (orchestrator.pool.Worker) that is READY and talks to `client`."""
-    from orchestrator.pool import Worker
+    """A pool Worker (orchestrator.workers.pool.Worker) that is READY and talks to `client`."""
+    from orchestrator.workers.pool import Worker
 
     worker = Worker(WorkerSpec(address=f"grpc://{client.name}", role=role, model="m", instance_id=client.name))
     worker.client = client

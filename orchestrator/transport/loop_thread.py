@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
 
-from orchestrator.engine.inbox import TrioInbox
+from orchestrator.transport.inbox import TrioInbox
 
 T = TypeVar("T")
 
