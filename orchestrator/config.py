@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
-from orchestrator.workers.roles import ROLES  # noqa: F401 - the roles a config names, re-exported
+from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded")

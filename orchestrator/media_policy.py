@@ -28,7 +28,7 @@ class UrlPolicy:
     resolve_timeout_s: float = 2.0
 
     @classmethod
-    def from_allowlist(cls, entries) -> "UrlPolicy":
+    def from_allowlist(cls, entries) -> UrlPolicy:
         hosts, networks = set(), []
         for entry in entries:
             try:

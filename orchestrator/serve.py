@@ -11,9 +11,9 @@ import signal
 import sys
 import tempfile
 import urllib.parse
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import attrs
 import trio
@@ -85,7 +85,6 @@ def worker_tls(config: Config):
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
-
         from orchestrator.discovery.registration import EtcdTls
 
         etcd = config.discovery.etcd
@@ -107,15 +106,15 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     With `frontend.count` > 1 this is one of several frontend processes on the port (see
     orchestrator/frontend/multiprocess.py); frontend 0 starts the others with `child_argv(index, port)`.
     """
-    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator import tracing
     from orchestrator.engine import LoopThread
+    from orchestrator.flow.coordinator import Coordinator
     from orchestrator.frontend import memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
-    from orchestrator.workers.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
-    from orchestrator import tracing
+    from orchestrator.workers.pool import WorkerPool
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)

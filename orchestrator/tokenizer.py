@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import json
 from codecs import utf_8_decode as _utf8_decode
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jinja2
 from jinja2 import nodes
@@ -71,7 +71,7 @@ class ModelTokenizer:
         self.token_texts = None if self.token_bytes is None else tuple(_whole_text(raw) for raw in self.token_bytes)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelTokenizer":
+    def from_dir(cls, model_dir: Path) -> ModelTokenizer:
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"

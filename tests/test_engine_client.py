@@ -6,7 +6,6 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import trio
-from sim_helpers import read_to_finished
 
 from orchestrator.engine import (
     EngineError,
@@ -22,6 +21,7 @@ from orchestrator.engine.errors import StreamStalled
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.testkit.plugin import free_port, wait_for_load
+from sim_helpers import read_to_finished
 
 
 @pytest.fixture(params=["grpcio", "h2"])

@@ -3,13 +3,14 @@ implementation of RFC 9113, and against hand-made frames for what a broken peer 
 
 from __future__ import annotations
 
-import hpack
 import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.transport import http2
 

@@ -9,6 +9,14 @@ import signal
 import grpc
 import pytest
 import trio
+
+from orchestrator.decode import generation_leg
+from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
+from orchestrator.engine.client import HealthState
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import lifecycle_pb2
+from orchestrator.prefill import context_only_leg
+from orchestrator.testkit.plugin import wait_for_load
 from sim_helpers import (
     Failed,
     Finished,
@@ -24,14 +32,6 @@ from sim_helpers import (
     token_ids,
     with_placeholders,
 )
-
-from orchestrator.decode import generation_leg
-from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
-from orchestrator.engine.client import HealthState
-from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.openengine.v1 import lifecycle_pb2
-from orchestrator.prefill import context_only_leg
-from orchestrator.testkit.plugin import wait_for_load
 
 FAST = ("--time-scale", "0")
 

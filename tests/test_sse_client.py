@@ -8,6 +8,7 @@ import random
 
 import pytest
 import trio
+import trio.lowlevel
 
 from orchestrator.bench.sse_client import Connection, HttpError
 
@@ -49,7 +50,7 @@ async def serve(responses: list[bytes], cuts: random.Random, task_status=trio.TA
                 step = cuts.randint(1, 40)
                 await stream.send_all(raw[at:at + step])
                 at += step
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         await stream.aclose()
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

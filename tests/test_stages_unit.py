@@ -17,6 +17,7 @@ from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
+from orchestrator.flow.retry import with_retries
 from orchestrator.kv import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -24,7 +25,6 @@ from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.flow.retry import with_retries
 from orchestrator.testkit.plugin import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 
@@ -353,8 +353,8 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_
     """A declared decode role that packs its handoff under a named profile (TensorRT-LLM's sibling server)
     refuses a request without a KV session. Gated on those fields, whatever schema_revision says: upstream
     relabelled the sibling server's fields revision 1."""
-    from orchestrator.testkit.fakes import capabilities
     from orchestrator.kv import TRTLLM_HANDOFF_PROFILE
+    from orchestrator.testkit.fakes import capabilities
 
     sibling = {"schema_revision": revision, "handoff_profile": TRTLLM_HANDOFF_PROFILE}
     prefill = FakeEngineClient("p0", capabilities("prefill", **sibling), lambda r: [Send(PrefillReady(SESSION))])

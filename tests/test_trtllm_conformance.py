@@ -28,7 +28,6 @@ import httpx
 import pytest
 import trio
 from google.protobuf import json_format
-from serve_helpers import chat_body, sse_events
 
 from orchestrator.convert import check_worker_media, full_leg, parse_chat, resolve_limits
 from orchestrator.decode import generation_leg
@@ -39,11 +38,12 @@ from orchestrator.engine.events import FinishReason
 from orchestrator.errors import InvalidRequest
 from orchestrator.frontend.errors import to_api_error
 from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, check_session
-from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
 from orchestrator.testkit.plugin import free_port, python_command, wait_for_load, write_config
+from serve_helpers import chat_body, sse_events
 
 FAST = ("--time-scale", "0.02")
 REVISION_3 = ("--schema-revision", "3")

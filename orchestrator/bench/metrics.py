@@ -15,7 +15,7 @@ Definitions (the ones serving benchmarks quote):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 

@@ -23,8 +23,8 @@ import os
 import platform
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import attrs
 import yaml
@@ -34,11 +34,11 @@ from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.plan import VirtualClock
 from orchestrator.config import POLICIES, ConfigError, build_attrs
-from orchestrator.workers.routing import LoadSample, make_policy
 from orchestrator.sim.output import Vocabulary, request_key
 from orchestrator.sim.prefix_cache import Token, expanded_image
 from orchestrator.sim.profiles import PROFILES, Profile
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
+from orchestrator.workers.routing import LoadSample, make_policy
 
 WORKLOAD_KINDS = ("conversations", "shared-prefix")
 TOPOLOGY_MODES = ("aggregated", "disaggregated")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import trio

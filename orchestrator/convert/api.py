@@ -12,8 +12,8 @@ import math
 
 import attrs
 
-from orchestrator.errors import invalid
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
+from orchestrator.errors import invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -8,7 +8,8 @@ one delta (coalesced under load). It never decides about workers; the decode sta
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import trio
@@ -17,7 +18,6 @@ from orchestrator.engine import EngineError, Failed, Finished, GenerateStream, P
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
-
 
 Delta = tuple[str, Sequence[int], Sequence[TokenLogprob]]  # text, its token ids, their logprobs
 
@@ -181,7 +181,7 @@ class DirectTokens:
         self.per_token = sink.per_token
 
     @classmethod
-    def arm(cls, stream, sink, detokenizer, state, on_chunk) -> "DirectTokens | None":
+    def arm(cls, stream, sink, detokenizer, state, on_chunk) -> DirectTokens | None:
         """Start direct delivery on `stream` if it can hand events over and `sink` can write in place; the
         caller ends it with `stream.deliver_directly(None)`."""
         if not getattr(sink, "can_write_now", False) or getattr(stream, "deliver_directly", None) is None:

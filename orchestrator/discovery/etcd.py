@@ -19,8 +19,8 @@ import trio
 from orchestrator.discovery import keys
 from orchestrator.discovery.registration import EtcdTls, new_client
 from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.transport.loop_thread import LoopThread
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.transport.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class EtcdRegistry(WorkerRegistry):
             with trio.move_on_after(self.probe_interval_s) as waited:
                 try:
                     await self._loop_thread.run(client.status)
-                except Exception as exc:  # noqa: BLE001 - any failure to answer is the same news
+                except Exception as exc:  # any failure to answer is the same news
                     raise WatchBroken(f"etcd {endpoint} failed a status request: {cause_chain(exc)}") from exc
             if waited.cancelled_caught:
                 raise WatchBroken(f"etcd {endpoint} did not answer a status request within "

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import aetcd
@@ -45,7 +45,7 @@ class EtcdTls:
     key: bytes | None = None
 
     @classmethod
-    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> "EtcdTls":
+    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> EtcdTls:
         def read(name: str | None) -> bytes | None:
             return None if name is None else Path(name).read_bytes()
         return cls(read(ca_file), read(cert_file), read(key_file))

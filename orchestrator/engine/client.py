@@ -20,9 +20,10 @@ import asyncio
 import logging
 import ssl
 import tempfile
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import attrs
 import grpc
@@ -38,10 +39,6 @@ from orchestrator.engine.errors import (
     WorkerNotReady,
     from_rpc_error,
 )
-from orchestrator.transport import h2_grpc as h2_streams
-from orchestrator.transport.h2_grpc import H2Channel
-from orchestrator.transport.keepalive import KeepalivePolicy
-from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import (
     generation_pb2,
@@ -51,6 +48,10 @@ from orchestrator.openengine.v1 import (
     openengine_pb2_grpc,
     server_pb2,
 )
+from orchestrator.transport import h2_grpc as h2_streams
+from orchestrator.transport.h2_grpc import H2Channel
+from orchestrator.transport.keepalive import KeepalivePolicy
+from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class GenerateStream:
         self._inbox.direct = handler
         return True
 
-    def __aiter__(self) -> "GenerateStream":
+    def __aiter__(self) -> GenerateStream:
         return self
 
     async def __anext__(self) -> ev.Event:
@@ -217,7 +218,7 @@ class EngineClient:
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
                    name: str | None = None, tls: ChannelTls | None = None, stream_transport: str = "h2",
                    keepalive_interval_s: float = 30.0,
-                   keepalive_timeout_s: float = 10.0) -> AsyncIterator["EngineClient"]:
+                   keepalive_timeout_s: float = 10.0) -> AsyncIterator[EngineClient]:
         """`keepalive_*`: a PING after that long without hearing from the worker while calls are open, to be
         answered within the timeout (engine/keepalive.py says how servers' ping policies are respected)."""
         if stream_transport not in STREAM_TRANSPORTS:

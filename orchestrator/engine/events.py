@@ -25,7 +25,7 @@ class Usage:
     cached_prompt_tokens: int | None = None
 
     @classmethod
-    def from_proto(cls, usage: generation_pb2.Usage) -> "Usage":
+    def from_proto(cls, usage: generation_pb2.Usage) -> Usage:
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return cls(usage.prompt_tokens, usage.completion_tokens, cached)
 

@@ -21,26 +21,27 @@ import logging
 import re
 import secrets
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits, parse_chat, parse_completion
-from orchestrator.flow.coordinator import Coordinator
 from orchestrator.engine import EngineError
-from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
+from orchestrator.flow.coordinator import Coordinator
+from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
-from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.workers.pool import WorkerPool
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 Scope = dict[str, Any]
@@ -208,7 +209,7 @@ class App:
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
-    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
+    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: _Response,
                                 receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         extensions = scope.get("extensions") or {}
@@ -251,7 +252,7 @@ class App:
             if admitted:
                 account.ended(response.usage)
 
-    async def _refuse(self, error: Exception, request_id: str, response: "_Response") -> str:
+    async def _refuse(self, error: Exception, request_id: str, response: _Response) -> str:
         """Answer a failed request with its error (logged with its cause chain when it is ours); its outcome."""
         api_error = to_api_error(error)
         if api_error.status >= 500:  # the client's body is scrubbed; the whole story is here
@@ -278,7 +279,7 @@ class App:
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive,
+    async def _run(self, kind: str, request_id: str, api, plan, response: _Response, receive: Receive,
                    on_disconnect: Callable[[Callable[[], None]], None] | None) -> str:
         model = api.model
         created = int(time.time())
@@ -332,7 +333,7 @@ async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> Non
 # ---- output sinks ------------------------------------------------------------------------------
 
 class _StreamingSink:
-    def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
+    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0

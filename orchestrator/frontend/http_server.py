@@ -43,16 +43,17 @@ import logging
 import socket as stdlib_socket
 import ssl
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import httptools
 import trio
 
-from orchestrator.transport.eager_receive import EagerReceiver
-from orchestrator.transport.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
 from orchestrator.log import RateLimitedLog
+from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.transport.eager_send import EagerSender
 
 log = logging.getLogger(__name__)
 Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]

@@ -23,8 +23,8 @@ _IMPORT = re.compile(r"^from openengine\.v1 import ", re.MULTILINE)
 
 
 def build(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # dev dependency, needed only to regenerate
-    import grpc_tools
+    import grpc_tools  # dev dependency, needed only to regenerate
+    from grpc_tools import protoc
 
     protos = sorted(PROTO_ROOT.glob("openengine/v1/*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"

@@ -13,15 +13,15 @@ import logging
 import attrs
 import trio
 
+from orchestrator import tracing
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import Event
+from orchestrator.flow.retry import with_retries
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
-from orchestrator.flow.retry import with_retries
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 

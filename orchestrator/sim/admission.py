@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -15,7 +15,6 @@ from orchestrator.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2
 from orchestrator.sim import handoff, kv_transfer, media, output, prefix_cache
 from orchestrator.sim.responses import Outbox
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, SimRequest
-
 
 log = logging.getLogger("orchestrator.sim")
 E = error_pb2.ErrorCode

@@ -41,7 +41,7 @@ import logging
 import socket
 import time
 from collections import deque
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import attrs
 import msgpack

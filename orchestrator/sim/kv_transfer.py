@@ -14,7 +14,7 @@ import asyncio
 import logging
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import msgpack

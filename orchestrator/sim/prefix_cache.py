@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Union
 
 import attrs
 
@@ -125,7 +126,7 @@ Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 class _Block:
     __slots__ = ("key", "hash", "parent", "tokens", "children", "refs", "last_used", "last_digest")
 
-    def __init__(self, key: bytes, parent: "_Block | None", tokens: tuple[Token, ...]):
+    def __init__(self, key: bytes, parent: _Block | None, tokens: tuple[Token, ...]):
         self.key, self.parent, self.tokens = key, parent, tokens
         self.hash = wire_hash(key)
         self.children = 0

@@ -6,7 +6,6 @@ import asyncio
 import collections
 import uuid as uuidlib
 
-
 from orchestrator.openengine.v1 import generation_pb2
 from orchestrator.sim import handoff, kv_transfer, output
 from orchestrator.sim.scheduler import GENERATION_ONLY, SimRequest

@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 
@@ -46,9 +46,9 @@ class SimRequest:
     include_stop: bool = False
     first_gen_tokens: tuple[int, ...] = ()  # generation_only: what the prefill already produced
     # callbacks into the server: on_token(request, token_id), on_finish(request, reason, match)
-    on_token: Callable[["SimRequest", int], None] = lambda r, t: None
-    on_finish: Callable[["SimRequest", str, tuple[str, int] | None], None] = lambda r, why, m: None
-    on_context_done: Callable[["SimRequest", int], None] = lambda r, t: None
+    on_token: Callable[[SimRequest, int], None] = lambda r, t: None
+    on_finish: Callable[[SimRequest, str, tuple[str, int] | None], None] = lambda r, why, m: None
+    on_context_done: Callable[[SimRequest, int], None] = lambda r, t: None
     prefilled: int = 0
     generated: int = 0
     blocks: int = 0

@@ -33,7 +33,6 @@ from orchestrator.sim.control import ControlService
 from orchestrator.sim.responses import ResponseCallbacks
 from orchestrator.sim.scheduler import Faults, Scheduler, SimRequest
 
-
 log = logging.getLogger("orchestrator.sim")
 __all__ = ["SimConfig", "SimWorker", "serve"]
 

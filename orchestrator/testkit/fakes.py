@@ -12,8 +12,8 @@ and what Abort was asked (`aborts`). Exported by the testkit (orchestrator.testk
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Callable, Iterator, Sequence
 
 import attrs
 import trio

@@ -24,21 +24,12 @@ A five-line test:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 import pytest
 
-from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
-    Fail,
-    FakeEngineClient,
-    FakePool,
-    Hang,
-    Send,
-    Wait,
-    fake_worker,
-)
 from orchestrator.processes import (  # noqa: F401 - re-exported for tests that use the testkit
     EtcdServer,
     ManagedProcess,
@@ -49,6 +40,15 @@ from orchestrator.processes import (  # noqa: F401 - re-exported for tests that 
     SimWorkers,
     free_port,
     python_command,
+)
+from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
+    Fail,
+    FakeEngineClient,
+    FakePool,
+    Hang,
+    Send,
+    Wait,
+    fake_worker,
 )
 
 

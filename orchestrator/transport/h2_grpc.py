@@ -53,16 +53,17 @@ import logging
 import ssl
 import urllib.parse
 import zlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import trio
 
+from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
+from orchestrator.transport import http2
 from orchestrator.transport.eager_receive import EagerReceiver
 from orchestrator.transport.eager_send import EagerSender
-from orchestrator.transport import http2
-from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
 
@@ -168,7 +169,7 @@ class H2Channel:
                 (b"te", b"trailers"), (b"grpc-accept-encoding", b"identity"), (b"user-agent", b"orchestrator-h2")])
         return block
 
-    async def _current(self, rpc: str) -> "_Connection":
+    async def _current(self, rpc: str) -> _Connection:
         connection = self._connection
         if connection is not None and connection.usable and not self._closed:
             return connection  # the usual case, without the lock's checkpoint (a pass through the scheduler)
@@ -179,7 +180,7 @@ class H2Channel:
                 self._connection = await self._connect(rpc)
             return self._connection
 
-    async def _connect(self, rpc: str) -> "_Connection":
+    async def _connect(self, rpc: str) -> _Connection:
         try:
             transport: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
             if self._ssl_context is not None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import trio
 
@@ -27,11 +27,11 @@ from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.workers.roles import ROLES
-from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import LoadSample, make_policy
+from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ class Role(enum.StrEnum):
         return _ENGINE_ROLES[self]
 
     @classmethod
-    def from_engine_role(cls, value: int) -> "Role | None":
+    def from_engine_role(cls, value: int) -> Role | None:
         """None for ENGINE_ROLE_UNSPECIFIED: the worker serves any role (revision-1 TensorRT-LLM)."""
         return next((role for role, number in _ENGINE_ROLES.items() if number == value), None)
 

@@ -10,7 +10,8 @@ too, so a burst does not all land on one stale minimum.
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
