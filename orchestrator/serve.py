@@ -99,7 +99,8 @@ def make_registry(config: Config, loop_thread):
 
 
 async def serve(config: Config, *, host: str, port: int, ready_line: bool = True, handle_signals: bool = True,
-                frontend: FrontendProcess = FrontendProcess(), child_argv: Callable[[int, int], list[str]] | None = None,
+                frontend: FrontendProcess = FrontendProcess(),
+                child_argv: Callable[[int, int], list[str]] | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels.
 

@@ -208,7 +208,7 @@ async def scripted_server(answer: Callable[[ServerCall], Awaitable[None]], *, se
     server = ScriptedServer(answer, settings, refuse_above, settings_delay)
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(trio.serve_tcp, server._handle, 0, host="127.0.0.1"))
-        server.address = "127.0.0.1:%d" % listeners[0].socket.getsockname()[1]
+        server.address = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
         try:
             yield server
         finally:

@@ -68,7 +68,7 @@ async def run_client(responses: list[bytes], requests: int, seed: int):
             payloads: list[bytes] = []
             try:
                 outcomes.append(await connection.post_stream("/v1/chat/completions", {"n": 1},
-                                                             lambda data, at: payloads.append(data)))
+                                                             lambda data, at: payloads.append(data)))  # noqa: B023
             except HttpError as error:
                 outcomes.append(error)
             received.append(payloads)

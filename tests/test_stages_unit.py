@@ -164,7 +164,7 @@ def lease_on(pool):
 async def test_decode_streams_the_text_and_marks_the_lease_pulled(autojump_clock):
     pool, _, (d,), _, decode, *_ = deployment([prefill_script()], [lambda request: decode_tokens(3)])
     lease = lease_on(pool)
-    sink, state = await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
+    sink, _state = await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
     assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
     assert lease.pulled and d.cancelled == [] and d.aborts == []
 
@@ -240,7 +240,7 @@ async def test_decode_cancelled_mid_stream_aborts_the_leg_and_leaves_the_lease_a
 
 async def test_the_releaser_tries_the_next_decode_worker_when_a_release_leg_fails(autojump_clock):
     failing = EngineError("injected", worker="d0", rpc="Generate")
-    pool, (p,), (d0, d1), _, _, releaser, metrics = deployment(
+    pool, (_p,), (d0, d1), _, _, releaser, metrics = deployment(
         [prefill_script()], [lambda r: [Send(Failed(failing))], lambda r: decode_tokens(1)])
     lease = lease_on(pool)
     await releaser.release_unpulled(lease, full(), next(w for w in workers(pool, "decode") if w.client is d0))

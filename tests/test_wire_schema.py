@@ -140,5 +140,5 @@ def test_committed_stubs_are_current(tmp_path):
     generated = sorted(p.name for p in tmp_path.glob("*.py*"))
     assert any(name.endswith(".pyi") for name in generated)  # the type stubs mypy reads
     assert generated == sorted(p.name for p in build.PACKAGE_DIR.glob("*_pb2*.py*"))
-    match, mismatch, errors = filecmp.cmpfiles(tmp_path, build.PACKAGE_DIR, generated, shallow=False)
+    _match, mismatch, errors = filecmp.cmpfiles(tmp_path, build.PACKAGE_DIR, generated, shallow=False)
     assert mismatch == [] and errors == []

@@ -225,7 +225,8 @@ class ReuseCluster(VirtualClock):
                 next_session()
                 return
             if turn == 0:
-                image = expanded_image(session.image, self.profile.image_tokens, self.id_offset) if session.image else []
+                image = (expanded_image(session.image, self.profile.image_tokens, self.id_offset) if session.image
+                         else [])
                 history = (*session.system, *image)
             prompt = (*history, *session.messages[turn])
 

@@ -187,10 +187,10 @@ def _common(body: dict, kind: str) -> dict:
                                         or len(conversation_id) > 256):
         raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
                       param="conversation_id")
-    return dict(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                min_tokens=_number(body, "min_tokens", 0, UINT32_MAX, integer=True), stop=stops, stop_token_ids=stop_token_ids,
-                ignore_eos=_bool(body, "ignore_eos"), sampling=sampling, conversation_id=conversation_id,
-                media_options=_media_options(body))
+    return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
+            "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,
+            "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"), "sampling": sampling,
+            "conversation_id": conversation_id, "media_options": _media_options(body)}
 
 
 MEDIA_OPTION_MODALITIES = ("image", "video", "audio")

@@ -458,7 +458,7 @@ async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, worker: str)
     except asyncio.CancelledError:
         inbox.close(EngineError("stream cancelled", worker=worker, rpc="Generate",
                                 code=ErrorCode.ERROR_CODE_CANCELLED))
-    except BaseException as exc:  # keep the trio side from waiting forever
+    except BaseException as exc:  # noqa: BLE001 - keep the trio side from waiting forever
         inbox.close(EngineError(f"stream failed: {exc!r}", worker=worker, rpc="Generate"))
     else:
         inbox.close()

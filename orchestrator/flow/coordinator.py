@@ -4,7 +4,8 @@
                the engine request (pure conversion lives in orchestrator.convert);
     execute()  open the request's nursery (the caller's disconnect watch cancels it) and
                dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
-               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.request_flow.
+               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in
+               orchestrator.flow.request_flow.
 
 Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
 on every worker involved and keep the KV rule, so no prefill blocks are stranded.

@@ -123,7 +123,8 @@ def config_from_args(args: argparse.Namespace):
     from orchestrator.sim.kv_events import KvEventsConfig
 
     persona = Persona(args.persona, args.schema_revision, args.handoff)
-    for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1), ("--kv-events-port", args.kv_events_port, 0),
+    for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1),
+                             ("--kv-events-port", args.kv_events_port, 0),
                              ("--kv-events-replay-port", args.kv_events_replay_port, 0),
                              ("--drop-kv-events", args.drop_kv_events, 0)):
         if value is not None and not low <= value <= 65535:

@@ -123,7 +123,7 @@ class ControlService:
             # Without load metrics TensorRT-LLM reports only the requests it is serving (queued ones included).
             return server_pb2.LoadInfo(instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
                                        running_requests=s.running + len(s.waiting))
-        prefill_tokens, decode_batch = s.last_step
+        _prefill_tokens, decode_batch = s.last_step
         return server_pb2.LoadInfo(
             instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
             running_requests=s.running, queued_requests=len(s.waiting),

@@ -33,11 +33,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 import attrs
 
-Token = Union[int, bytes]  # bytes: an image's digest, the first of its expanded tokens
+Token = int | bytes  # bytes: an image's digest, the first of its expanded tokens
 HASH_ALGO = "v2_sha256_64"
 ROOT_KEY = hashlib.sha256(b"\x00").digest()  # ReuseScope(lora_id=None, salt=None).to_bytes() == b"\x00"
 DIGEST_SIZE = 32
@@ -118,7 +117,7 @@ class AllBlocksCleared:
     pass
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # ---- the cache ----------------------------------------------------------------------------------------

@@ -570,7 +570,7 @@ class _Connection:
     def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
         try:
             item = stream.decode(payload)
-        except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or anything a decoder raises on bad bytes
             error = EngineError(f"the worker sent a message that does not decode: {exc}", worker=self.channel.worker,
                                 rpc=stream.rpc)
             self._abandon(stream, error)

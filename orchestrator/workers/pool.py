@@ -1,7 +1,8 @@
 """The live worker pool: one engine client per worker, its health, capabilities and load.
 
 Each worker's state follows the pure table in orchestrator.workers.states; this module is its monitor
-(health polling, identity checks, load polling) and the picks. A worker is routable when it is READY. Snapshots from the registry are diffed: new workers are connected, removed ones stop
+(health polling, identity checks, load polling) and the picks. A worker is routable when it is READY.
+Snapshots from the registry are diffed: new workers are connected, removed ones stop
 getting requests at once and are closed when their in-flight requests are done (or a grace
 period passes). A transport failure during a request marks the worker unhealthy until the next
 good health check.
@@ -293,7 +294,8 @@ class WorkerPool:
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 
-    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None) -> Worker:
+    def pick(self, role: str, exclude: tuple[Worker, ...] = (),
+             accepts: Callable[[Worker], bool] | None = None) -> Worker:
         """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes."""
         candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
                       and (accepts is None or accepts(w))]
