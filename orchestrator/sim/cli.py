@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, int]], int] = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     return runner(serve(config, slow_start_s=args.slow_start, drain_grace_s=args.drain_grace, on_ready=on_ready))

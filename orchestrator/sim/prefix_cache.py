@@ -133,7 +133,7 @@ class _Block:
         self.last_used = 0
         digests = [t for t in tokens if isinstance(t, bytes)]
         # the image whose synthetic ids may continue into the next block (decodeEventBlock's item digest)
-        self.last_digest = digests[-1] if digests else (parent.last_digest if parent else None)
+        self.last_digest: bytes | None = digests[-1] if digests else (parent.last_digest if parent else None)
 
 
 @attrs.define(eq=False)

@@ -13,7 +13,7 @@ class Role(enum.StrEnum):
     DECODE = "decode"  # runs generation legs (and whole requests in conditional mode)
 
     @property
-    def engine_role(self) -> int:
+    def engine_role(self) -> server_pb2.EngineRole:
         """The ServerInfo.engine_role value that declares this role."""
         return _ENGINE_ROLES[self]
 
