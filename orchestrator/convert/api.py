@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Literal, overload
 
 import attrs
 
@@ -84,6 +85,12 @@ class ApiRequest:
 
 # ---- small typed getters ------------------------------------------------------------------------
 
+@overload
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
+            integer: Literal[True], lo_open: bool = False) -> int | None: ...
+@overload
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
+            integer: bool = False, lo_open: bool = False) -> float | int | None: ...
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
             integer: bool = False, lo_open: bool = False) -> float | int | None:
     value = body.get(name)

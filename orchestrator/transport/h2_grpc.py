@@ -532,8 +532,11 @@ class _Connection:
                     break
                 payload = bytes(buffer[_HEADER:_HEADER + length])
                 del buffer[:_HEADER + length]
-                if flag and (payload := self._decompress(stream, payload)) is None:
-                    return
+                if flag:
+                    inflated = self._decompress(stream, payload)
+                    if inflated is None:
+                        return
+                    payload = inflated
                 if not self._deliver(stream, payload):
                     return
         if not stream._items and stream.unread:  # nothing waits for the reader (a message in part, or dropped)
