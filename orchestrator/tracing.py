@@ -199,7 +199,7 @@ class RequestSpan(Span):
     def __init__(self, otel_span, tracer) -> None:
         super().__init__(otel_span)
         self._tracer = tracer
-        self._token = None
+        self._token: contextvars.Token | None = None
 
     def __enter__(self) -> RequestSpan:
         super().__enter__()
@@ -207,7 +207,8 @@ class RequestSpan(Span):
         return self
 
     def __exit__(self, *exc_info):
-        _TRACER.reset(self._token)
+        if self._token is not None:
+            _TRACER.reset(self._token)
         return super().__exit__(*exc_info)
 
 
