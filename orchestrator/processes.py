@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO, cast
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,7 +49,7 @@ class ManagedProcess:
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:
-        for raw in self.process.stdout:  # stdout=PIPE above, so never None
+        for raw in cast(IO[bytes], self.process.stdout):  # stdout=PIPE above, so never None
             line = raw.decode(errors="replace").rstrip("\n")
             self.stdout_lines.append(line)
             if self.ready_line is None and line.startswith("ready "):

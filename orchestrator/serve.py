@@ -94,6 +94,8 @@ def make_registry(config: Config, loop_thread):
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static
+    if static is None:
+        raise ValueError("the config has neither discovery.etcd nor discovery.static")  # load() refuses that
     return StaticRegistry({"aggregated": static.aggregated, "prefill": static.prefill, "decode": static.decode},
                           model=config.model.name)
 
@@ -205,7 +207,7 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
     from orchestrator.frontend.http_server import serve_http as serve_native
 
     ssl_context = None
-    if http.tls_cert_file:  # HTTPS
+    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
         import ssl
 
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -235,7 +237,7 @@ async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: 
     # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
     hc.keep_alive_timeout = http.keep_alive_s
     hc.h11_max_incomplete_size = http.max_header_bytes
-    if http.tls_cert_file:  # HTTPS
+    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
         hc.certfile = str(config.base_dir / http.tls_cert_file)
         hc.keyfile = str(config.base_dir / http.tls_key_file)
     hc.accesslog = None

@@ -15,7 +15,8 @@ from orchestrator.engine.token_wire import event_token_ids, without_request_id
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
-_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length", FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
+_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length",
+                                  FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @attrs.frozen(slots=True)
