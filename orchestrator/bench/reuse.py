@@ -37,7 +37,7 @@ from orchestrator.config import POLICIES, ConfigError, build_attrs
 from orchestrator.sim.output import Vocabulary, request_key
 from orchestrator.sim.prefix_cache import Token, expanded_image
 from orchestrator.sim.profiles import PROFILES, Profile
-from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
+from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest, Step
 from orchestrator.workers.routing import LoadSample, make_policy
 
 WORKLOAD_KINDS = ("conversations", "shared-prefix")
@@ -179,7 +179,7 @@ class _Worker:
     def __init__(self, role: str, index: int, profile: Profile, id_offset: int):
         self.role, self.address = role, f"{role}-{index}"
         self.scheduler = Scheduler(profile, role, Vocabulary(list(VOCABULARY), eos_id=0), id_offset=id_offset)
-        self.step = None
+        self.step: Step | None = None
         self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample:

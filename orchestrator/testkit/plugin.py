@@ -24,7 +24,7 @@ A five-line test:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -71,21 +71,21 @@ def write_config(path: Path, mode: str, workers: dict[str, list[str]] | None = N
 
 
 @pytest.fixture
-def sim_workers(tmp_path) -> SimWorkers:
+def sim_workers(tmp_path) -> Iterator[SimWorkers]:
     workers = SimWorkers(tmp_path)
     yield workers
     workers.close()
 
 
 @pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory) -> EtcdServer:
+def etcd_server(tmp_path_factory) -> Iterator[EtcdServer]:
     server = EtcdServer(tmp_path_factory.mktemp("etcd-logs"))
     yield server
     server.close()
 
 
 @pytest.fixture
-def orchestrator_servers(tmp_path) -> OrchestratorServers:
+def orchestrator_servers(tmp_path) -> Iterator[OrchestratorServers]:
     servers = OrchestratorServers(tmp_path)
     yield servers
     servers.close()
