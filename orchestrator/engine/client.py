@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import grpc
 import trio
+from google.protobuf.message import Message
 
 from orchestrator.engine import events as ev
 from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
@@ -126,9 +127,9 @@ class ChannelTls:
 
 STREAM_TRANSPORTS = ("grpcio", "h2")
 # The Control service's unary calls and their answers (what the grpcio stubs deserialize), for h2.
-_CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo,
-                      "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
-                      "Abort": lifecycle_pb2.AbortResponse}
+_CONTROL_RESPONSES: dict[str, type[Message]] = {
+    "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
+    "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 
 
@@ -272,19 +273,21 @@ class EngineClient:
                 finally:
                     inbox.let_end = stream.ended  # the call ends by itself: no RST_STREAM
             return
-        inbox = self._loop_thread.new_inbox()
-        holder: dict[str, grpc.aio.UnaryStreamCall] = {}
+        call_inbox = self._loop_thread.new_inbox()
+        holder: dict[str, Any] = {}  # the call, and the task pumping it
         worker = self.name
         stub = self._inference
+        if stub is None:  # set with the grpcio channel whenever there is no h2 one
+            raise RuntimeError(f"{worker}: no grpcio channel")
 
         def start() -> None:  # on the loop thread; no round trip back to trio needed
             call = stub.Generate(request, metadata=metadata or None)
             holder["call"] = call
             # asyncio keeps only weak references to tasks: `holder` keeps the pump alive with the stream
-            holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
+            holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, call_inbox, worker))
 
         self._loop_thread.call_soon(start)
-        stream = GenerateStream(inbox, worker)
+        stream = GenerateStream(call_inbox, worker)
         try:
             yield stream
         finally:
@@ -342,6 +345,8 @@ class EngineClient:
         if self._h2 is not None:
             return await self._health_and_load_h2(timeout)
         control = self._control
+        if control is None:  # set with the grpcio channel whenever there is no h2 one
+            raise RuntimeError(f"{self.name}: no grpcio channel")
 
         async def both():
             return await asyncio.gather(
