@@ -70,6 +70,7 @@ class Coordinator:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
         mode = self.config.mode
+        roles: tuple[str, ...]
         if mode == "aggregated":
             path, roles = "aggregated", ("aggregated",)
         elif (mode == "conditional" and not api.images
@@ -96,17 +97,20 @@ class Coordinator:
         return Plan(request_id, api, path, full, len(prompt_ids), workers, caps)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
+        unavailable = f"{worker.role} worker {worker.address} is not available"
+        client = worker.client
+        if client is None:  # closed since it was picked
+            raise NoWorkerAvailable(unavailable, retry_after=1)
         try:
-            cached = worker.client.cached_capabilities
+            cached = client.cached_capabilities
             if cached is not None:  # the usual case: no pass through the scheduler for it
                 return cached
-            return await worker.client.capabilities()
+            return await client.capabilities()
         except DiscoveryFailed as exc:
             raise WorkerDiscoveryFailed(f"capability discovery of {worker.role} worker {worker.address} failed: "
                                         f"{exc.message}", code="worker_discovery_failed", retry_after=1) from exc
-        except (EngineError, AttributeError) as exc:
-            raise NoWorkerAvailable(f"{worker.role} worker {worker.address} is not available",
-                                    retry_after=1) from exc
+        except EngineError as exc:
+            raise NoWorkerAvailable(unavailable, retry_after=1) from exc
 
     # ---- execution ---------------------------------------------------------------------------------
     async def execute(self, plan: Plan, sink: OutputSink, *,

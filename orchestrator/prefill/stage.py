@@ -55,7 +55,8 @@ class PrefillStage:
                 if outcome.answer:
                     return PrefillResult(answer=outcome.answer)
                 raise (outcome.failed.error if outcome.failed is not None else
-                       EngineError(outcome.error, worker=worker.address, rpc="Generate",
+                       EngineError(outcome.error or "the prefill leg ended without an outcome",
+                                   worker=worker.address, rpc="Generate",
                                    code=ErrorCode.ERROR_CODE_INTERNAL))
 
         _, result = await with_retries(self.pool, first_worker, attempt, retries=self.retries, metrics=self.metrics,
