@@ -146,7 +146,7 @@ class App:
         # degraded: still serving the last known pool while the registry (etcd) is unreachable
         status = ("draining" if self.draining else "not_ready" if not ready
                   else "degraded" if not self.pool.registry_healthy else "ready")
-        body = {"status": status, "mode": self.config.mode, "ready_workers": roles}
+        body: dict[str, Any] = {"status": status, "mode": self.config.mode, "ready_workers": roles}
         # The operator's view (worker addresses, states, causes): to every caller when no API keys are
         # configured, else only to callers with a key.
         if not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None:
@@ -181,7 +181,8 @@ class App:
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get(API_KEY)
         with self.tracer.request(scope, key) as request_span:
-            await self._answer(kind, scope, receive, send, self.accounts.get(key), request_span)
+            account = self.accounts.get(key) if key is not None else None
+            await self._answer(kind, scope, receive, send, account, request_span)
 
     async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
                       request_span) -> None:
@@ -249,7 +250,7 @@ class App:
             await response.error(ApiError(500, f"internal error while serving request {request_id}"))
             return "error"
         finally:
-            if admitted:
+            if admitted and account is not None:  # (admitted: it has one)
                 account.ended(response.usage)
 
     async def _refuse(self, error: Exception, request_id: str, response: _Response) -> str:
@@ -297,6 +298,7 @@ class App:
                 request.start_soon(_call_on_disconnect, receive, gone)
 
         token_text = self.coordinator.tokenizer.token_text
+        sink: _StreamingSink | _CollectingSink
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
             # them, and a failure before the first byte is still a plain HTTP error with its status.
@@ -313,7 +315,7 @@ class App:
             return "error"
         if disconnected:
             raise ClientGone()
-        if api.stream:
+        if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
                 await response.start_stream()
             await response.end_stream()
@@ -399,6 +401,10 @@ class _CollectingSink:
         self.parts.append(text)
         self.logprobs.extend(logprobs)
 
+    async def deltas(self, items) -> None:  # (only per-token sinks are given several; here for the protocol)
+        for text, token_ids, logprobs in items:
+            await self.delta(text, token_ids, logprobs)
+
     def ending(self) -> None:
         pass
 
@@ -451,7 +457,8 @@ class _Response:
 
     def chunk_now(self, data: bytes) -> bool:
         """A chunk of a started stream written at once; False when part of it waits for `flush()`."""
-        return self.send_now(data)
+        send_now = self.send_now  # set: the caller checked can_send_now
+        return send_now is not None and send_now(data)
 
     async def flush(self) -> None:
         await self.send({"type": "http.response.body", "body": b"", "more_body": True})
@@ -496,7 +503,8 @@ def _ignore_size(size: int) -> None:
 async def read_json(receive: Receive, limit: int, *, on_size: Callable[[int], None] = _ignore_size) -> Any:
     """The JSON body; `on_size` is told its size in bytes once it is read (also when it is then refused).
     Nothing raised from here refers to the body: its buffers are dropped first (see the module docstring)."""
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
