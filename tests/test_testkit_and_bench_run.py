@@ -21,7 +21,7 @@ async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim
         async with trio.open_nursery() as background:
             for i in range(6):  # six long requests keep `busy` busy, straight through the engine client
                 background.start_soon(_collect, direct, f"hog{i}")
-            await wait_for_load(direct, lambda l: l.running_requests == 6)
+            await wait_for_load(direct, lambda info: info.running_requests == 6)
             async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
                 await trio.sleep(1.6)  # a GetLoad sample of each worker (one every 1.5 s), fresh for 3 s
                 statuses = []

@@ -20,13 +20,15 @@ import asyncio
 import logging
 import ssl
 import tempfile
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import attrs
 import grpc
 import trio
+from google.protobuf.message import Message
 
 from orchestrator.engine import events as ev
 from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
@@ -38,10 +40,6 @@ from orchestrator.engine.errors import (
     WorkerNotReady,
     from_rpc_error,
 )
-from orchestrator.transport import h2_grpc as h2_streams
-from orchestrator.transport.h2_grpc import H2Channel
-from orchestrator.transport.keepalive import KeepalivePolicy
-from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import (
     generation_pb2,
@@ -51,6 +49,10 @@ from orchestrator.openengine.v1 import (
     openengine_pb2_grpc,
     server_pb2,
 )
+from orchestrator.transport import h2_grpc as h2_streams
+from orchestrator.transport.h2_grpc import H2Channel
+from orchestrator.transport.keepalive import KeepalivePolicy
+from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +127,9 @@ class ChannelTls:
 
 STREAM_TRANSPORTS = ("grpcio", "h2")
 # The Control service's unary calls and their answers (what the grpcio stubs deserialize), for h2.
-_CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo,
-                      "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
-                      "Abort": lifecycle_pb2.AbortResponse}
+_CONTROL_RESPONSES: dict[str, type[Message]] = {
+    "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
+    "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 
 
@@ -183,7 +185,7 @@ class GenerateStream:
         self._inbox.direct = handler
         return True
 
-    def __aiter__(self) -> "GenerateStream":
+    def __aiter__(self) -> GenerateStream:
         return self
 
     async def __anext__(self) -> ev.Event:
@@ -217,7 +219,7 @@ class EngineClient:
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
                    name: str | None = None, tls: ChannelTls | None = None, stream_transport: str = "h2",
                    keepalive_interval_s: float = 30.0,
-                   keepalive_timeout_s: float = 10.0) -> AsyncIterator["EngineClient"]:
+                   keepalive_timeout_s: float = 10.0) -> AsyncIterator[EngineClient]:
         """`keepalive_*`: a PING after that long without hearing from the worker while calls are open, to be
         answered within the timeout (engine/keepalive.py says how servers' ping policies are respected)."""
         if stream_transport not in STREAM_TRANSPORTS:
@@ -271,19 +273,21 @@ class EngineClient:
                 finally:
                     inbox.let_end = stream.ended  # the call ends by itself: no RST_STREAM
             return
-        inbox = self._loop_thread.new_inbox()
-        holder: dict[str, grpc.aio.UnaryStreamCall] = {}
+        call_inbox = self._loop_thread.new_inbox()
+        holder: dict[str, Any] = {}  # the call, and the task pumping it
         worker = self.name
         stub = self._inference
+        if stub is None:  # set with the grpcio channel whenever there is no h2 one
+            raise RuntimeError(f"{worker}: no grpcio channel")
 
         def start() -> None:  # on the loop thread; no round trip back to trio needed
             call = stub.Generate(request, metadata=metadata or None)
             holder["call"] = call
             # asyncio keeps only weak references to tasks: `holder` keeps the pump alive with the stream
-            holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, inbox, worker))
+            holder["pump"] = asyncio.get_running_loop().create_task(_pump(call, call_inbox, worker))
 
         self._loop_thread.call_soon(start)
-        stream = GenerateStream(inbox, worker)
+        stream = GenerateStream(call_inbox, worker)
         try:
             yield stream
         finally:
@@ -341,6 +345,8 @@ class EngineClient:
         if self._h2 is not None:
             return await self._health_and_load_h2(timeout)
         control = self._control
+        if control is None:  # set with the grpcio channel whenever there is no h2 one
+            raise RuntimeError(f"{self.name}: no grpcio channel")
 
         async def both():
             return await asyncio.gather(
@@ -457,7 +463,7 @@ async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, worker: str)
     except asyncio.CancelledError:
         inbox.close(EngineError("stream cancelled", worker=worker, rpc="Generate",
                                 code=ErrorCode.ERROR_CODE_CANCELLED))
-    except BaseException as exc:  # keep the trio side from waiting forever
+    except BaseException as exc:  # noqa: BLE001 - keep the trio side from waiting forever
         inbox.close(EngineError(f"stream failed: {exc!r}", worker=worker, rpc="Generate"))
     else:
         inbox.close()

@@ -15,7 +15,8 @@ from orchestrator.engine.token_wire import event_token_ids, without_request_id
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
-_REASON_NAMES = {FinishReason.FINISH_REASON_LENGTH: "length", FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
+_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length",
+                                  FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @attrs.frozen(slots=True)
@@ -25,7 +26,7 @@ class Usage:
     cached_prompt_tokens: int | None = None
 
     @classmethod
-    def from_proto(cls, usage: generation_pb2.Usage) -> "Usage":
+    def from_proto(cls, usage: generation_pb2.Usage) -> Usage:
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return cls(usage.prompt_tokens, usage.completion_tokens, cached)
 
