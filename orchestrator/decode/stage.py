@@ -2,7 +2,8 @@
 
 - A retryable failure before anything was streamed moves the leg to another worker of the same role
   (orchestrator.flow.retry); a decode leg pulls the same KV session from there. A failure after tokens
-  were streamed goes to `migrate` when one is given (the seam for request migration), else it stands.
+  were streamed is not retried here (the client has those tokens): it is raised as `MidStreamFailure`,
+  and the request flow decides whether the request migrates (orchestrator.flow.request_flow).
 - Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
   Control.Abort makes sure the engine lets go as well.
 - KV rule on cancellation, when the leg consumes a KV lease that is not pulled yet: keep the stream until
@@ -14,7 +15,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from typing import Callable
 
 import trio
 
@@ -30,6 +31,14 @@ from orchestrator import tracing
 log = logging.getLogger(__name__)
 
 
+class MidStreamFailure(Exception):
+    """A leg failed after it streamed tokens to the client: `error` is why, `worker` where (after any retries)."""
+
+    def __init__(self, error: EngineError, worker) -> None:
+        super().__init__(error.message)
+        self.error, self.worker = error, worker
+
+
 class DecodeStage:
     def __init__(self, pool, metrics, releaser: KvReleaser, *, retries: int, cleanup_timeout_s: float):
         self.pool, self.metrics, self.releaser = pool, metrics, releaser
@@ -37,10 +46,11 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None, migration: int = 0,
-                  accepts: Callable[[object], bool] | None = None) -> None:
+                  migration: int = 0, accepts: Callable[[object], bool] | None = None) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
-        `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th)."""
+        `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th).
+        Raises EngineError when it failed before this leg streamed a token (after the retries), else
+        MidStreamFailure."""
         streamed_before = state.completion_tokens
         failed_on = [worker]
         attempts = 0
@@ -58,9 +68,9 @@ class DecodeStage:
                                what=f"{worker.role} leg {leg.request_id}",
                                may_retry=lambda error: state.completion_tokens == streamed_before, accepts=accepts)
         except EngineError as error:
-            if migrate is None or state.completion_tokens == streamed_before:
+            if state.completion_tokens == streamed_before:
                 raise
-            await migrate(error, failed_on[0])
+            raise MidStreamFailure(error, failed_on[0]) from error
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, detokenizer,
                            on_chunk, prompt_tokens: int, lease: KvLease | None, streamed_before: int,
