@@ -33,7 +33,7 @@ from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
-from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
+from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.log import RateLimitedLog, cause_chain
@@ -187,8 +187,9 @@ class App:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set("orchestrator.request_id", request_id)
-        extensions = scope.get("extensions") or {}
-        response = _Response(send, [(b"x-request-id", request_id.encode())], extensions.get(SEND_NOW))
+        server = ServerExtensions.of(scope)  # None under another ASGI server
+        response = _Response(send, [(b"x-request-id", request_id.encode())],
+                             server.send_now if server is not None else None)
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
@@ -196,7 +197,7 @@ class App:
         self._cuttable.add(cut)
         try:
             with cut:
-                outcome = await self._serve_completion(kind, scope, request_id, response, receive, account)
+                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account)
             if cut.cancelled_caught:
                 outcome = "error"
                 await response.error(ApiError(503, "the server shut down before this request finished; retry it",
@@ -208,16 +209,15 @@ class App:
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
-    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
-                                receive: Receive, account: KeyAccount | None) -> str:
+    async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions | None, request_id: str,
+                                response: "_Response", receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
-        extensions = scope.get("extensions") or {}
         admitted = False
         try:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            api = await self._parse(kind, scope, receive)
+            api = await self._parse(kind, scope, server, receive)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
@@ -225,7 +225,7 @@ class App:
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
-            on_disconnect = extensions.get(ON_DISCONNECT)
+            on_disconnect = server.on_disconnect if server is not None else None
             return await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
@@ -237,8 +237,7 @@ class App:
                                                     f"{self.config.http.body_timeout_s:g} s",
                                                code="request_timeout"), request_id, response)
         except ClientGone:
-            bad_body = extensions.get(BAD_BODY)
-            why = bad_body() if bad_body is not None else None
+            why = server.bad_body() if server is not None else None
             if why is None:
                 return "disconnected"
             return await self._refuse(ApiError(400, f"the request body is malformed: {why}", code="bad_request"),
@@ -259,7 +258,7 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, receive: Receive):
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions | None, receive: Receive):
         """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
         it announces more than limits.max_request_bytes."""
         if self.draining:
@@ -268,7 +267,7 @@ class App:
         announced = _header(scope, b"content-length")
         if announced is not None and announced.isdigit() and int(announced) > limit:
             raise _too_large(limit)
-        if (scope.get("extensions") or {}).get(BODY_ARRIVED):  # the native server has all of it: nothing to wait
+        if server is not None and server.body_arrived:  # our server has all of it: nothing to wait for
             body = await read_json(receive, limit, on_size=self._body_read)
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
@@ -423,7 +422,7 @@ class _Response:
 
     def __init__(self, send: Send, headers: list, send_now: Callable[[bytes], bool] | None = None):
         self.send = send
-        self.send_now = send_now  # the native server's SEND_NOW extension, if there is one
+        self.send_now = send_now  # our server's ServerExtensions.send_now, if there is one
         self.headers = headers
         self.streaming = False
         self.done = False
