@@ -24,7 +24,7 @@ from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.flow.retry import with_retries
+from orchestrator.workers.retry import with_retries
 from orchestrator.testkit.plugin import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 

@@ -1,7 +1,7 @@
 """The decode stage: stream a generation leg (or a whole request) from a worker to the client's sink.
 
 - A retryable failure before anything was streamed moves the leg to another worker of the same role
-  (orchestrator.flow.retry); a decode leg pulls the same KV session from there. A failure after tokens
+  (orchestrator.workers.retry); a decode leg pulls the same KV session from there. A failure after tokens
   were streamed is not retried here (the client has those tokens): it is raised as `MidStreamFailure`,
   and the request flow decides whether the request migrates (orchestrator.flow.request_flow).
 - Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
@@ -25,7 +25,7 @@ from orchestrator.engine.errors import ErrorCode
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.flow.retry import with_retries
+from orchestrator.workers.retry import with_retries
 from orchestrator import tracing
 
 log = logging.getLogger(__name__)
