@@ -52,12 +52,22 @@ def decode_tokens(n=3, gap=0.01):
 
 class Sink:
     per_token = False
+    can_write_now = False  # the fakes' streams hand nothing over directly
 
     def __init__(self):
         self.text, self.finished = "", None
 
     async def delta(self, text, token_ids, logprobs):
         self.text += text
+
+    async def deltas(self, items):
+        self.text += "".join(text for text, _, _ in items)
+
+    def deltas_now(self, items) -> bool:
+        raise AssertionError("no direct delivery here")
+
+    async def flush(self):
+        pass
 
     def ending(self):
         pass

@@ -19,7 +19,8 @@ from typing import Callable
 
 import trio
 
-from orchestrator.decode.output import OutputSink, StreamState, finish_reason, stream_output
+from orchestrator.decode.deltas import OutputSink, StreamState
+from orchestrator.decode.output import finish_reason, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.kv.lease import KvLease

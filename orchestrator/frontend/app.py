@@ -328,9 +328,12 @@ async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> Non
     gone()
 
 
-# ---- output sinks ------------------------------------------------------------------------------
+# ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------
 
 class _StreamingSink:
+    """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
+    reader task (direct delivery: decode/direct.py has the contract)."""
+
     def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
@@ -348,8 +351,8 @@ class _StreamingSink:
         return self.response.can_send_now
 
     def deltas_now(self, items) -> bool:
-        """The same events written at once, from the task that calls this (decode/output.py's DirectTokens);
-        False when part of them waits for `flush()`."""
+        """The same events written at once, from the task that calls this (the reader task, in a direct
+        delivery); False when part of them waits for `flush()`."""
         return self.response.chunk_now(self._events(items))
 
     async def flush(self) -> None:
@@ -383,7 +386,10 @@ class _StreamingSink:
 
 
 class _CollectingSink:
+    """A whole response, sent once the request is done: written only from the request's task."""
+
     per_token = False  # one response at the end: no reason to split batches
+    can_write_now = False  # nothing to write before the end: no direct delivery
 
     def __init__(self, kind: str, api, token_text):
         self.kind, self.api, self.token_text = kind, api, token_text
@@ -396,6 +402,17 @@ class _CollectingSink:
     async def delta(self, text, token_ids, logprobs) -> None:
         self.parts.append(text)
         self.logprobs.extend(logprobs)
+
+    async def deltas(self, items) -> None:
+        for text, _, logprobs in items:
+            self.parts.append(text)
+            self.logprobs.extend(logprobs)
+
+    def deltas_now(self, items) -> bool:
+        raise RuntimeError("a collected response is written from its request's task only")
+
+    async def flush(self) -> None:
+        pass  # nothing is written before the end
 
     def ending(self) -> None:
         pass
