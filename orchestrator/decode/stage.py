@@ -83,6 +83,10 @@ class DecodeStage:
                         await stream_output(stream, sink, detokenizer, state, worker=worker.address,
                                             on_chunk=on_chunk)
                     except trio.Cancelled:
+                        # The KV rule: cancelled before this leg's first token, the decode worker may be pulling
+                        # the prefill's blocks right now, and nothing but a pulled session is proof they are
+                        # free. So the stream is kept (shielded, bounded) until its first token, instead of
+                        # leaving a session that no one will read. The cancellation is re-raised either way.
                         if lease is not None and not lease.settled and state.completion_tokens == streamed_before \
                                 and not state.terminal:
                             await self._settle_on_cancel(stream, state, lease, streamed_before)
@@ -91,6 +95,8 @@ class DecodeStage:
                         if lease is not None and state.completion_tokens > streamed_before:
                             lease.pulled = True  # this leg streamed a token: its worker has the KV
             finally:
+                # Leaving the `generate` block cancelled the RPC; an engine that had not finished is also told
+                # to abort (shielded: this runs while the request is being cancelled, too).
                 if state.finished is None:
                     await self._abort(worker, leg.request_id, metadata)
         if not state.terminal:

@@ -1,10 +1,10 @@
-"""Render OpenAI response objects and SSE chunks. Pure functions over plain values: every chunk is a dict
-through one JSON encoder (benchmarks/cpu_cost.py showed no user-visible gain from splicing pre-encoded
-fragments by hand; docs/benchmarks.md has the figures)."""
+"""Render OpenAI response objects and SSE chunks. Pure functions over plain values, through one JSON encoder
+(ChunkWriter says where a streamed token's event skips it, and why)."""
 
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Callable, Sequence
 
 from orchestrator.engine.events import TokenLogprob
@@ -15,6 +15,8 @@ DONE = b"data: [DONE]\n\n"
 # One encoder for every call: json.dumps with arguments builds a new JSONEncoder each time (0.7 µs for a
 # token's text against 0.08 here); the output is the same.
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_json_string = encode_basestring  # what _dumps does with a str, without its checks
+_MARKER = "\x00text\x00"  # where a token's text goes in the template (any str would do: see ChunkWriter)
 
 
 def sse(payload: dict) -> bytes:
@@ -57,24 +59,42 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[
 
 
 class ChunkWriter:
-    """SSE chunks for one streamed response (chat or completion): each one a whole chunk object, encoded."""
+    """SSE chunks for one streamed response (chat or completion).
+
+    Every chunk is a dict through the JSON encoder, except the one a streamed token costs: a text delta
+    without logprobs. That one is the same event rendered once, at the start, around a marker, and split
+    there: a token's event is then the two fragments around its JSON-encoded text. The encoder would cost
+    ~20x more per token, a quarter of serve's CPU per streamed token (docs/benchmarks.md).
+    """
 
     def __init__(self, kind: str, request_id: str, model: str, created: int):
         self.kind = kind
         self._head = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                       "created": int(created), "model": model}
         self._role_sent = kind != "chat"  # only a chat stream's first delta carries the role
+        # The usual event around its one variable part. The text comes after the head (id, model), so the
+        # marker's last occurrence is the text's, whatever the head holds.
+        marker = _json_string(_MARKER).encode()
+        template = self._event(self._text_choice(_MARKER, None))
+        self._text_head, found, self._text_tail = template.rpartition(marker)
+        if not found:
+            raise RuntimeError("the SSE text template lost its marker")
+
+    def _text_choice(self, text: str, logprobs: dict | None) -> dict:
+        if self.kind == "chat":
+            return {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _event(self, choice: dict) -> bytes:
         return sse({**self._head, "choices": [choice]})
 
     def delta(self, text: str, logprobs: dict | None = None) -> bytes:
-        if self.kind == "chat":
-            delta = {"content": text} if self._role_sent else {"role": "assistant", "content": text}
+        if self._role_sent and logprobs is None:  # a streamed token, the hot path: see the class docstring
+            return self._text_head + _json_string(text).encode() + self._text_tail
+        choice = self._text_choice(text, logprobs)
+        if not self._role_sent:
+            choice["delta"] = {"role": "assistant", "content": text}
             self._role_sent = True
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._event(choice)
 
     def deltas(self, texts: Sequence[str]) -> bytes:
