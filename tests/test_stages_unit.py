@@ -461,7 +461,7 @@ def breaks_after(tokens: int, name: str):
 
 
 async def test_a_request_migrates_again_when_its_continuation_breaks_too_up_to_the_limit(tmp_path, autojump_clock):
-    (a0, a1, a2), pool = aggregated_workers(breaks_after(1, "a0"), breaks_after(1, "a1"), lambda r: decode_tokens(1))
+    (_, a1, a2), pool = aggregated_workers(breaks_after(1, "a0"), breaks_after(1, "a1"), lambda r: decode_tokens(1))
     c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 2})
     plan = attrs.evolve(await c.plan(chat(), "e7"), workers=(pool.workers[0],))
     sink = Sink()
@@ -470,7 +470,7 @@ async def test_a_request_migrates_again_when_its_continuation_breaks_too_up_to_t
     assert [r.request_id for r in a1.generated() + a2.generated()] == ["e7-m1", "e7-m2"]
     assert list(a2.generated()[0].token_ids.ids[-2:]) == [WORD, WORD]  # the prompt plus both tokens sent
 
-    (b0, b1, b2), pool = aggregated_workers(breaks_after(1, "b0"), breaks_after(1, "b1"), lambda r: decode_tokens(1))
+    (_, b1, b2), pool = aggregated_workers(breaks_after(1, "b0"), breaks_after(1, "b1"), lambda r: decode_tokens(1))
     c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 1})
     plan = attrs.evolve(await c.plan(chat(), "e8"), workers=(pool.workers[0],))
     with pytest.raises(WorkerUnavailable, match="gone"):

@@ -42,14 +42,15 @@ cancel and the disarm; later reads are queued for nobody and go with the stream.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from orchestrator.decode.deltas import OutputSink, StreamState, count_tokens, token_deltas
 from orchestrator.engine import Tokens
 from orchestrator.engine.events import Event, TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
 
-DirectHandler = Callable[[list[Event]], "list | None"]
+DirectHandler = Callable[[list[Event]], list | None]
 
 
 class _Flush:
@@ -82,7 +83,7 @@ class DirectTokens:
 
     @classmethod
     def arm(cls, stream: TokenStream, sink: OutputSink, detokenizer: IncrementalDetokenizer, state: StreamState,
-            on_chunk: Callable[[int], None] | None) -> "DirectTokens | None":
+            on_chunk: Callable[[int], None] | None) -> DirectTokens | None:
         """Start direct delivery on `stream` if `sink` can write from another task and the stream can hand
         events over; None if not. The caller ends it with `stream.deliver_directly(None)`."""
         if not sink.can_write_now:  # a collected response, TLS, another server, a response that is ending

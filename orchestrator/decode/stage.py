@@ -19,6 +19,7 @@ from typing import Callable
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.decode.deltas import OutputSink, StreamState
 from orchestrator.decode.output import finish_reason, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
@@ -27,7 +28,6 @@ from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.workers.retry import with_retries
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 

@@ -26,15 +26,15 @@ from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
+from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.tokenizer import ModelTokenizer
+from orchestrator.workers.pool import Worker, WorkerPool
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ so the text neither repeats nor skips. At most `limits.migration_limit` times.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import trio

@@ -25,7 +25,8 @@ Any other ASGI server gives none of this (`of` returns None) and the app falls b
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -40,7 +41,7 @@ class ServerExtensions:
     send_now: Callable[[bytes], bool] | None = None
 
     @staticmethod
-    def of(scope: dict[str, Any]) -> "ServerExtensions | None":
+    def of(scope: dict[str, Any]) -> ServerExtensions | None:
         """The extensions of an `http` scope our server made; None under any other server."""
         extensions = scope.get("extensions")
         return extensions.get(KEY) if extensions else None

@@ -13,6 +13,7 @@ import logging
 import attrs
 import trio
 
+from orchestrator import tracing
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import Event
@@ -21,7 +22,6 @@ from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
 from orchestrator.workers.retry import with_retries
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
