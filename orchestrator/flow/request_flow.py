@@ -73,7 +73,7 @@ class RequestFlow:
         # Where a retry or a migration may take this request: the planner checked the guide and logprobs
         # against the first workers only; a replacement must serve them too. None: nothing to check.
         api = plan.api
-        self.accepts: Callable[[Worker], bool] | None = None if api.guided is None and not api.logprobs else (
+        self.accepts: Callable[[object], bool] | None = None if api.guided is None and not api.logprobs else (
             lambda worker: _serves(api, worker))
 
     async def run(self) -> None:
@@ -205,7 +205,7 @@ class RequestFlow:
         return continuation_leg(plan.full, generated, self.migrations), workers
 
 
-def _serves(api, worker: Worker) -> bool:
+def _serves(api, worker) -> bool:
     """A worker whose capabilities are not known yet is given the benefit of the doubt (its engine refuses what
     it cannot do, except a guide the sibling server would ignore: discovery runs before a worker is READY)."""
     caps = worker.client.cached_capabilities if worker.client is not None else None
