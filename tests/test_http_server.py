@@ -14,14 +14,8 @@ import pytest
 import trio
 
 from h11_helpers import read_back_responses as parse_responses
-from orchestrator.frontend.http_server import (
-    BODY_ARRIVED,
-    ON_DISCONNECT,
-    SEND_NOW,
-    ServerLimits,
-    open_listener,
-    serve_http,
-)
+from orchestrator.frontend.http_server import ServerLimits, open_listener, serve_http
+from orchestrator.frontend.server_extensions import ServerExtensions
 
 
 @asynccontextmanager
@@ -239,7 +233,7 @@ async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_nev
     async def app(scope, receive, send):
         await receive()
         name = scope["path"]
-        scope["extensions"][ON_DISCONNECT](lambda: (calls.append(name), gone.set()))
+        ServerExtensions.of(scope).on_disconnect(lambda: (calls.append(name), gone.set()))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]
                     if name == "/done" else []})
         if name == "/done":
@@ -259,7 +253,7 @@ async def test_a_request_that_is_over_is_not_called_back_even_when_it_registers_
 
     async def app(scope, receive, send):
         await receive()
-        registrars.append(scope["extensions"][ON_DISCONNECT])
+        registrars.append(ServerExtensions.of(scope).on_disconnect)
         if scope["path"] == "/done":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
@@ -282,7 +276,7 @@ async def test_an_on_disconnect_callback_registered_after_the_client_went_runs_a
         await receive()
         while (await receive())["type"] != "http.disconnect":
             pass
-        scope["extensions"][ON_DISCONNECT](lambda: calls.append("gone"))
+        ServerExtensions.of(scope).on_disconnect(lambda: calls.append("gone"))
         registered.set()
 
     async with running(app) as server:
@@ -315,7 +309,7 @@ async def test_a_response_longer_than_keep_alive_s_is_whole_and_the_client_going
 
     async def slow_then_watch(scope, receive, send):
         await receive()
-        scope["extensions"][ON_DISCONNECT](gone.set)
+        ServerExtensions.of(scope).on_disconnect(gone.set)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for _ in range(4):
             await trio.sleep(0.2)
@@ -352,7 +346,7 @@ async def test_body_arrived_tells_whether_receive_has_the_whole_body_at_once():
     seen: list[tuple[bool, int]] = []
 
     async def app(scope, receive, send):
-        arrived = scope["extensions"][BODY_ARRIVED]
+        arrived = ServerExtensions.of(scope).body_arrived
         seen.append((arrived, len(await read_body(receive))))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
@@ -373,7 +367,7 @@ async def test_body_arrived_tells_whether_receive_has_the_whole_body_at_once():
 async def test_send_now_writes_a_chunk_from_another_task_while_the_app_waits():
     """What a streamed token does: the engine connection's reader task writes it, the request's task waits."""
     async def app(scope, receive, send):
-        send_now = scope["extensions"][SEND_NOW]
+        send_now = ServerExtensions.of(scope).send_now
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b"data: 0\n\n", "more_body": True})
         written = trio.Event()
@@ -407,7 +401,7 @@ async def test_what_send_now_could_not_write_goes_first_with_the_next_send_and_i
     filled, flushed = trio.Event(), trio.Event()
 
     async def app(scope, receive, send):
-        send_now = scope["extensions"][SEND_NOW]
+        send_now = ServerExtensions.of(scope).send_now
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"start", "more_body": True})
         while send_now(b"%05d" % len(taken_at_once) + chunk):
@@ -434,7 +428,7 @@ async def test_send_now_refuses_a_response_that_has_not_started():
     seen = []
 
     async def app(scope, receive, send):
-        send_now = scope["extensions"][SEND_NOW]
+        send_now = ServerExtensions.of(scope).send_now
         with pytest.raises(RuntimeError, match="started"):
             send_now(b"too early")
         seen.append(True)
@@ -521,10 +515,10 @@ async def test_an_app_failure_before_the_response_is_a_500_and_after_it_the_conn
 
 
 async def streamed(scope, receive, send):
-    """A body without content-length (chunked), in several sends, one of them through SEND_NOW."""
+    """A body without content-length (chunked), in several sends, one of them through send_now."""
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": b"one ", "more_body": True})
-    scope["extensions"][SEND_NOW](b"two ")
+    ServerExtensions.of(scope).send_now(b"two ")
     await send({"type": "http.response.body", "body": b"three"})
 
 

@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 import orchestrator
 
 PACKAGE = Path(orchestrator.__file__).parent
@@ -43,3 +45,36 @@ def test_http_statuses_live_only_in_the_frontend():
 
 def test_the_coordinator_stays_small():
     assert len((PACKAGE / "flow" / "coordinator.py").read_text().splitlines()) <= 200
+
+
+# ---- layers call down, never up -------------------------------------------------------------------------
+# A request goes frontend -> convert -> flow (plan, then prefill, KV lease, decode, migration) -> engine ->
+# transport; each package may import only what lies below it. Listed: the imports each package must never make.
+NEVER_IMPORTS = {
+    "flow/": ("frontend",),
+    "decode/": ("frontend", "flow"),
+    "prefill/": ("frontend", "flow"),
+    "kv/": ("frontend", "flow", "prefill"),
+    "workers/": ("frontend", "flow", "decode", "prefill", "kv", "convert"),
+    "convert/": ("frontend", "flow", "decode", "prefill", "kv", "workers"),
+    "engine/": ("frontend", "flow", "decode", "prefill", "kv", "convert"),
+    "transport/": ("frontend", "flow", "decode", "prefill", "kv", "convert", "workers"),
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    return {name.split(".")[1] for name in _imports(path) if name.startswith("orchestrator.")}
+
+
+@pytest.mark.parametrize("package", sorted(NEVER_IMPORTS))
+def test_a_layer_never_imports_the_layers_above_it(package):
+    offenders = sorted(f"{path.relative_to(PACKAGE).as_posix()} imports orchestrator.{above}"
+                       for path in (PACKAGE / package).rglob("*.py")
+                       for above in _imported_packages(path) & set(NEVER_IMPORTS[package]))
+    assert offenders == []
+
+
+def test_the_layering_rules_catch_an_upward_import():
+    """The check itself: the frontend's app imports the flow, which the flow may not do the other way round."""
+    app = PACKAGE / "frontend" / "app.py"
+    assert "flow" in _imported_packages(app) and "flow" in NEVER_IMPORTS["decode/"]

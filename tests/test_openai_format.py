@@ -101,3 +101,16 @@ def test_deltas_of_a_batch_are_the_single_deltas_joined(kind, texts, earlier_del
         one_by_one.delta("a"), batched.delta("a")
     assert batched.deltas(texts) == b"".join(one_by_one.delta(text) for text in texts)
     assert batched.delta("z") == one_by_one.delta("z")  # and both know the role was sent
+
+
+@given(TEXT, TEXT)
+@settings(max_examples=200, deadline=None)
+def test_a_token_event_is_what_the_encoder_gives_whatever_the_request_id_and_model_hold(request_id, text):
+    """The token's event is cut from a template around a marker: a head holding that marker changes nothing."""
+    for model in ("tiny-chat", "\x00text\x00", text):
+        for kind in ("chat", "completion"):
+            chunk_writer = fmt.ChunkWriter(kind, request_id + "\x00text\x00", model, 7)
+            chunk_writer.delta("")  # past the role
+            choice = parse(chunk_writer.delta(text))
+            assert choice["id"] == request_id + "\x00text\x00" and choice["model"] == model
+            assert choice["choices"][0].get("delta", {}).get("content", choice["choices"][0].get("text")) == text

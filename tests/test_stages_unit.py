@@ -13,11 +13,10 @@ import trio
 
 from orchestrator.convert import parse_chat, serves_features
 from orchestrator.decode import StreamState, generation_leg
-from orchestrator.decode.stage import DecodeStage
+from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
-from orchestrator.flow.retry import with_retries
 from orchestrator.kv import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -27,6 +26,7 @@ from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.testkit.plugin import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.workers.retry import with_retries
 
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
 WORD = TOKENIZER.encode(" weather")[0]
@@ -52,12 +52,22 @@ def decode_tokens(n=3, gap=0.01):
 
 class Sink:
     per_token = False
+    can_write_now = False  # the fakes' streams hand nothing over directly
 
     def __init__(self):
         self.text, self.finished = "", None
 
     async def delta(self, text, token_ids, logprobs):
         self.text += text
+
+    async def deltas(self, items):
+        self.text += "".join(text for text, _, _ in items)
+
+    def deltas_now(self, items) -> bool:
+        raise AssertionError("no direct delivery here")
+
+    async def flush(self):
+        pass
 
     def ending(self):
         pass
@@ -150,10 +160,10 @@ async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_sessio
 
 # ---- the decode stage ---------------------------------------------------------------------------------
 
-async def run_decode(decode, worker, leg, lease=None, migrate=None):
+async def run_decode(decode, worker, leg, lease=None):
     sink, state = Sink(), StreamState()
     await decode.run(worker, leg, sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
-                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease, migrate=migrate)
+                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease)
     return sink, state
 
 
@@ -198,20 +208,15 @@ async def test_a_retry_goes_only_to_a_worker_that_serves_the_requests_features(a
     assert sink.finished == ("length", 2) and plain.generated() == [] and len(guided.generated()) == 1
 
 
-async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_goes_to_the_migration_hook(autojump_clock):
+async def test_a_failure_after_tokens_were_streamed_is_not_retried_but_left_to_the_flow_to_migrate(autojump_clock):
     broken = EngineError("lost", worker="d0", rpc="Generate", retryable=True)
     pool, _, (d0, d1), _, decode, *_ = deployment([prefill_script()], [
         lambda r: [Send(Tokens((WORD,))), Fail(broken)], lambda r: decode_tokens(2)])
     first = next(w for w in workers(pool, "decode") if w.client is d0)
-    with pytest.raises(EngineError, match="lost"):
+    with pytest.raises(MidStreamFailure, match="lost") as failure:
         await run_decode(decode, first, full())
     assert d1.generated() == []
-    migrated = []
-
-    async def migrate(error, failed_worker):
-        migrated.append((error.message, failed_worker.client.name))
-
-    await run_decode(decode, first, full(), migrate=migrate)
+    migrated = [(failure.value.error.message, failure.value.worker.client.name)]
     assert migrated == [("lost", "d0")]
 
 
@@ -439,3 +444,45 @@ async def test_a_request_whose_answer_completes_after_its_deadline_passed_is_not
     sink = SlowFinish()
     await c.execute(plan, sink, watch=lambda request: request.start_soon(trio.sleep_forever))
     assert sink.finished == ("length", 3) and trio.current_time() > 2.0
+
+
+# ---- migration: a loop in the request flow ----------------------------------------------------------------
+
+def aggregated_workers(*scripts):
+    from orchestrator.testkit.fakes import capabilities
+
+    clients = [FakeEngineClient(f"a{i}", capabilities(), script) for i, script in enumerate(scripts)]
+    return clients, FakePool([fake_worker("aggregated", client) for client in clients])
+
+
+def breaks_after(tokens: int, name: str):
+    lost = WorkerUnavailable("gone", worker=name, rpc="Generate", retryable=True)
+    return lambda r: [Send(Tokens((WORD,)))] * tokens + [Fail(lost)]
+
+
+async def test_a_request_migrates_again_when_its_continuation_breaks_too_up_to_the_limit(tmp_path, autojump_clock):
+    (_, a1, a2), pool = aggregated_workers(breaks_after(1, "a0"), breaks_after(1, "a1"), lambda r: decode_tokens(1))
+    c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 2})
+    plan = attrs.evolve(await c.plan(chat(), "e7"), workers=(pool.workers[0],))
+    sink = Sink()
+    await c.execute(plan, sink)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+    assert [r.request_id for r in a1.generated() + a2.generated()] == ["e7-m1", "e7-m2"]
+    assert list(a2.generated()[0].token_ids.ids[-2:]) == [WORD, WORD]  # the prompt plus both tokens sent
+
+    (_, b1, b2), pool = aggregated_workers(breaks_after(1, "b0"), breaks_after(1, "b1"), lambda r: decode_tokens(1))
+    c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 1})
+    plan = attrs.evolve(await c.plan(chat(), "e8"), workers=(pool.workers[0],))
+    with pytest.raises(WorkerUnavailable, match="gone"):
+        await c.execute(plan, Sink())
+    assert len(b1.generated()) + len(b2.generated()) == 1  # one migration, then the error stands
+
+
+async def test_a_migrated_request_counts_its_decode_stage_once(tmp_path, autojump_clock):
+    """Its stage durations are the request's, observed once when it ends, not once per pass of the loop."""
+    _, pool = aggregated_workers(breaks_after(1, "a0"), lambda r: decode_tokens(2))
+    c = coordinator(tmp_path, "aggregated", pool)
+    plan = attrs.evolve(await c.plan(chat(), "e9"), workers=(pool.workers[0],))
+    await c.execute(plan, Sink())
+    rendered = c.metrics.render().decode()
+    assert 'orchestrator_stage_duration_seconds_count{stage="decode"} 1.0' in rendered

@@ -50,6 +50,14 @@ class RecordingSink:
     async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
         raise AssertionError("stream_output does not finish the response; the coordinator does")
 
+    can_write_now = False  # unless a test says otherwise (WritesNowSink)
+
+    def deltas_now(self, items) -> bool:
+        raise AssertionError("deltas_now while can_write_now is false")
+
+    async def flush(self):
+        raise AssertionError("nothing to flush without direct delivery")
+
     @property
     def text(self) -> str:
         return "".join(text for text, _, _ in self.received)
@@ -122,7 +130,7 @@ async def test_a_stream_still_running_is_not_ending():
     assert sink.ended_after == 2  # the two tokens went out as they came; only then did the engine finish
 
 
-# ---- direct delivery (DirectTokens): tokens written from the producing task while the request's task waits ----
+# ---- direct delivery (decode/direct.py): tokens written from the producing task while the request's task waits ----
 
 class WritesNowSink(RecordingSink):
     """A streaming sink that can also write from another task, as the SSE sink on the native server does;
@@ -236,3 +244,17 @@ async def test_a_cancelled_request_ends_direct_delivery():
     inbox._items.append(Tokens(WORDS[1:2]))
     inbox.hand_over()  # nothing is written for a request that is over
     assert sink.text == "the"
+
+
+def test_every_sink_of_the_frontend_implements_the_whole_output_sink_protocol():
+    """One complete protocol, no optional methods probed with getattr: a sink the decode stage is given has
+    all of it, also the direct-delivery part (a sink that never writes from elsewhere says so)."""
+    from orchestrator.decode.deltas import OutputSink
+    from orchestrator.frontend.app import _CollectingSink, _StreamingSink
+
+    members = {name for name in vars(OutputSink) if not name.startswith("_")} | set(OutputSink.__annotations__)
+    assert {"per_token", "delta", "deltas", "ending", "finish", "can_write_now", "deltas_now", "flush"} <= members
+    sinks = [_StreamingSink(None, None, None, None, per_token=True), _CollectingSink("chat", None, None)]
+    for sink in sinks:
+        missing = sorted(name for name in members if not hasattr(type(sink), name) and name not in vars(sink))
+        assert missing == [], type(sink).__name__

@@ -55,7 +55,7 @@ def test_mtls_to_a_worker_and_https_for_the_clients(tmp_path, pki, sim_workers, 
     answer = client.chat.completions.create(model="tiny-chat", max_tokens=3,
                                             messages=[{"role": "user", "content": "hi"}])
     assert answer.usage.completion_tokens == 3
-    # a stream over TLS: tokens go out from the request's own task (SEND_NOW is for plain sockets)
+    # a stream over TLS: tokens go out from the request's own task (send_now is for plain sockets)
     chunks = list(client.chat.completions.create(model="tiny-chat", max_tokens=6, stream=True,
                                                  messages=[{"role": "user", "content": "hi"}]))
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 6

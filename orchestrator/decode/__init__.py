@@ -1,8 +1,16 @@
-"""The decode stage (stage.py: attempts, retries, the KV rule on cancellation, abort on exit), its output
-side (output.py: detokenized deltas for the client) and its leg codec (legs.py, pure)."""
+"""The decode stage and its output side.
 
+- stage: attempts, retries, the KV rule on cancellation, abort on exit; a failure after tokens were
+  streamed is the request flow's to migrate (MidStreamFailure)
+- output: `stream_output`, engine events -> deltas for the client's sink
+- deltas: the `OutputSink` protocol, the stream state, tokens -> deltas
+- direct: direct delivery from the engine connection's reader task, and its contract
+- legs: the leg codec (generation, continuation and release legs), pure
+"""
+
+from orchestrator.decode.deltas import OutputSink, StreamState
 from orchestrator.decode.legs import continuation_leg, generation_leg, release_leg
-from orchestrator.decode.output import OutputSink, ReplayedStream, StreamState, finish_reason, stream_output
+from orchestrator.decode.output import ReplayedStream, finish_reason, stream_output
 
 __all__ = ["OutputSink", "ReplayedStream", "StreamState", "continuation_leg", "finish_reason", "generation_leg",
            "release_leg", "stream_output"]

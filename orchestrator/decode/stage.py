@@ -1,8 +1,9 @@
 """The decode stage: stream a generation leg (or a whole request) from a worker to the client's sink.
 
 - A retryable failure before anything was streamed moves the leg to another worker of the same role
-  (orchestrator.flow.retry); a decode leg pulls the same KV session from there. A failure after tokens
-  were streamed goes to `migrate` when one is given (the seam for request migration), else it stands.
+  (orchestrator.workers.retry); a decode leg pulls the same KV session from there. A failure after tokens
+  were streamed is not retried here (the client has those tokens): it is raised as `MidStreamFailure`,
+  and the request flow decides whether the request migrates (orchestrator.flow.request_flow).
 - Cancellation (client disconnect, deadline, shutdown) cancels the RPC, and a shielded, bounded
   Control.Abort makes sure the engine lets go as well.
 - KV rule on cancellation, when the leg consumes a KV lease that is not pulled yet: keep the stream until
@@ -14,20 +15,29 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 
 from orchestrator import tracing
-from orchestrator.decode.output import OutputSink, StreamState, finish_reason, stream_output
+from orchestrator.decode.deltas import OutputSink, StreamState
+from orchestrator.decode.output import finish_reason, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
 from orchestrator.engine.errors import ErrorCode
-from orchestrator.flow.retry import with_retries
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.workers.retry import with_retries
 
 log = logging.getLogger(__name__)
+
+
+class MidStreamFailure(Exception):
+    """A leg failed after it streamed tokens to the client: `error` is why, `worker` where (after any retries)."""
+
+    def __init__(self, error: EngineError, worker) -> None:
+        super().__init__(error.message)
+        self.error, self.worker = error, worker
 
 
 class DecodeStage:
@@ -37,10 +47,11 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migrate: Callable[[EngineError, object], Awaitable[None]] | None = None, migration: int = 0,
-                  accepts: Callable[[object], bool] | None = None) -> None:
+                  migration: int = 0, accepts: Callable[[object], bool] | None = None) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
-        `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th)."""
+        `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th).
+        Raises EngineError when it failed before this leg streamed a token (after the retries), else
+        MidStreamFailure."""
         streamed_before = state.completion_tokens
         failed_on = [worker]
         attempts = 0
@@ -58,9 +69,9 @@ class DecodeStage:
                                what=f"{worker.role} leg {leg.request_id}",
                                may_retry=lambda error: state.completion_tokens == streamed_before, accepts=accepts)
         except EngineError as error:
-            if migrate is None or state.completion_tokens == streamed_before:
+            if state.completion_tokens == streamed_before:
                 raise
-            await migrate(error, failed_on[0])
+            raise MidStreamFailure(error, failed_on[0]) from error
 
     async def _one_attempt(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, detokenizer,
                            on_chunk, prompt_tokens: int, lease: KvLease | None, streamed_before: int,
@@ -72,6 +83,10 @@ class DecodeStage:
                         await stream_output(stream, sink, detokenizer, state, worker=worker.address,
                                             on_chunk=on_chunk)
                     except trio.Cancelled:
+                        # The KV rule: cancelled before this leg's first token, the decode worker may be pulling
+                        # the prefill's blocks right now, and nothing but a pulled session is proof they are
+                        # free. So the stream is kept (shielded, bounded) until its first token, instead of
+                        # leaving a session that no one will read. The cancellation is re-raised either way.
                         if lease is not None and not lease.settled and state.completion_tokens == streamed_before \
                                 and not state.terminal:
                             await self._settle_on_cancel(stream, state, lease, streamed_before)
@@ -80,6 +95,8 @@ class DecodeStage:
                         if lease is not None and state.completion_tokens > streamed_before:
                             lease.pulled = True  # this leg streamed a token: its worker has the KV
             finally:
+                # Leaving the `generate` block cancelled the RPC; an engine that had not finished is also told
+                # to abort (shielded: this runs while the request is being cancelled, too).
                 if state.finished is None:
                     await self._abort(worker, leg.request_id, metadata)
         if not state.terminal:

@@ -9,6 +9,9 @@
 
 Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
 on every worker involved and keep the KV rule, so no prefill blocks are stranded.
+
+The coordinator is the flow's only creator: it builds the stages once and hands them to every RequestFlow
+as one FlowCollaborators; the flow never reaches back into the coordinator.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
 from orchestrator.flow.prompt import prompt_token_ids
-from orchestrator.flow.request_flow import RequestFlow
+from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
@@ -52,11 +55,13 @@ class Coordinator:
         self.model_names = {config.model.name, *config.model.aliases}
         limits = config.limits
         releaser = KvReleaser(pool, metrics, limits.kv_cleanup_timeout_s)
-        self.prefill = PrefillStage(pool, metrics, releaser, retries=limits.prefill_retries,
-                                    cleanup_timeout_s=limits.kv_cleanup_timeout_s)
-        self.decode = DecodeStage(pool, metrics, releaser, retries=limits.decode_retries,
-                                  cleanup_timeout_s=limits.kv_cleanup_timeout_s)
-        self.releaser = releaser
+        self.flow_parts = FlowCollaborators(
+            pool=pool, metrics=metrics, tokenizer=tokenizer, releaser=releaser,
+            prefill=PrefillStage(pool, metrics, releaser, retries=limits.prefill_retries,
+                                 cleanup_timeout_s=limits.kv_cleanup_timeout_s),
+            decode=DecodeStage(pool, metrics, releaser, retries=limits.decode_retries,
+                               cleanup_timeout_s=limits.kv_cleanup_timeout_s),
+            migration_limit=limits.migration_limit)
         self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
 
     # ---- planning ----------------------------------------------------------------------------------
@@ -130,7 +135,7 @@ class Coordinator:
                 if watch is not None:
                     watch(request_nursery)
                 try:
-                    await RequestFlow(self, plan, sink, started).run()
+                    await RequestFlow(self.flow_parts, plan, sink, started).run()
                     flow_ended = True
                 finally:
                     if request_nursery.child_tasks:

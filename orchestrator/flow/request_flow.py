@@ -1,21 +1,30 @@
 """One planned request's legs: the prefill stage then the decode stage joined by a KV lease, or one whole leg,
 and request migration when a worker fails mid-stream.
 
-Migration: a decode leg (or a whole leg) that fails after tokens were streamed is continued on another
-worker, invisibly to the client: the prompt plus the tokens already sent, what is left of the budget, a
-new prefill where the path is split (orchestrator.decode.legs.continuation_leg). The output state and the
-detokenizer carry on, so the text neither repeats nor skips. Up to `limits.migration_limit` times.
+The flow calls down only: into the stages (orchestrator.prefill, orchestrator.decode), the KV releaser
+(orchestrator.kv) and the worker pool, all handed to it in one `FlowCollaborators` by its creator (the
+coordinator); it writes to the client only through the `OutputSink` it was given.
+
+Migration is a loop in `RequestFlow.run`: a decode leg (or a whole leg) that fails after tokens went to the
+client is not retried by its stage (the client has those tokens); the stage raises `MidStreamFailure`, and
+`_migration` decides, in this one place, whether the request goes on elsewhere: the prompt plus the tokens
+already sent, what is left of the budget, a new prefill where the path is split
+(orchestrator.decode.legs.continuation_leg). The output state and the detokenizer carry on across the passes,
+so the text neither repeats nor skips. At most `limits.migration_limit` times.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+import attrs
 import trio
 
 from orchestrator import tracing
 from orchestrator.convert import serves_features
 from orchestrator.decode import (
+    OutputSink,
     ReplayedStream,
     StreamState,
     continuation_leg,
@@ -23,132 +32,177 @@ from orchestrator.decode import (
     generation_leg,
     stream_output,
 )
+from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import StreamStalled
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.kv import HandoffError, check_session
+from orchestrator.kv import HandoffError, KvLease, check_session
+from orchestrator.kv.release import KvReleaser
+from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.tokenizer import IncrementalDetokenizer
+from orchestrator.prefill.stage import PrefillStage
+from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 
+@attrs.frozen
+class FlowCollaborators:
+    """What every request flow works with; built once by the coordinator and passed down."""
+
+    pool: WorkerPool
+    metrics: Metrics
+    tokenizer: ModelTokenizer
+    prefill: PrefillStage
+    decode: DecodeStage
+    releaser: KvReleaser
+    migration_limit: int  # limits.migration_limit: continuations per request
+
+
 class RequestFlow:
-    def __init__(self, coordinator, plan, sink, started: float):
-        self.c, self.plan, self.sink, self.started = coordinator, plan, sink, started
+    def __init__(self, parts: FlowCollaborators, plan, sink: OutputSink, started: float):
+        self.parts, self.plan, self.sink, self.started = parts, plan, sink, started
         self.state = StreamState()
-        self.detokenizer = IncrementalDetokenizer(coordinator.tokenizer, stop=plan.api.stop)
+        self.detokenizer = IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop)
         self.migrations = 0
-        self.failed: list = []  # workers a leg of this request failed on
+        self.failed: list[Worker] = []  # workers a leg of this request failed on mid-stream
         self._last_chunk: float | None = None
-        self._token_meter = coordinator.metrics.token_meter(plan.path)
+        self._token_meter = parts.metrics.token_meter(plan.path)
+        self._handoff: tuple[float, KvLease] | None = None  # (prefill done, lease) of the first decode leg
         # Where a retry or a migration may take this request: the planner checked the guide and logprobs
         # against the first workers only; a replacement must serve them too. None: nothing to check.
         api = plan.api
-        self.accepts = None if api.guided is None and not api.logprobs else (
+        self.accepts: Callable[[object], bool] | None = None if api.guided is None and not api.logprobs else (
             lambda worker: _serves(api, worker))
 
     async def run(self) -> None:
-        series = self.c.metrics.by_path[self.plan.path]
-        series.prompt_tokens.inc(self.plan.prompt_tokens)
+        plan, metrics = self.plan, self.parts.metrics
+        series = metrics.by_path[plan.path]
+        series.prompt_tokens.inc(plan.prompt_tokens)
+        leg, workers = plan.full, plan.workers
         try:
-            if self.plan.path == "disaggregated":
-                await self._split(self.plan.full, *self.plan.workers)
-            else:
-                await self._whole(self.plan.workers[0], self.plan.full)
-                self.c.metrics.by_stage["decode"].observe(trio.current_time() - self.started)
+            while True:  # one pass per worker set: the planned one, then one per migration
+                try:
+                    await self._legs(leg, workers)
+                    break
+                except MidStreamFailure as failure:
+                    error, failed_worker = failure.error, failure.worker
+                # Decided outside the handler: an error raised from here carries no MidStreamFailure as context.
+                continuation = await self._migration(error, failed_worker)
+                if continuation is None:  # the answer was whole after all: finished here
+                    break
+                leg, workers = continuation
         finally:
             self._token_meter.flush()  # whatever way the request ends
+        self._observe_stages()
         if self.state.cached_tokens:  # most requests have none: no counter call for them
             series.cached_tokens.inc(self.state.cached_tokens)
+
+    async def _legs(self, leg: g.GenerateRequest, workers: tuple[Worker, ...]) -> None:
+        if self.plan.path == "disaggregated":
+            await self._split(leg, *workers)
+        else:
+            await self._whole(workers[0], leg)
 
     def _on_chunk(self, tokens: int) -> None:
         now = trio.current_time()
         if self._last_chunk is None:
-            self.c.metrics.by_path[self.plan.path].ttft.observe(now - self.started)
+            self.parts.metrics.by_path[self.plan.path].ttft.observe(now - self.started)
             self._token_meter.add(None, tokens)
         else:
             self._token_meter.add(now - self._last_chunk, tokens)
         self._last_chunk = now
 
-    async def _whole(self, worker, leg: g.GenerateRequest) -> None:
-        await self.c.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
-                                on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens, migrate=self.migrate,
-                                migration=self.migrations, accepts=self.accepts)
+    async def _whole(self, worker: Worker, leg: g.GenerateRequest) -> None:
+        await self.parts.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
+                                    on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens,
+                                    migration=self.migrations, accepts=self.accepts)
 
-    async def _split(self, full: g.GenerateRequest, prefill_worker, decode_worker) -> None:
-        c, state = self.c, self.state
-        result = await c.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
-                                     accepts=self.accepts)
+    async def _split(self, full: g.GenerateRequest, prefill_worker: Worker, decode_worker: Worker) -> None:
+        parts, state = self.parts, self.state
+        result = await parts.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
+                                         accepts=self.accepts)
         prefill_done = trio.current_time()
-        c.metrics.by_stage["prefill"].observe(prefill_done - self.started)
+        parts.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
             await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
-            c.metrics.prefill_answers.inc()
+            parts.metrics.prefill_answers.inc()
             cached = state.settle_cached(self.plan.prompt_tokens, state.cached_tokens)
             await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens,
                                    cached_tokens=cached)
             return
         lease = result.lease
+        # The KV rule: from here until a decode leg pulls the session (or the releaser does), the prefill
+        # worker holds its blocks for us. Every way out of this method below either leaves the lease pulled
+        # (a decode leg streamed a token) or releases it in the `finally`.
         try:
             check_session(lease.session)
         except HandoffError as exc:
-            await c.releaser.release_unpulled(lease, full, decode_worker)
+            await parts.releaser.release_unpulled(lease, full, decode_worker)
             raise EngineError(str(exc), worker=lease.prefill_worker.address, rpc="Generate") from exc
+        if state.completion_tokens == 0:
+            self._handoff = (prefill_done, lease)  # the request's first decode leg: its handoff is measured
         # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
         # which keeps the KV rule for the lease.
-        streamed_before = state.completion_tokens
         try:
-            await c.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
-                               detokenizer=self.detokenizer, on_chunk=self._on_chunk,
-                               prompt_tokens=self.plan.prompt_tokens, lease=lease, migrate=self.migrate,
-                               migration=self.migrations, accepts=self.accepts)
+            await parts.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
+                                   detokenizer=self.detokenizer, on_chunk=self._on_chunk,
+                                   prompt_tokens=self.plan.prompt_tokens, lease=lease, migration=self.migrations,
+                                   accepts=self.accepts)
         finally:
             if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
-                await c.releaser.release_unpulled(lease, full, decode_worker)
-        if state.first_token_at is not None and streamed_before == 0:
+                await parts.releaser.release_unpulled(lease, full, decode_worker)
+
+    def _observe_stages(self) -> None:
+        """The stage durations of a request that ended well (a migrated one included)."""
+        by_stage, state = self.parts.metrics.by_stage, self.state
+        if self.plan.path != "disaggregated":
+            by_stage["decode"].observe(trio.current_time() - self.started)
+        elif self._handoff is not None and state.first_token_at is not None:
+            prefill_done, lease = self._handoff
             # PrefillReady -> the decode leg's first token: the KV transfer and the decode's first step
             tracing.span_between("kv_handoff", prefill_done, state.first_token_at, kv_session=lease.session.session_id,
                                  prefill_worker=lease.prefill_worker.address)
-            c.metrics.by_stage["kv_handoff"].observe(state.first_token_at - prefill_done)
-            c.metrics.by_stage["decode"].observe(trio.current_time() - state.first_token_at)
+            by_stage["kv_handoff"].observe(state.first_token_at - prefill_done)
+            by_stage["decode"].observe(trio.current_time() - state.first_token_at)
 
-    async def migrate(self, error: EngineError, failed_worker) -> None:
-        """Continue the request elsewhere after `failed_worker` failed mid-stream (or let `error` stand)."""
-        c, plan = self.c, self.plan
+    async def _migration(self, error: EngineError, failed_worker: Worker
+                         ) -> tuple[g.GenerateRequest, tuple[Worker, ...]] | None:
+        """After `failed_worker` failed mid-stream: the continuation leg and the workers to run it on, or None
+        when the answer is whole and was finished here. Raises `error` when the request cannot go on."""
+        parts, plan, state = self.parts, self.plan, self.state
         if isinstance(error, StreamStalled):
             raise error  # we read too slowly; another worker would be read just as slowly
         stopping = plan.full.stopping
-        if stopping.HasField("max_tokens") and len(self.state.token_ids) >= stopping.max_tokens:
+        if stopping.HasField("max_tokens") and len(state.token_ids) >= stopping.max_tokens:
             # It failed after the last token, before its finish: the answer is whole (a continuation would
             # have to ask for one token more than the client's max_tokens).
             log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
                         failed_worker.address, error.code_name)
-            cached = self.state.settle_cached(plan.prompt_tokens, self.state.cached_tokens)
-            await self.sink.finish("length", plan.prompt_tokens, self.state.completion_tokens, cached_tokens=cached)
-            return
-        if self.migrations >= c.config.limits.migration_limit:
+            cached = state.settle_cached(plan.prompt_tokens, state.cached_tokens)
+            await self.sink.finish("length", plan.prompt_tokens, state.completion_tokens, cached_tokens=cached)
+            return None
+        if self.migrations >= parts.migration_limit:
             raise error
         self.failed.append(failed_worker)
+        workers: tuple[Worker, ...]
         try:
             if plan.path == "disaggregated":
-                decode_worker = c.pool.pick("decode", exclude=tuple(self.failed), accepts=self.accepts)
-                prefill_worker = c.pool.pick("prefill", accepts=self.accepts)
+                decode_worker = parts.pool.pick("decode", exclude=tuple(self.failed), accepts=self.accepts)
+                workers = (parts.pool.pick("prefill", accepts=self.accepts), decode_worker)
             else:
-                decode_worker = c.pool.pick(failed_worker.role, exclude=tuple(self.failed), accepts=self.accepts)
+                decode_worker = parts.pool.pick(failed_worker.role, exclude=tuple(self.failed), accepts=self.accepts)
+                workers = (decode_worker,)
         except NoWorkerAvailable:
             raise error from None
         self.migrations += 1
-        c.metrics.migrations.labels(plan.path).inc()
-        generated = list(self.state.token_ids)
+        parts.metrics.migrations.labels(plan.path).inc()
+        generated = list(state.token_ids)
         log.warning("request %s: %s failed after %d tokens (%s); continuing on %s", plan.request_id,
                     failed_worker.address, len(generated), error.code_name, decode_worker.address)
-        self.state.resent_tokens = len(generated)
-        leg = continuation_leg(plan.full, generated, self.migrations)
-        if plan.path == "disaggregated":
-            await self._split(leg, prefill_worker, decode_worker)
-        else:
-            await self._whole(decode_worker, leg)
+        state.resent_tokens = len(generated)
+        return continuation_leg(plan.full, generated, self.migrations), workers
 
 
 def _serves(api, worker) -> bool:

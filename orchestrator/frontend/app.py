@@ -35,10 +35,10 @@ from orchestrator.flow.coordinator import Coordinator
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
-from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.workers.pool import WorkerPool
@@ -189,8 +189,9 @@ class App:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set("orchestrator.request_id", request_id)
-        extensions = scope.get("extensions") or {}
-        response = _Response(send, [(b"x-request-id", request_id.encode())], extensions.get(SEND_NOW))
+        server = ServerExtensions.of(scope)  # None under another ASGI server
+        response = _Response(send, [(b"x-request-id", request_id.encode())],
+                             server.send_now if server is not None else None)
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
@@ -198,7 +199,7 @@ class App:
         self._cuttable.add(cut)
         try:
             with cut:
-                outcome = await self._serve_completion(kind, scope, request_id, response, receive, account)
+                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account)
             if cut.cancelled_caught:
                 outcome = "error"
                 await response.error(ApiError(503, "the server shut down before this request finished; retry it",
@@ -210,16 +211,15 @@ class App:
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
-    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: _Response,
-                                receive: Receive, account: KeyAccount | None) -> str:
+    async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions | None, request_id: str,
+                                response: _Response, receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
-        extensions = scope.get("extensions") or {}
         admitted = False
         try:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            api = await self._parse(kind, scope, receive)
+            api = await self._parse(kind, scope, server, receive)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
@@ -227,7 +227,7 @@ class App:
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
-            on_disconnect = extensions.get(ON_DISCONNECT)
+            on_disconnect = server.on_disconnect if server is not None else None
             return await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
@@ -239,8 +239,7 @@ class App:
                                                     f"{self.config.http.body_timeout_s:g} s",
                                                code="request_timeout"), request_id, response)
         except ClientGone:
-            bad_body = extensions.get(BAD_BODY)
-            why = bad_body() if bad_body is not None else None
+            why = server.bad_body() if server is not None else None
             if why is None:
                 return "disconnected"
             return await self._refuse(ApiError(400, f"the request body is malformed: {why}", code="bad_request"),
@@ -261,7 +260,7 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, receive: Receive):
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions | None, receive: Receive):
         """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
         it announces more than limits.max_request_bytes."""
         if self.draining:
@@ -270,7 +269,7 @@ class App:
         announced = _header(scope, b"content-length")
         if announced is not None and announced.isdigit() and int(announced) > limit:
             raise _too_large(limit)
-        if (scope.get("extensions") or {}).get(BODY_ARRIVED):  # the native server has all of it: nothing to wait
+        if server is not None and server.body_arrived:  # our server has all of it: nothing to wait for
             body = await read_json(receive, limit, on_size=self._body_read)
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
@@ -332,9 +331,12 @@ async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> Non
     gone()
 
 
-# ---- output sinks ------------------------------------------------------------------------------
+# ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------
 
 class _StreamingSink:
+    """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
+    reader task (direct delivery: decode/direct.py has the contract)."""
+
     def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
@@ -352,8 +354,8 @@ class _StreamingSink:
         return self.response.can_send_now
 
     def deltas_now(self, items) -> bool:
-        """The same events written at once, from the task that calls this (decode/output.py's DirectTokens);
-        False when part of them waits for `flush()`."""
+        """The same events written at once, from the task that calls this (the reader task, in a direct
+        delivery); False when part of them waits for `flush()`."""
         return self.response.chunk_now(self._events(items))
 
     async def flush(self) -> None:
@@ -387,7 +389,10 @@ class _StreamingSink:
 
 
 class _CollectingSink:
+    """A whole response, sent once the request is done: written only from the request's task."""
+
     per_token = False  # one response at the end: no reason to split batches
+    can_write_now = False  # nothing to write before the end: no direct delivery
 
     def __init__(self, kind: str, api, token_text):
         self.kind, self.api, self.token_text = kind, api, token_text
@@ -401,9 +406,16 @@ class _CollectingSink:
         self.parts.append(text)
         self.logprobs.extend(logprobs)
 
-    async def deltas(self, items) -> None:  # (only per-token sinks are given several; here for the protocol)
-        for text, token_ids, logprobs in items:
-            await self.delta(text, token_ids, logprobs)
+    async def deltas(self, items) -> None:
+        for text, _, logprobs in items:
+            self.parts.append(text)
+            self.logprobs.extend(logprobs)
+
+    def deltas_now(self, items) -> bool:
+        raise RuntimeError("a collected response is written from its request's task only")
+
+    async def flush(self) -> None:
+        pass  # nothing is written before the end
 
     def ending(self) -> None:
         pass
@@ -430,7 +442,7 @@ class _Response:
 
     def __init__(self, send: Send, headers: list, send_now: Callable[[bytes], bool] | None = None):
         self.send = send
-        self.send_now = send_now  # the native server's SEND_NOW extension, if there is one
+        self.send_now = send_now  # our server's ServerExtensions.send_now, if there is one
         self.headers = headers
         self.streaming = False
         self.done = False

@@ -8,7 +8,7 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
   (checked every min(1 s, a quarter of it): a connection goes within that much after the limit);
   pipelined requests are answered in order; `Expect: 100-continue` is honoured.
 - a request head of at most `http.max_header_bytes` (else 431); a malformed request gets 400, also when
-  only its chunked body is malformed (the `BAD_BODY` extension tells the application why its body ended).
+  only its chunked body is malformed (the `bad_body` extension tells the application why its body ended).
 - a connection closed while the client may still be sending (a refused head, a body left unread) is
   half-closed first and what still arrives is read and dropped for up to `_LINGER_S` (RFC 9112 9.6):
   closing with unread bytes makes the kernel reset the connection, and a client still writing its request
@@ -19,15 +19,9 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
 - a response head goes out with the first body bytes, in one write; a body without content-length is
   chunked, its last chunk and terminator in one write.
 - disconnect detection: one reader task per connection; when the client closes, the application's
-  `receive()` returns `http.disconnect`. An application can instead hand a callback to the scope's
-  `ON_DISCONNECT` extension: the reader calls it when the client goes, so no task of its own has to
-  wait in `receive()` (the orchestrator's request nursery is cancelled that way, without a watcher task).
-  The `BODY_ARRIVED` extension says whether the whole body was read before the application was called:
-  then `receive()` returns it without waiting, and the application needs no timer against a slow body.
-  The `SEND_NOW` extension (plain sockets only) writes a body chunk of a response already started, at once
-  and from whatever task calls it, while the application's own task waits elsewhere: a token arriving in
-  the engine connection's reader task goes out from there, without waking the request's task. What the
-  socket does not take waits for the application's next `send` (an empty body will do), which it awaits.
+  `receive()` returns `http.disconnect`, and the callback the application gave `on_disconnect` is called.
+- beyond ASGI, every scope carries a `ServerExtensions` (frontend/server_extensions.py, the whole contract
+  with the application): `body_arrived`, `on_disconnect`, `bad_body` and, on plain sockets, `send_now`.
 - graceful drain: on shutdown, stop accepting, close idle connections, let in-flight requests finish
   for `grace_s`, then cancel them.
 - TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
@@ -51,6 +45,7 @@ import httptools
 import trio
 
 from orchestrator.frontend import http_wire as wire
+from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog
 from orchestrator.transport.eager_receive import EagerReceiver
 from orchestrator.transport.eager_send import EagerSender
@@ -61,10 +56,6 @@ Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Aw
 _READ_SIZE = 64 * 1024
 _BODY_BUFFER = 1 << 20  # request body bytes read ahead of the application before reading pauses
 _PIPELINE_DEPTH = 8  # requests parsed ahead of the one being answered before reading pauses
-ON_DISCONNECT = "orchestrator.on_disconnect"  # scope["extensions"] key: register a callback for the client going
-BODY_ARRIVED = "orchestrator.body_arrived"  # scope["extensions"] key: True when receive() has the whole body
-SEND_NOW = "orchestrator.send_now"  # scope["extensions"] key: write a chunk of a started response from any task
-BAD_BODY = "orchestrator.bad_body"  # scope["extensions"] key: why the body ended early (malformed), or None
 _LINGER_S = 2.0  # how long a closing connection reads and drops what the client still sends
 # accept() failing for want of descriptors or memory (trio's serve_listeners has the same list): pause, retry
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -448,14 +439,11 @@ class _Connection:
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                  "http_version": request.http_version, "method": request.method, "scheme": self.server.scheme,
                  "path": path, "raw_path": raw_path, "query_string": query, "root_path": "",
-                 "headers": request.headers, "client": self.peer, "server": self.local,
-                 "extensions": {}}
+                 "headers": request.headers, "client": self.peer, "server": self.local}
         exchange = _Exchange(self, request)
-        scope["extensions"][ON_DISCONNECT] = exchange.call_on_disconnect
-        scope["extensions"][BODY_ARRIVED] = request.complete  # reading it cannot wait (no slowloris timer needed)
-        scope["extensions"][BAD_BODY] = exchange.body_error
-        if self.sender.eager:
-            scope["extensions"][SEND_NOW] = exchange.send_now
+        ServerExtensions(body_arrived=request.complete, on_disconnect=exchange.call_on_disconnect,
+                         bad_body=exchange.body_error,
+                         send_now=exchange.send_now if self.sender.eager else None).put_in(scope)
         self.answering = exchange
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
@@ -523,7 +511,7 @@ class _Exchange:
         self.on_gone: Callable[[], None] | None = None
 
     def body_error(self) -> str | None:
-        """BAD_BODY: why this request's body ended before it was whole (its framing is malformed: a bad chunk
+        """`bad_body`: why this request's body ended before it was whole (its framing is malformed: a bad chunk
         size, say), or None. receive() reports such an end as a disconnect, as ASGI has no other word for it."""
         bad = self.connection.bad_request  # the parser reads in order: an unfinished body is the last thing parsed
         return None if bad is None or self.request.complete else bad[1]
@@ -583,10 +571,10 @@ class _Exchange:
         await self.connection.write(data)
 
     def send_now(self, body: bytes) -> bool:
-        """SEND_NOW: `http.response.body` with more to come, written at once by the calling task; False when
+        """`send_now`: `http.response.body` with more to come, written at once by the calling task; False when
         part of it waits for the next `send` (which the application then awaits)."""
         if not self.started or self.finished:
-            raise RuntimeError("SEND_NOW is for the body of a response that is started and not finished")
+            raise RuntimeError("send_now is for the body of a response that is started and not finished")
         return self.connection.write_now(self._frame(body, True))
 
     def _frame(self, body: bytes, more: bool) -> bytes:

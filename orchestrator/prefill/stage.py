@@ -1,7 +1,7 @@
 """The prefill stage: run the context-only leg; return a KV lease for the decode stage, or the whole answer.
 
 A retryable failure before the session exists moves the leg to another prefill worker
-(orchestrator.flow.retry). Cancellation while the prefill runs (a client disconnect, the deadline,
+(orchestrator.workers.retry). Cancellation while the prefill runs (a client disconnect, the deadline,
 shutdown) aborts it by request id and waits, shielded and bounded, for how it ended: a prefill that
 finished anyway left a session, which is released at once so no KV blocks are stranded.
 """
@@ -17,11 +17,11 @@ from orchestrator import tracing
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import Event
-from orchestrator.flow.retry import with_retries
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
+from orchestrator.workers.retry import with_retries
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PrefillStage:
 
     async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None, *,
                   migration: int = 0, accepts=None) -> PrefillResult:
-        """`accepts(worker)`: whether a retry may go there (orchestrator.flow.retry)."""
+        """`accepts(worker)`: whether a retry may go there (orchestrator.workers.retry)."""
         leg = context_only_leg(full)
         attempts = 0
 

@@ -1,0 +1,104 @@
+"""Engine tokens -> client deltas: the sink they go to, what was streamed so far, and how tokens become deltas.
+
+`OutputSink` is the one interface the decode stage writes a response through; the frontend implements it
+(frontend/app.py: an SSE stream, or a response collected whole), every sink all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+
+from orchestrator.engine import Finished
+from orchestrator.engine.events import TokenLogprob
+from orchestrator.tokenizer import IncrementalDetokenizer
+
+Delta = tuple[str, Sequence[int], Sequence[TokenLogprob]]  # text, its token ids, their logprobs
+
+
+class OutputSink(Protocol):
+    """Where one request's output goes. Called from the request's own task, except `can_write_now` and
+    `deltas_now`, which direct delivery calls from the engine connection's reader task (decode/direct.py)."""
+
+    per_token: bool  # one delta per token (given together to `deltas`), or one per batch of arrived tokens
+
+    async def delta(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
+        """One delta: its text (possibly empty when only logprobs are new), token ids and logprobs."""
+
+    async def deltas(self, items: Sequence[Delta]) -> None:
+        """The per-token deltas of one batch: a sink may send them in one write (they arrived together)."""
+
+    def ending(self) -> None:
+        """The engine has finished: what is delivered from now on may be written together with the finish."""
+
+    async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
+                     cached_tokens: int | None = None) -> None:
+        """The last call. `cached_tokens`: of the prompt, how many the engine found cached (None: it did not
+        say)."""
+
+    @property
+    def can_write_now(self) -> bool:
+        """Whether `deltas_now` may be called at this moment (a sink that never can says False)."""
+
+    def deltas_now(self, items: Sequence[Delta]) -> bool:
+        """`deltas`, written at once by the calling task, without awaiting; False when part of them waits
+        for `flush()`. Called only while `can_write_now` is true."""
+
+    async def flush(self) -> None:
+        """Wait until what `deltas_now` could not write has been written (a slow client: backpressure)."""
+
+
+@attrs.define
+class StreamState:
+    """What the coordinator needs to know about a generation stream, also after a cancellation."""
+
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    token_ids: list[int] = attrs.Factory(list)  # what was streamed, for a continuation elsewhere (migration)
+    resent_tokens: int = 0  # of those, how many a continuation sent back as prompt (not the client's prompt)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # the engine's usage.cached_prompt_tokens (a decode leg's: see the stage)
+    finished: Finished | None = None
+    stopped_on: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.finished is not None or self.stopped_on is not None
+
+    def settle_cached(self, prompt_tokens: int, reported: int | None) -> int | None:
+        """Record what the client is told of cached prompt tokens: `reported`, never more than the prompt."""
+        self.cached_tokens = None if reported is None else min(reported, prompt_tokens)
+        return self.cached_tokens
+
+
+def count_tokens(ids: Sequence[int], state: StreamState, on_chunk: Callable[[int], None] | None) -> None:
+    """Tokens about to go to the client: counted, kept for a continuation, reported to the metrics."""
+    state.completion_tokens += len(ids)
+    state.token_ids.extend(ids)
+    if on_chunk is not None:
+        on_chunk(len(ids))
+
+
+def token_deltas(ids: Sequence[int], logprobs: Sequence[TokenLogprob], per_token: bool,
+                 detokenizer: IncrementalDetokenizer) -> list[Delta]:
+    """The deltas of tokens that arrived together: one for all of them, or with `per_token` one per token
+    (what token-counting clients such as aiperf expect of a stream).
+
+    A token whose bytes do not complete a character yet gives no text; its text goes out with the
+    next token's delta. Tokens after a matched stop string are not delivered.
+    """
+    if not per_token or len(ids) == 1:
+        text = detokenizer.add(ids)
+        return [(text, ids, logprobs)] if text or logprobs else []
+    aligned = len(logprobs) == len(ids)
+    items: list[Delta] = []
+    for index, token in enumerate(ids):
+        text = detokenizer.add((token,))
+        token_logprobs = logprobs[index:index + 1] if aligned else (logprobs if index == 0 else ())
+        if text or token_logprobs:
+            items.append((text, (token,), token_logprobs))
+        if detokenizer.stopped_on is not None:
+            break
+    return items
