@@ -28,7 +28,7 @@ class TrioInbox:
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._reader: trio.lowlevel.Task | None = None
+        self._reader = trio.lowlevel.ParkingLot()  # the reader, while it waits in get_batch
         self._closed = False
         self._error: BaseException | None = None
         self.direct: Callable[[list], list | None] | None = None  # the reader's direct handler, if any
@@ -39,7 +39,7 @@ class TrioInbox:
 
     def hand_over(self) -> None:
         """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
-        if self._reader is not None and self.direct is not None:
+        if self._reader and self.direct is not None:
             batch = list(self._items)
             self._items.clear()
             rest = self.direct(batch)
@@ -49,9 +49,7 @@ class TrioInbox:
         self._wake_reader()
 
     def _wake_reader(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            trio.lowlevel.reschedule(reader)
+        self._reader.unpark_all()
 
     async def get_batch(self) -> list[Any]:
         """Everything queued so far (at least one item); [] once closed and drained.
@@ -65,8 +63,7 @@ class TrioInbox:
             await trio.lowlevel.checkpoint()
         else:
             while not items and not self._closed:
-                self._reader = trio.lowlevel.current_task()
-                await trio.lowlevel.wait_task_rescheduled(self._abort)
+                await self._reader.park()
         batch = list(items)
         items.clear()
         if batch:
@@ -79,7 +76,3 @@ class TrioInbox:
 
     def _taken(self) -> None:
         """The reader took what was queued (H2Stream gives the worker its flow-control credit back here)."""
-
-    def _abort(self, _: Any) -> trio.lowlevel.Abort:
-        self._reader = None
-        return trio.lowlevel.Abort.SUCCEEDED
