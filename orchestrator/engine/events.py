@@ -2,7 +2,7 @@
 
 One small frozen class per event kind, so the coordinator matches on types instead of poking at
 protobuf oneofs. Decoding is on the hot path of every token: it does no more than it must, and
-`decode_bytes` reads a plain token message's ids from its bytes (engine/token_wire.py) without a protobuf
+`decode_bytes` reads a plain token message's ids from its bytes (engine/token_message.py) without a protobuf
 parse.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from orchestrator.engine.errors import EngineError, from_engine_error
-from orchestrator.engine.token_wire import token_ids
+from orchestrator.engine.token_message import token_ids
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason

@@ -37,6 +37,11 @@ class TrioInbox:
     def closed(self) -> bool:
         return self._closed
 
+    def deliver_directly(self, handler: Callable[[list], list | None] | None) -> bool:
+        """Give what arrives to `handler` while the reader waits (None: wake the reader again); True."""
+        self.direct = handler
+        return True
+
     def hand_over(self) -> None:
         """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
         if self._reader and self.direct is not None:

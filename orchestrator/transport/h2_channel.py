@@ -29,7 +29,7 @@ stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-H
 - leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
   the server sees as a cancelled RPC; a stream whose caller read its terminal event (`let_end`) is left
   to end with its trailers instead (engine/client.py says why), and reset only if it lingers past
-  STATUS_GRACE_S;
+  calls.STATUS_GRACE_S;
 - a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams the
   server will not process, naming its code and debug data, and new streams, and those waiting for a slot on
   that connection, go to a new one;
@@ -61,7 +61,7 @@ import trio
 
 from orchestrator.transport.eager_receive import EagerReceiver
 from orchestrator.transport.eager_send import EagerSender
-from orchestrator.transport import http2
+from orchestrator.transport import calls, http2
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
@@ -74,9 +74,6 @@ log = logging.getLogger("orchestrator.engine")
 STREAM_RECEIVE_WINDOW = 1024 * 1024
 CONNECTION_RECEIVE_WINDOW = 16 * 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a response message above this fails its call, as grpcio's limit does
-# A stream whose caller read its terminal event is left to end with its status; one still open after this long
-# is reset (client.py's grpcio path cancels such a call after the same time).
-STATUS_GRACE_S = 30.0
 _FRESH_CONNECTION_TRIES = 3  # a call that never started on a connection that went away tries a new one
 _READ_SIZE = 256 * 1024
 _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
@@ -95,7 +92,7 @@ class H2Stream(TrioInbox):
         self.decode = decode
         self.let_end = False  # the caller is done and the call is over but for its status: do not reset it
         self.unread = 0  # DATA bytes behind messages still queued for the reader: their credit waits for it
-        self._connection: _Connection | None = None
+        self._connection: WorkerConnection | None = None
         self._buffer = bytearray()
         self._status: int | None = None
         self._message = ""
@@ -152,7 +149,7 @@ class H2Channel:
         self._nursery = nursery
         self._ssl_context = ssl_context
         self._server_name = server_name or self.host
-        self._connection: _Connection | None = None
+        self._connection: WorkerConnection | None = None
         self._connecting = trio.Lock()
         self._closed = False
         self._header_blocks: dict[tuple[str, str], bytes] = {}
@@ -168,7 +165,7 @@ class H2Channel:
                 (b"te", b"trailers"), (b"grpc-accept-encoding", b"identity"), (b"user-agent", b"orchestrator-h2")])
         return block
 
-    async def _current(self, rpc: str) -> "_Connection":
+    async def _current(self, rpc: str) -> "WorkerConnection":
         connection = self._connection
         if connection is not None and connection.usable and not self._closed:
             return connection  # the usual case, without the lock's checkpoint (a pass through the scheduler)
@@ -179,7 +176,7 @@ class H2Channel:
                 self._connection = await self._connect(rpc)
             return self._connection
 
-    async def _connect(self, rpc: str) -> "_Connection":
+    async def _connect(self, rpc: str) -> "WorkerConnection":
         try:
             transport: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
             if self._ssl_context is not None:
@@ -192,7 +189,7 @@ class H2Channel:
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             raise unavailable(f"cannot connect to {self.authority}: {_why_not_connected(exc)}", worker=self.worker,
                               rpc=rpc) from exc
-        connection = _Connection(transport, self, "https" if self._ssl_context else "http")
+        connection = WorkerConnection(transport, self, "https" if self._ssl_context else "http")
         await self._nursery.start(connection.run)
         return connection
 
@@ -245,6 +242,10 @@ class H2Channel:
         if self._connection is not None:
             self._connection.close()
 
+    async def aclose(self) -> None:
+        """WorkerChannel's close: nothing to wait for (the connection's tasks end in their nursery)."""
+        self.close()
+
     def fail_if_silent(self, quiet_s: float, why: str) -> int:
         """Drop the connection and fail its calls as WorkerUnavailable (retryable: they retry or migrate
         elsewhere) when it has calls open and nothing arrived on it for `quiet_s` seconds; how many calls.
@@ -262,7 +263,7 @@ class H2Channel:
         return calls
 
 
-class _Connection:
+class WorkerConnection:
     """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
 
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
@@ -271,7 +272,7 @@ class _Connection:
         self.receiver = EagerReceiver(transport)
         self.channel = channel
         self.scheme = scheme
-        self.wire = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
+        self.framing = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
                                            connection_window=CONNECTION_RECEIVE_WINDOW)
         self.streams: dict[int, H2Stream] = {}
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
@@ -295,7 +296,7 @@ class _Connection:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
         self.last_arrival = trio.current_time()
-        self.wire.initiate()
+        self.framing.initiate()
         self._dirty.set()
         try:
             with self._scope:
@@ -316,7 +317,7 @@ class _Connection:
         """Best effort: the GOAWAY naming the worker's protocol error, before we hang up."""
         with trio.move_on_after(0.2):
             try:
-                await self.transport.send_all(self.wire.data_to_send())
+                await self.transport.send_all(self.framing.data_to_send())
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
                     ssl.SSLError):
                 pass
@@ -346,7 +347,7 @@ class _Connection:
                 raise trio.BrokenResourceError("the worker closed the connection")
             self.last_arrival = trio.current_time()
             try:
-                self.wire.receive(data)
+                self.framing.receive(data)
             finally:
                 self._hand_over()
                 self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
@@ -354,14 +355,14 @@ class _Connection:
     async def _keepalive(self) -> None:
         """PINGs by the keepalive policy while streams are open, and the sweep of streams left lingering."""
         policy = self.channel.keepalive
-        next_sweep = trio.current_time() + STATUS_GRACE_S
+        next_sweep = trio.current_time() + calls.STATUS_GRACE_S
         while True:
             ping_at = self._ping_due() if self.streams else trio.current_time() + policy.interval_s
             await trio.sleep_until(min(ping_at, next_sweep))
             now = trio.current_time()
             if now >= next_sweep:
                 self._reset_lingering()
-                next_sweep = now + STATUS_GRACE_S
+                next_sweep = now + calls.STATUS_GRACE_S
             if self.streams and now >= self._ping_due():  # (anything heard meanwhile moved it later)
                 await self._ping(policy.timeout_s)
 
@@ -376,7 +377,7 @@ class _Connection:
         self._last_ping = trio.current_time()
         self._ping_payload = self.pings_sent.to_bytes(8, "big")
         self._ping_answered = trio.Event()
-        self.wire.ping(self._ping_payload)
+        self.framing.ping(self._ping_payload)
         self._kick()
         with trio.move_on_after(timeout):
             await self._ping_answered.wait()
@@ -384,29 +385,29 @@ class _Connection:
         raise trio.BrokenResourceError(f"no answer to a keepalive ping within {timeout:g} s")
 
     def _kick(self) -> None:
-        if self.wire.wants_to_send:
+        if self.framing.wants_to_send:
             self._dirty.set()
 
     def _flush(self) -> None:
         """Send what the wire has from the calling task when the socket takes it at once (no pass through the
         writer task); the rest, if any, goes back first in line for the writer."""
-        if not self.wire.wants_to_send or self.sender.busy or self._dirty.is_set():
+        if not self.framing.wants_to_send or self.sender.busy or self._dirty.is_set():
             self._kick()
             return
         try:
-            rest = self.sender.send_nowait(self.wire.data_to_send())
+            rest = self.sender.send_nowait(self.framing.data_to_send())
         except trio.BrokenResourceError as exc:
             self._fail(exc)
             return
         if rest:
-            self.wire.put_back(rest)
+            self.framing.put_back(rest)
             self._dirty.set()
 
     async def _write(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = self.wire.data_to_send()
+            data = self.framing.data_to_send()
             if data:
                 await self.sender.send_all(data)
 
@@ -414,18 +415,18 @@ class _Connection:
     async def start(self, stream: H2Stream, path: str, extra_headers: bytes = b"") -> bool:
         """Open `stream` once a slot is free; False when the connection went away first (the call never started
         here: the channel takes it to a fresh connection)."""
-        while self.usable and not self.wire.can_open:
+        while self.usable and not self.framing.can_open:
             await self._slot_freed.wait()
-        if not self.usable or self.wire.going_away:
+        if not self.usable or self.framing.going_away:
             self.usable = False
             return False
         if not self.streams:  # an idle connection: its silence so far says nothing about this call
             self.last_arrival = trio.current_time()
         stream._connection = self
-        stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
+        stream.id = self.framing.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
                                           stream._outbound)
         self.streams[stream.id] = stream
-        if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
+        if self.framing.going_away:  # stream ids ran out: this one is the last on this connection
             self.usable = False
         self._flush()
         return True
@@ -449,7 +450,7 @@ class _Connection:
         own after each read."""
         count, stream.unread = stream.unread, 0
         if stream.id in self.streams:
-            self.wire.consumed(stream.id, count)
+            self.framing.consumed(stream.id, count)
             if flush:
                 self._flush()
 
@@ -469,7 +470,7 @@ class _Connection:
 
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:
-            self.wire.reset(stream.id, http2.CANCEL)
+            self.framing.reset(stream.id, http2.CANCEL)
             self._flush()
 
     def close(self) -> None:
