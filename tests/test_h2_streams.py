@@ -1,4 +1,4 @@
-"""Generate over our own HTTP/2 client (engine/h2_streams.py): the wire rules it keeps, and the same
+"""Generate over our own HTTP/2 client (transport/h2_channel.py): the wire rules it keeps, and the same
 behaviour as grpcio against real simulated workers (tests/test_engine_client.py runs on both too)."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads
 
 
 async def test_the_messages_of_one_read_reach_a_waiting_reader_together_through_its_direct_handler():
-    """engine/inbox.py: while the reader waits, what one read brought for its stream is handed to its direct
+    """transport/inbox.py: while the reader waits, what one read brought for its stream is handed to its direct
     handler in the connection's task; the reader wakes only for what the handler leaves it."""
     connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
     one, two, three = (g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=i)])) for i in (1, 2, 3))

@@ -1,4 +1,4 @@
-"""Conformance of the worker transport (engine/h2_streams.py over engine/http2.py) to RFC 9113 and gRPC over
+"""Conformance of the worker transport (transport/h2_channel.py over transport/http2.py) to RFC 9113 and gRPC over
 HTTP/2, call by call: what a broken worker (or a proxy in front of one) can send, against h2's server side
 (tests/h2_scripted_server.py), and what a stock grpc.aio server with production-like options does
 (tests/grpc_servers.py: its default ping policy, max_concurrent_streams, max_connection_age, compression),

@@ -1,4 +1,4 @@
-"""The token ids of a Generate token message, read straight from its protobuf wire bytes. Pure, no I/O.
+"""The token ids of a Generate token message, read straight from its serialized protobuf bytes. Pure, no I/O.
 
 Nearly every message of a stream is one token event, and a full protobuf parse plus the field accesses
 to reach its ids cost about twice as much as reading them here. Only the shape the workers send is read:

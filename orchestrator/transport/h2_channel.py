@@ -1,10 +1,11 @@
-"""gRPC calls over our own HTTP/2 connection on trio (framing: engine/http2.py): Generate streams and the
-unary control calls (Health, GetLoad, ServerInfo, ModelInfo, Abort).
+"""H2Channel: a worker's gRPC calls over our own HTTP/2 connection on trio (framing: transport/http2.py), the
+default WorkerChannel (transport/calls.py): Generate streams and the unary control calls (Health, GetLoad,
+ServerInfo, ModelInfo, Abort).
 
 Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
 asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
 (benchmarks/cpu_cost.py prints the floor), and an idle health poll wakes four threads. Here the bytes
-arrive on trio's own thread: engine/http2.py parses the frames, we cut the gRPC length-prefixed messages
+arrive on trio's own thread: transport/http2.py parses the frames, we cut the gRPC length-prefixed messages
 and decode them.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
@@ -23,7 +24,7 @@ stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-H
 - the status: `grpc-status` / `grpc-message` from the trailers or a trailers-only response, mapped by
   errors.from_grpc_status exactly as for grpcio; without a grpc-status, a `:status` other than 200 maps as
   gRPC maps HTTP statuses (a proxy, or no gRPC server); a `content-type` other than application/grpc*, a
-  grpc-status that is not a number, and every HTTP/2 stream error (engine/http2.py) fail that call INTERNAL
+  grpc-status that is not a number, and every HTTP/2 stream error (transport/http2.py) fail that call INTERNAL
   and only it; a call failed while its stream is open resets it (RST_STREAM CANCEL), so the worker stops
   and the stream slot is free;
 - leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
@@ -34,7 +35,7 @@ stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-H
   server will not process, naming its code and debug data, and new streams, and those waiting for a slot on
   that connection, go to a new one;
 - the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot;
-- keepalive PINGs that respect the server's ping policy (engine/keepalive.py), their ACKs matched to them;
+- keepalive PINGs that respect the server's ping policy (transport/keepalive.py), their ACKs matched to them;
 - a unary call's DEADLINE_EXCEEDED (retryable) when its timeout passes.
 Plaintext (h2c with prior knowledge, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 What it deliberately does not do: compress requests, or ask for compressed responses (inflating costs CPU
@@ -218,6 +219,8 @@ class H2Channel:
         try:
             yield stream
         finally:
+            # Synchronous on purpose: a cancelled caller cannot await here, and its RST_STREAM must still go out
+            # (finish queues it and sends what the socket takes at once; the writer task sends the rest).
             connection.finish(stream)
 
     async def unary(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
@@ -264,7 +267,7 @@ class H2Channel:
 
 
 class WorkerConnection:
-    """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
+    """One HTTP/2 connection (transport/http2.py does the framing): a reader, a writer and a keepalive task."""
 
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
         self.transport = transport
@@ -278,14 +281,14 @@ class WorkerConnection:
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
         self.goaway = ""  # the worker's GOAWAY, named for the errors of the calls it ends ("GOAWAY CODE: debug")
         self.pings_sent = 0
-        self._dirty = trio.Event()  # set when the wire has bytes to send
+        self._dirty = trio.Event()  # set when the framing has bytes to send
         self._slot_freed = trio.Event()
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
         self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last sweep
         self._arrived: list[H2Stream] = []  # streams given messages by the read being processed
         self._scope = trio.CancelScope()
         # When bytes last came from the worker, or run() began: the keepalive pings only after this much quiet
-        # (engine/keepalive.py), and H2Channel.fail_if_silent fails the calls of a worker silent for long.
+        # (transport/keepalive.py), and H2Channel.fail_if_silent fails the calls of a worker silent for long.
         self.last_arrival = 0.0
         self._last_ping = 0.0  # the PING awaiting its ACK, and how many went since the last HEADERS or DATA
         self._pings_since_data = 0
@@ -389,8 +392,10 @@ class WorkerConnection:
             self._dirty.set()
 
     def _flush(self) -> None:
-        """Send what the wire has from the calling task when the socket takes it at once (no pass through the
+        """Send what the framing has from the calling task when the socket takes it at once (no pass through the
         writer task); the rest, if any, goes back first in line for the writer."""
+        # While the writer is in a send (busy) or due to run (dirty), bytes sent from here would cut into or
+        # overtake what it took: frames must leave in the order the framing queued them.
         if not self.framing.wants_to_send or self.sender.busy or self._dirty.is_set():
             self._kick()
             return
@@ -481,7 +486,7 @@ class WorkerConnection:
         if self.streams.pop(stream.id, None) is not None:
             self._on_capacity()
 
-    # ---- what the worker sent (engine/http2.py calls these) --------------------------------------
+    # ---- what the worker sent (transport/http2.py calls these) --------------------------------------
     def _on_capacity(self) -> None:
         self._slot_freed.set()
         self._slot_freed = trio.Event()
@@ -491,7 +496,7 @@ class WorkerConnection:
         self._forget(stream)
 
     def _on_stream_error(self, stream: H2Stream, code: int, why: str) -> None:
-        """The wire reset a stream whose frames broke HTTP/2: that call fails, the others go on."""
+        """The framing reset a stream whose frames broke HTTP/2: that call fails, the others go on."""
         stream._close(self._error(grpc.StatusCode.INTERNAL, stream, f"the worker broke HTTP/2 on this stream: {why}"))
         self._forget(stream)
 
@@ -516,7 +521,7 @@ class WorkerConnection:
             self._ping_answered.set()
 
     def _on_data(self, stream: H2Stream, data: bytes) -> None:
-        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (engine/keepalive.py)
+        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (transport/keepalive.py)
         stream.unread += len(data)
         buffer = stream._buffer
         if not buffer and len(data) >= _HEADER and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5:
@@ -583,7 +588,7 @@ class WorkerConnection:
 
     def _hand_over(self) -> None:
         """Each stream's messages of one read go to its reader together (one wake-up, or one direct delivery:
-        engine/inbox.py)."""
+        transport/inbox.py)."""
         arrived, self._arrived = self._arrived, []
         for stream in arrived:
             try:

@@ -42,7 +42,7 @@ What it deliberately does not do:
 - the SETTINGS acknowledgement timeout (§6.5.3) and rate limits on the peer's PING, SETTINGS or RST_STREAM
   frames (a worker is not an adversary; what it can make us hold is bounded per frame, header block, stream
   window and message).
-The caller (engine/h2_streams.py) owns the socket and the streams' meaning; each stream is an opaque
+The caller (transport/h2_channel.py) owns the socket and the streams' meaning; each stream is an opaque
 handle given to open_stream() and handed back to the callbacks.
 """
 

@@ -24,6 +24,8 @@ import trio
 
 
 class TrioInbox:
+    """A call's responses on their way to the one task that reads them (get_batch)."""
+
     __slots__ = ("_items", "_reader", "_closed", "_error", "direct")
 
     def __init__(self) -> None:
@@ -44,6 +46,8 @@ class TrioInbox:
 
     def hand_over(self) -> None:
         """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
+        # Only while the reader is parked: then it is not handling a batch of its own, so the handler never runs
+        # concurrently with it, and what the handler declines still reaches it in order.
         if self._reader and self.direct is not None:
             batch = list(self._items)
             self._items.clear()
@@ -54,14 +58,15 @@ class TrioInbox:
         self._wake_reader()
 
     def _wake_reader(self) -> None:
-        self._reader.unpark_all()
+        self._reader.unpark_all()  # it leaves the lot at once: a second hand_over before it runs only queues
 
     async def get_batch(self) -> list[Any]:
         """Everything queued so far (at least one item); [] once closed and drained.
 
         Raises the error the stream was closed with, after its items were read. Either it parks
         until woken (that park is the checkpoint), or it finds items at once and yields to the
-        scheduler once, so a fast stream cannot starve other tasks.
+        scheduler once, so a fast stream cannot starve other tasks. Cancelled while parked, it leaves
+        the lot (trio does that) and what arrives meanwhile stays queued for the next call.
         """
         items = self._items
         if items or self._closed:
