@@ -1,4 +1,4 @@
-"""Our HTTP/2 client framing (engine/http2.py), I/O-free: checked against h2's server side, an independent
+"""Our HTTP/2 client framing (transport/http2.py), I/O-free: checked against h2's server side, an independent
 implementation of RFC 9113, and against hand-made frames for what a broken peer can send."""
 
 from __future__ import annotations
@@ -337,8 +337,8 @@ def test_any_sequence_of_well_framed_but_arbitrary_frames_parses_or_raises_proto
 
 
 def test_header_blocks_of_table_references_mean_what_the_table_says_when_they_arrive():
-    """Index-only blocks (the same response headers again) are read against the dynamic table as it is
-    then: after x-b is indexed, the byte that meant x-a means x-b."""
+    """Remembered decodes of index-only blocks (the same response headers again) must not outlive a change
+    of the dynamic table: after x-b is indexed, the byte that meant x-a means x-b."""
     pair = Pair()
     for handle in "abcd":
         pair.client.open_stream(handle, BLOCK, b"x")
@@ -353,6 +353,38 @@ def test_header_blocks_of_table_references_mean_what_the_table_says_when_they_ar
     assert [entry[2] for entry in pair.events.of("headers")] == [
         [(b":status", b"200"), (b"x-a", b"1")], [(b":status", b"200"), (b"x-a", b"1")],
         [(b":status", b"200"), (b"x-b", b"2")], [(b":status", b"200"), (b"x-b", b"2")]]
+
+
+def test_grpc_core_trailers_after_the_first_call_change_no_table():
+    """What grpcio's server sent the second time (captured from a sim worker): grpc-status by index, an
+    empty grpc-message as a literal without indexing."""
+    assert not http2._changes_table(bytes.fromhex("be000c677270632d6d65737361676500"))
+    assert not http2._changes_table(bytes.fromhex("88c0bf"))
+    assert http2._changes_table(bytes.fromhex("400b677270632d7374617475730130000c677270632d6d65737361676500"))
+    assert not http2._changes_table(http2.encode_headers(REQUEST_HEADERS + [(b"x-long", b"v" * 500)]))
+    assert http2._changes_table(b"\x3f\xe1\x1f")  # a table size update
+    assert http2._changes_table(b"\x00\x05ab")  # cut short: cannot be walked
+
+
+header_lists = st.lists(st.tuples(st.sampled_from([b"grpc-status", b"grpc-message", b"x-a", b"content-type", b"x-" + b"n" * 200]),
+                                  st.binary(max_size=150), st.booleans()), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(header_lists, min_size=1, max_size=8), st.sampled_from([256, 4096]))
+def test_a_block_said_to_leave_the_table_alone_does(blocks, table_size):
+    """Soundness of the remembered decodes: whatever hpack's own encoder writes (incremental indexing,
+    never-indexed fields, evictions in a small table), a block that changes the decoder's table is seen
+    as one."""
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    encoder.header_table_size = table_size
+    for headers in blocks:
+        block = encoder.encode([hpack.NeverIndexedHeaderTuple(n, v) if secret else (n, v) for n, v, secret in headers])
+        before = (list(decoder.header_table.dynamic_entries), decoder.header_table.maxsize)
+        decoder.decode(block, raw=True)
+        after = (list(decoder.header_table.dynamic_entries), decoder.header_table.maxsize)
+        if before != after:
+            assert http2._changes_table(block)
 
 
 def test_bytes_that_could_not_be_sent_go_out_first_next_time():

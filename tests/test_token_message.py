@@ -130,6 +130,23 @@ def test_a_worker_message_with_any_byte_changed_is_never_misread(ids, with_text,
     reads_as_protobuf_does(bytes(payload))
 
 
-def test_several_tokens_in_one_message_are_read():
+def test_one_token_events_are_shared_frozen_values_across_requests():
+    first, second = (ev.decode_bytes(token_message([4242], request_id=rid, output_index=0), worker="w")
+                     for rid in ("chatcmpl-1", "chatcmpl-2"))
+    assert first is second and first == ev.Tokens((4242,))
+    with_text = ev.decode_bytes(token_message([4242], output_index=0, text=" x"), worker="w")
+    assert with_text == first  # other bytes for the same token: its own entry, the same value
+
+
+def test_a_full_table_of_shared_events_still_reads_every_message(monkeypatch):
+    monkeypatch.setattr(ev, "_TOKEN_EVENTS", {})
+    monkeypatch.setattr(ev, "_TOKEN_EVENTS_LIMIT", 2)
+    events = [ev.decode_bytes(token_message([i]), worker="w") for i in (1, 2, 3, 3)]
+    assert events == [ev.Tokens((i,)) for i in (1, 2, 3, 3)]
+    assert len(ev._TOKEN_EVENTS) == 2 and events[2] is not events[3]
+
+
+def test_several_tokens_in_one_message_are_read_but_not_kept():
     payload = token_message([7, 8], output_index=0)
     assert ev.decode_bytes(payload, worker="w") == ev.Tokens((7, 8))
+    assert token_message([7, 8], request_id="") not in ev._TOKEN_EVENTS
