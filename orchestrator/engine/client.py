@@ -155,7 +155,7 @@ class EngineClient:
             finally:
                 client._closed = True
                 client._capabilities.close()
-                with trio.CancelScope(shield=True):  # the worker must see our calls cancelled, even when we are
+                with trio.CancelScope(shield=True):  # closes even when we are cancelled: the worker sees its calls end
                     await channel.aclose()
                 nursery.cancel_scope.cancel()
 

@@ -67,7 +67,7 @@ from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_statu
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
 
-log = logging.getLogger("orchestrator.engine")
+log = logging.getLogger("orchestrator.engine")  # the engine client's logger: one name for a worker's troubles
 
 # Receive flow control: each stream may have STREAM_RECEIVE_WINDOW bytes on their way or waiting for its reader,
 # credited back as the reader takes them (a reader that does not read stops its worker there); the connection's
