@@ -38,7 +38,7 @@ from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.processes import OrchestratorServers, SimWorkers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import Direct, ThroughOrchestrator, chat_prompt_ids, run_slots, start_deployment  # noqa: E402
+from overhead import Direct, ThroughOrchestrator, chat_prompt_ids, run_slots, start_deployment
 
 TARGETS = {"aggregated": (1.0, 20.0), "disaggregated": (1.3, 20.0)}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

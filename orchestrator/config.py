@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
-from orchestrator.workers.roles import ROLES  # noqa: F401 - the roles a config names, re-exported
+from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded")
@@ -150,7 +150,7 @@ def _read_pem_files(section, name: str, base_dir: Path, file: str) -> tuple[byte
     """`section`'s ca_file, cert_file and key_file read (None where unset); paths relative to the config."""
     if (section.cert_file is None) != (section.key_file is None):
         raise ConfigError(file, name, "both cert_file and key_file, or neither")
-    out = []
+    out: list[bytes | None] = []
     for key in ("ca_file", "cert_file", "key_file"):
         value = getattr(section, key)
         if value is None:
@@ -161,7 +161,8 @@ def _read_pem_files(section, name: str, base_dir: Path, file: str) -> tuple[byte
             out.append(path.read_bytes())
         except OSError as exc:
             raise ConfigError(file, f"{name}.{key}", f"a readable PEM file ({exc.strerror})", value) from exc
-    return tuple(out)
+    ca, cert, key_pem = out
+    return ca, cert, key_pem
 
 
 @attrs.frozen

@@ -125,14 +125,15 @@ class Launcher:
         self.etcd_url: str | None = None
         self._tmp: str | None = None  # etcd's data, when launch.etcd is enabled
 
-    async def _start(self, nursery: trio.Nursery, child: Child, *, ready_timeout: float) -> Child:
+    async def _start(self, nursery: trio.Nursery, child: Child, *, ready_timeout: float) -> str:
+        """Start `child` and wait for its `ready URL` line; the URL."""
         self.children.append(child)
         await nursery.start(child.run)
         with trio.move_on_after(ready_timeout):
             await child.ready.wait()
         if child.ready_url is None:
             raise LaunchFailed(child.describe_failure())
-        return child
+        return child.ready_url
 
     async def up(self, nursery: trio.Nursery) -> str:
         launch = self.config.launch
@@ -143,11 +144,13 @@ class Launcher:
         overrides: list[str] = []
         etcd_flags: list[str] = []
         ttl_flags: list[str] = []
+        lease_ttl = ""
         if self.config.discovery.etcd is not None:
             etcd = self.config.discovery.etcd
             url = self.etcd_url or etcd.endpoints[0]
             etcd_flags = ["--etcd", url, "--etcd-namespace", etcd.namespace]
-            ttl_flags = ["--etcd-ttl", str(etcd.lease_ttl_s)]
+            lease_ttl = str(etcd.lease_ttl_s)
+            ttl_flags = ["--etcd-ttl", lease_ttl]
         for spec in launch.workers:
             for i in range(spec.count):
                 name = f"{spec.role}-{i}" if spec.sim is None else f"sim-{spec.role}-{i}"
@@ -157,8 +160,7 @@ class Launcher:
                                              "--time-scale", repr(spec.sim.time_scale),
                                              "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
                                              *(ttl_flags if etcd_flags else ()), *spec.sim.args)
-                    child = await self._start(nursery, Child(name, argv, spec.env), ready_timeout=timeout)
-                    address = child.ready_url
+                    address = await self._start(nursery, Child(name, argv, spec.env), ready_timeout=timeout)
                 else:
                     port = free_port()
                     argv = [part.replace("{port}", str(port)) for part in spec.command]
@@ -169,11 +171,10 @@ class Launcher:
                     if spec.register and etcd_flags:
                         await self._start(nursery, Child(f"register-{name}", orchestrator_argv(
                             "register", "--worker", address, "--role", spec.role, *etcd_flags,
-                            "--ttl", str(self.config.discovery.etcd.lease_ttl_s),
+                            "--ttl", lease_ttl,
                             "--model", self.config.model.name)), ready_timeout=timeout)
                 overrides += ["--worker", f"{spec.role}={address}"]
-        child = await self._start(nursery, Child("orchestrator", self.serve_argv(overrides)), ready_timeout=timeout)
-        return child.ready_url
+        return await self._start(nursery, Child("orchestrator", self.serve_argv(overrides)), ready_timeout=timeout)
 
     def serve_argv(self, worker_overrides: list[str]) -> list[str]:
         """`orchestrator serve` for this config, with the launched workers (`--worker ROLE=ADDRESS` pairs)."""

@@ -28,7 +28,7 @@ class UrlPolicy:
     resolve_timeout_s: float = 2.0
 
     @classmethod
-    def from_allowlist(cls, entries) -> "UrlPolicy":
+    def from_allowlist(cls, entries) -> UrlPolicy:
         hosts, networks = set(), []
         for entry in entries:
             try:
@@ -99,7 +99,7 @@ async def check_image_urls(urls: list[tuple[str, str]], policy: UrlPolicy) -> No
             except OSError:
                 answers = []
             for *_, sockaddr in answers:
-                address = ipaddress.ip_address(sockaddr[0].split("%")[0])
+                address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
                 kind = internal_kind(address)
                 if kind is not None and not policy.allows_address(address):
                     raise InvalidRequest(f"{param}: the image host is not allowed: it resolves to a {kind} address "

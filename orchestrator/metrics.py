@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
-from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
-                               ProcessCollector, generate_latest)
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -111,7 +118,7 @@ class Metrics:
         for code in ErrorCode.keys():
             self.engine_errors.labels(code)
 
-    def key_usage(self, name: str) -> "KeyUsage":
+    def key_usage(self, name: str) -> KeyUsage:
         """The series of one API key name, created at 0."""
         return KeyUsage(self.key_requests.labels(name), self.key_prompt_tokens.labels(name),
                         self.key_cached_tokens.labels(name), self.key_completion_tokens.labels(name),
@@ -120,7 +127,7 @@ class Metrics:
     def request_done(self, route: str, outcome: str) -> None:
         self._requests[route, outcome].inc()
 
-    def token_meter(self, path: str) -> "TokenMeter":
+    def token_meter(self, path: str) -> TokenMeter:
         """The token counter and ITL histogram of one stream served by `path`."""
         series = self.by_path[path]
         return TokenMeter(series.output_tokens, series.itl)

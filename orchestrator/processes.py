@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO, cast
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,7 +49,7 @@ class ManagedProcess:
         threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:
-        for raw in self.process.stdout:  # stdout=PIPE above, so never None
+        for raw in cast(IO[bytes], self.process.stdout):  # stdout=PIPE above, so never None
             line = raw.decode(errors="replace").rstrip("\n")
             self.stdout_lines.append(line)
             if self.ready_line is None and line.startswith("ready "):
@@ -59,7 +60,7 @@ class ManagedProcess:
     def wait_ready(self, timeout: float = 60.0) -> str:
         """The URL from the `ready URL` line; raises ProcessFailed with the log tail otherwise."""
         if not self._ready.wait(timeout) or self.ready_line is None:
-            state = "exited with %s" % self.process.poll() if self.process.poll() is not None else "timed out"
+            state = f"exited with {self.process.poll()}" if self.process.poll() is not None else "timed out"
             raise ProcessFailed(f"{self.name} {state} before it was ready:\n{self.tail()}")
         return self.ready_line.split(" ", 1)[1].strip()
 
@@ -217,7 +218,8 @@ class OrchestratorServers:
         self._log_dir = log_dir
         self.started: list[OrchestratorServer] = []
 
-    def start(self, config: str | Path, *flags: str, timeout: float = 60.0, env: dict | None = None) -> OrchestratorServer:
+    def start(self, config: str | Path, *flags: str, timeout: float = 60.0,
+              env: dict | None = None) -> OrchestratorServer:
         name = f"orchestrator-{len(self.started)}"
         process = ManagedProcess(name, python_command("serve", "-c", str(config), "--port", "0", *flags),
                                  log_dir=self._log_dir, env=env)

@@ -11,9 +11,9 @@ import signal
 import sys
 import tempfile
 import urllib.parse
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import attrs
 import trio
@@ -85,7 +85,6 @@ def worker_tls(config: Config):
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
-
         from orchestrator.discovery.registration import EtcdTls
 
         etcd = config.discovery.etcd
@@ -95,27 +94,30 @@ def make_registry(config: Config, loop_thread):
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static
+    if static is None:
+        raise ValueError("the config has neither discovery.etcd nor discovery.static")  # load() refuses that
     return StaticRegistry({"aggregated": static.aggregated, "prefill": static.prefill, "decode": static.decode},
                           model=config.model.name)
 
 
 async def serve(config: Config, *, host: str, port: int, ready_line: bool = True, handle_signals: bool = True,
-                frontend: FrontendProcess = FrontendProcess(), child_argv: Callable[[int, int], list[str]] | None = None,
+                frontend: FrontendProcess = FrontendProcess(),
+                child_argv: Callable[[int, int], list[str]] | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGTERM/SIGINT (when `handle_signals`) or until the caller cancels.
 
     With `frontend.count` > 1 this is one of several frontend processes on the port (see
     orchestrator/frontend/multiprocess.py); frontend 0 starts the others with `child_argv(index, port)`.
     """
-    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator import tracing
     from orchestrator.engine import LoopThread
+    from orchestrator.flow.coordinator import Coordinator
     from orchestrator.frontend import memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
-    from orchestrator.workers.pool import WorkerPool
     from orchestrator.tokenizer import ModelTokenizer
-    from orchestrator import tracing
+    from orchestrator.workers.pool import WorkerPool
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
@@ -205,7 +207,7 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
     from orchestrator.frontend.http_server import serve_http as serve_native
 
     ssl_context = None
-    if http.tls_cert_file:  # HTTPS
+    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
         import ssl
 
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -235,7 +237,7 @@ async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: 
     # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
     hc.keep_alive_timeout = http.keep_alive_s
     hc.h11_max_incomplete_size = http.max_header_bytes
-    if http.tls_cert_file:  # HTTPS
+    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
         hc.certfile = str(config.base_dir / http.tls_cert_file)
         hc.keyfile = str(config.base_dir / http.tls_key_file)
     hc.accesslog = None

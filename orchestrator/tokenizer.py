@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import json
 from codecs import utf_8_decode as _utf8_decode
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jinja2
 from jinja2 import nodes
@@ -63,15 +63,16 @@ class ModelTokenizer:
             self._template.globals = dict(self._template.globals)
         # What every render passes besides the messages, merged with the template's globals once: render()
         # merges its chain of globals into a new dict on every call, half of a short chat's render.
-        self._render_vars = {**self._template.globals, "add_generation_prompt": True,
-                             "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""} if template else {}
-        self.takes_content_parts = bool(template) and _iterates_message_content(env.parse(template))
+        self._render_vars = ({**self._template.globals, "add_generation_prompt": True,
+                              "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+                             if self._template is not None else {})
+        self.takes_content_parts = _iterates_message_content(env.parse(template)) if template else False
         self.token_bytes = _byte_level_token_bytes(tokenizer)
         # each token's text when its bytes are whole characters on their own (most are), else None
         self.token_texts = None if self.token_bytes is None else tuple(_whole_text(raw) for raw in self.token_bytes)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelTokenizer":
+    def from_dir(cls, model_dir: Path) -> ModelTokenizer:
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
@@ -239,7 +240,8 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def _add_bytes(self, ids: Sequence[int]) -> str:
-        table = self._tokenizer.token_bytes  # an id past the vocabulary stands for nothing, as in the library
+        # set whenever token texts are; an id past the vocabulary stands for nothing, as in the library
+        table = self._tokenizer.token_bytes or ()
         raw = self._unfinished + b"".join([table[token] for token in ids if token < len(table)])
         text, used = _utf8_decode(raw, "replace", False)  # stops before an unfinished character
         self._unfinished = raw[used:]

@@ -39,7 +39,7 @@ class _NoSpan:
 
     metadata: tuple[tuple[str, str], ...] = ()  # no trace context for the engine
 
-    def __enter__(self) -> "_NoSpan":
+    def __enter__(self) -> _NoSpan:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -73,7 +73,7 @@ class _Disabled:
 DISABLED = _Disabled()
 
 
-def span(name: str, **attributes) -> "_NoSpan | Span":
+def span(name: str, **attributes) -> _NoSpan | Span:
     """A child of the current span of this request's trace (a context manager); NO_SPAN when not tracing."""
     tracer = _TRACER.get()
     if tracer is None:
@@ -81,7 +81,7 @@ def span(name: str, **attributes) -> "_NoSpan | Span":
     return Span(tracer.start_span(name, attributes=_clean(attributes)))
 
 
-def leg_span(name: str, worker: str, request_id: str, attempt: int = 1, migration: int = 0) -> "_NoSpan | Span":
+def leg_span(name: str, worker: str, request_id: str, attempt: int = 1, migration: int = 0) -> _NoSpan | Span:
     """The span of one engine leg (an attempt of it) on `worker`; its `metadata` goes with the engine call."""
     tracer = _TRACER.get()
     if tracer is None:
@@ -126,7 +126,7 @@ class Span:
         self.metadata = tuple(carrier.items())
         self._use = trace.use_span(otel_span, end_on_exit=True)
 
-    def __enter__(self) -> "Span":
+    def __enter__(self) -> Span:
         self._use.__enter__()
         return self
 
@@ -165,7 +165,7 @@ class Tracing:
         self.tracer = self.provider.get_tracer("orchestrator")
         self._propagator = TraceContextTextMapPropagator()
 
-    def request(self, scope: dict, api_key: str | None) -> "RequestSpan":
+    def request(self, scope: dict, api_key: str | None) -> RequestSpan:
         """The server span of one HTTP request (an ASGI scope), continuing the client's `traceparent` /
         `tracestate` if it sent them."""
         from opentelemetry.trace import SpanKind
@@ -199,15 +199,16 @@ class RequestSpan(Span):
     def __init__(self, otel_span, tracer) -> None:
         super().__init__(otel_span)
         self._tracer = tracer
-        self._token = None
+        self._token: contextvars.Token | None = None
 
-    def __enter__(self) -> "RequestSpan":
+    def __enter__(self) -> RequestSpan:
         super().__enter__()
         self._token = _TRACER.set(self._tracer)
         return self
 
     def __exit__(self, *exc_info):
-        _TRACER.reset(self._token)
+        if self._token is not None:
+            _TRACER.reset(self._token)
         return super().__exit__(*exc_info)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import h11
 
 
-def read_back_responses(data: bytes, requests: int = 1, methods: tuple[str, ...] = ()) -> list[tuple[h11.Response, bytes]]:
+def read_back_responses(data: bytes, requests: int = 1,
+                        methods: tuple[str, ...] = ()) -> list[tuple[h11.Response, bytes]]:
     """The responses (head, whole body) in `data`, for `requests` requests sent on one connection: GETs, or
     `methods` (a HEAD's response has no body, whatever its head says).
 

@@ -13,9 +13,9 @@ through h2, and frames h2 would never send (a broken worker) written raw.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Awaitable, Callable
 
 import h2.config
 import h2.connection
@@ -36,7 +36,7 @@ def grpc_message(payload: bytes, flag: int = 0) -> bytes:
 class ServerCall:
     """One request the server received whole, and the means to answer it."""
 
-    def __init__(self, connection: "ServerConnection", stream_id: int, headers: list[tuple[bytes, bytes]]):
+    def __init__(self, connection: ServerConnection, stream_id: int, headers: list[tuple[bytes, bytes]]):
         self.connection, self.stream_id, self.headers = connection, stream_id, headers
         self.body = b""
         self.reset_code: int | None = None  # the client's RST_STREAM
@@ -89,7 +89,7 @@ class ServerCall:
 
 
 class ServerConnection:
-    def __init__(self, server: "ScriptedServer", stream: trio.SocketStream):
+    def __init__(self, server: ScriptedServer, stream: trio.SocketStream):
         self.server, self.stream = server, stream
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
         self.calls: dict[int, ServerCall] = {}
@@ -208,7 +208,7 @@ async def scripted_server(answer: Callable[[ServerCall], Awaitable[None]], *, se
     server = ScriptedServer(answer, settings, refuse_above, settings_delay)
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(trio.serve_tcp, server._handle, 0, host="127.0.0.1"))
-        server.address = "127.0.0.1:%d" % listeners[0].socket.getsockname()[1]
+        server.address = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
         try:
             yield server
         finally:

@@ -71,7 +71,7 @@ def test_every_key_is_compared_whichever_matches(monkeypatch):
 
 
 def test_an_unreadable_key_file_is_a_config_error_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="auth.api_keys_file"):
+    with pytest.raises(ConfigError, match=r"auth\.api_keys_file"):
         load_api_keys(AuthConfig(api_keys_file="missing.txt"), file="x.yaml", base_dir=tmp_path)
 
 
@@ -150,14 +150,14 @@ def chat(url: str, secret: str, content: str = "hi", **extra):
 
 async def test_usage_is_counted_per_key_name_and_never_shows_the_secret(keyed, engine_client):
     server, _ = keyed
-    with httpx.Client(base_url=server.url) as http:
-        before = http.get("/metrics").text
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        before = (await http.get("/metrics")).text
     assert metric(before, 'orchestrator_key_requests_total{key="one-at-a-time"}') == 0  # every key's series at 0
     long_prompt = "Tell me about the rivers and the mountains of the north " * 12  # whole KV blocks to reuse
     answers = [await trio.to_thread.run_sync(lambda: chat(server.url, "secret-team-a", long_prompt, max_tokens=2))
                for _ in range(2)]
-    with httpx.Client(base_url=server.url) as http:
-        text = http.get("/metrics").text
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        text = (await http.get("/metrics")).text
     assert metric(text, 'orchestrator_key_requests_total{key="team-a"}') == 2
     assert metric(text, 'orchestrator_key_prompt_tokens_total{key="team-a"}') == sum(
         a.usage.prompt_tokens for a in answers)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from orchestrator.bench.compare import SloSpec
 from orchestrator.bench.plan import (
     PlanSpec,
     PlanWorkload,
@@ -15,7 +16,6 @@ from orchestrator.bench.plan import (
     pareto_frontier,
     topologies,
 )
-from orchestrator.bench.compare import SloSpec
 from orchestrator.config import ConfigError
 from orchestrator.sim.profiles import PROFILES
 

@@ -29,7 +29,8 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
               "grpcio", "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
               "--idle-seconds", "0.5", "--fit-rounds", "2")
     rows = {m.group(1): m for m in re.finditer(
-        r"^aggregated\s+(native x1(?: grpcio)?)\s+([\d.]+)\s+1\.0\s+(-?[\d.]+)\s+20\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)",
+        r"^aggregated\s+(native x1(?: grpcio)?)\s+([\d.]+)\s+1\.0\s+(-?[\d.]+)\s+20\s+([\d.]+)\s+(\d+)\s+(\d+)"
+        r"\s+([\d.]+)",
         out, re.M)}
     assert set(rows) == {"native x1", "native x1 grpcio"}, out
     for row in rows.values():

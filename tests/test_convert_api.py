@@ -3,8 +3,8 @@
 import pytest
 
 from orchestrator.convert import parse_chat, parse_completion
-from orchestrator.errors import InvalidRequest
 from orchestrator.convert.api import Part
+from orchestrator.errors import InvalidRequest
 
 
 def chat(**extra):

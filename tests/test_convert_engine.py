@@ -95,14 +95,16 @@ def test_image_requests_without_max_tokens_get_the_text_room_as_an_upper_bound_n
 def test_media_gating_names_the_role_and_the_signals_that_refuse():
     check_media_capability(image_request(), [("prefill", True, ""), ("decode", True, "")])
     check_media_capability(text_request(), [("prefill", False, "")])
-    with pytest.raises(InvalidRequest, match="does not accept images.*decode worker reports supports_multimodal=false"):
+    with pytest.raises(InvalidRequest,
+                       match=r"does not accept images.*decode worker reports supports_multimodal=false"):
         check_media_capability(image_request(), [("prefill", True, ""), ("decode", False, "supports_multimodal=false")])
 
 
 def test_media_sources_must_be_among_the_encodings_a_worker_lists():
     check_media_sources(image_request(), [("decode", frozenset())])  # revision 1: not said, not refused
     check_media_sources(image_request(), [("decode", frozenset({"url", "data_uri"}))])
-    with pytest.raises(InvalidRequest, match=r"messages\[0\].content\[0\]: the decode worker does not take an image URL"):
+    with pytest.raises(InvalidRequest,
+                       match=r"messages\[0\].content\[0\]: the decode worker does not take an image URL"):
         check_media_sources(image_request(), [("decode", frozenset({"data_uri"}))])
 
 
@@ -201,7 +203,7 @@ def test_media_options_go_only_to_workers_that_take_them_and_only_with_media():
         check_media_options(req, [("prefill", True), ("decode", False)])
     with pytest.raises(InvalidRequest, match="only allowed with media"):
         check_media_options(text_request(media_io_kwargs={"image": {}}), [("decode", True)])
-    with pytest.raises(InvalidRequest, match="media_io_kwargs.vision"):
+    with pytest.raises(InvalidRequest, match=r"media_io_kwargs\.vision"):
         image_request(media_io_kwargs={"vision": {}})
     leg = full_leg(req, request_id="r", model="m", prompt_ids=[1], limits=limits(req))
     assert json_format.MessageToDict(leg.media_options) == {"image": {"max_pixels": 1024}}

@@ -5,8 +5,8 @@ import base64
 import pytest
 
 from orchestrator.convert import MediaLimits, parse_chat
-from orchestrator.errors import InvalidRequest
 from orchestrator.convert.api import Part
+from orchestrator.errors import InvalidRequest
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 PNG_URI = "data:image/png;base64," + base64.b64encode(PNG).decode()

@@ -76,7 +76,7 @@ async def test_a_peer_that_keeps_sending_does_not_starve_other_tasks():
 
 
 async def test_a_closed_stream_is_never_read_even_if_its_descriptor_number_is_reused():
-    ours, theirs = stream_pair()
+    ours, _theirs = stream_pair()
     receiver = EagerReceiver(ours)
     await ours.aclose()
     other, other_peer = stream_pair()  # likely gets the number the closed socket had

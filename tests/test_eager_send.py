@@ -52,7 +52,7 @@ async def test_a_write_larger_than_the_socket_buffer_waits_for_room_and_arrives_
 
 
 async def test_a_closed_stream_is_never_written_even_if_its_descriptor_number_is_reused():
-    ours, theirs = stream_pair()
+    ours, _theirs = stream_pair()
     sender = EagerSender(ours)
     await ours.aclose()
     other, other_peer = stream_pair()  # likely gets the number the closed socket had

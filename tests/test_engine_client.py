@@ -6,7 +6,6 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import trio
-from sim_helpers import read_to_finished
 
 from orchestrator.engine import (
     EngineError,
@@ -22,6 +21,7 @@ from orchestrator.engine.errors import StreamStalled
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.testkit.plugin import free_port, wait_for_load
+from sim_helpers import read_to_finished
 
 
 @pytest.fixture(params=["grpcio", "h2"])
@@ -88,7 +88,7 @@ async def test_cancelling_the_scope_cancels_the_rpc_and_the_worker_sees_it(sim_w
                     if seen == 3:
                         scope.cancel()
         assert scope.cancelled_caught
-        load = await wait_for_load(client, lambda l: attr(l, "cancelled_by_client") == 1)
+        load = await wait_for_load(client, lambda info: attr(info, "cancelled_by_client") == 1)
         assert load.running_requests == 0 and load.used_kv_blocks == 0
 
 
@@ -101,7 +101,7 @@ async def test_leaving_after_the_terminal_event_lets_the_call_end_without_a_canc
         stream, events = await read_to_finished(client, request("done", max_tokens=3))
         assert isinstance(events[-1], Finished) and stream.ended
         async with client.generate(request("left", max_tokens=2000)) as stream:
-            async for event in stream:
+            async for _event in stream:
                 break
         assert not stream.ended
         await trio.sleep(0.5)  # past both statuses
@@ -121,7 +121,7 @@ async def test_a_call_left_after_its_terminal_event_is_cancelled_if_its_status_n
     async with engine_client(worker.address) as client:
         stream, events = await read_to_finished(client, request("silent", max_tokens=3))
         assert isinstance(events[-1], Finished) and stream.ended
-        load = await wait_for_load(client, lambda l: attr(l, "cancelled_after_terminal") == 1, timeout=5)
+        load = await wait_for_load(client, lambda info: attr(info, "cancelled_after_terminal") == 1, timeout=5)
         assert attr(load, "cancelled_by_client") == 0 and load.running_requests == 0
 
 

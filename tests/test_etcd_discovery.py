@@ -144,7 +144,7 @@ async def test_etcd_outage_keeps_serving_and_the_pool_resynchronises(tmp_path, s
                 await wait_until(leaver_gone_and_live_workers_kept, timeout=TTL + 25)
             except trio.TooSlowError:
                 pool = (await http.get(server.url + "/health")).json()
-                raise AssertionError(f"{leaver.address} still in the pool: {pool}\n{server.process.tail(60)}")
+                raise AssertionError(f"{leaver.address} still in the pool: {pool}\n{server.process.tail(60)}") from None
             assert flaps == [], f"live workers left the pool after etcd restarted: {flaps}"
             assert (await http.get(server.url + "/health")).json()["status"] == "ready"
             assert await _with(http, server.url, decode.address)

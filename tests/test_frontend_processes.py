@@ -39,7 +39,8 @@ def parent_of(pid: int) -> int:
 def script_children(scripts: dict[int, str], **kwargs) -> tuple[FrontendChildren, list[int]]:
     exited: list[int] = []
     children = FrontendChildren(len(scripts) + 1, lambda index: [sys.executable, "-c", scripts[index]],
-                                ready_timeout=kwargs.pop("ready_timeout", 20), stop_timeout=kwargs.pop("stop_timeout", 5),
+                                ready_timeout=kwargs.pop("ready_timeout", 20),
+                                stop_timeout=kwargs.pop("stop_timeout", 5),
                                 on_exit=exited.append)
     return children, exited
 
@@ -71,7 +72,7 @@ async def test_a_child_that_exits_is_restarted_after_a_pause():
 
 
 async def test_a_cancelled_scope_stops_the_children_too():
-    children, exited = script_children({1: READY_THEN_WAIT})
+    children, _exited = script_children({1: READY_THEN_WAIT})
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             await nursery.start(children.run, trio.Event())

@@ -9,13 +9,13 @@ import signal
 import pytest
 import trio
 import trio.testing
-from sim_helpers import read_to_finished
 
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
-from orchestrator.transport import h2_channel as h2_streams
-from orchestrator.transport.h2_channel import H2Stream, WorkerConnection
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testkit.plugin import wait_for_load
+from orchestrator.transport import h2_channel as h2_streams
+from orchestrator.transport.h2_channel import H2Stream, WorkerConnection
+from sim_helpers import read_to_finished
 
 
 def request(rid, max_tokens=8, ids=(5, 6, 7, 8, 9), **stopping):

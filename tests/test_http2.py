@@ -3,13 +3,14 @@ implementation of RFC 9113, and against hand-made frames for what a broken peer 
 
 from __future__ import annotations
 
-import hpack
 import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.transport import http2
 
@@ -366,7 +367,8 @@ def test_grpc_core_trailers_after_the_first_call_change_no_table():
     assert http2._changes_table(b"\x00\x05ab")  # cut short: cannot be walked
 
 
-header_lists = st.lists(st.tuples(st.sampled_from([b"grpc-status", b"grpc-message", b"x-a", b"content-type", b"x-" + b"n" * 200]),
+header_lists = st.lists(st.tuples(st.sampled_from([b"grpc-status", b"grpc-message", b"x-a", b"content-type",
+                                                   b"x-" + b"n" * 200]),
                                   st.binary(max_size=150), st.booleans()), min_size=1, max_size=5)
 
 
@@ -476,7 +478,8 @@ def test_an_initial_window_size_that_overflows_an_open_streams_window_is_a_conne
     connection = _opened()
     connection.receive(http2.frame(http2.WINDOW_UPDATE, 0, 1, (2**31 - 1 - http2.DEFAULT_WINDOW).to_bytes(4, "big")))
     with pytest.raises(http2.ProtocolError) as info:
-        connection.receive(http2.frame(http2.SETTINGS, 0, 0, b"\x00\x04" + (http2.DEFAULT_WINDOW + 10).to_bytes(4, "big")))
+        connection.receive(http2.frame(http2.SETTINGS, 0, 0,
+                                       b"\x00\x04" + (http2.DEFAULT_WINDOW + 10).to_bytes(4, "big")))
     assert info.value.code == http2.FLOW_CONTROL_ERROR
 
 

@@ -99,7 +99,7 @@ async def test_a_streamed_response_is_chunked_and_reads_back_whole():
 async def test_keep_alive_serves_many_requests_on_one_connection_with_httpx():
     async with running(echo) as server:
         async with httpx.AsyncClient(base_url=server.url) as http:
-            replies = [(await http.post("/v1/x?n=%d" % i, content=b"a" * i)).json() for i in range(1, 6)]
+            replies = [(await http.post(f"/v1/x?n={i}", content=b"a" * i)).json() for i in range(1, 6)]
     assert [r["body_bytes"] for r in replies] == [1, 2, 3, 4, 5]
     assert [r["query"] for r in replies] == [f"n={i}" for i in range(1, 6)]
     assert len({r["client_port"] for r in replies}) == 1  # one connection, reused
@@ -424,7 +424,7 @@ async def test_what_send_now_could_not_write_goes_first_with_the_next_send_and_i
             await filled.wait()
         await trio.sleep(0.2)
         assert not flushed.is_set()  # the empty send waits for the client to take the rest
-        [(response, body)] = parse_responses(await read_until_closed(client, timeout=20))
+        [(_response, body)] = parse_responses(await read_until_closed(client, timeout=20))
     assert flushed.is_set()
     chunks = len(taken_at_once) + 1  # and the one that went in part
     assert body == b"start" + b"".join(b"%05d" % index + chunk for index in range(chunks)) + b"end"
@@ -693,7 +693,8 @@ async def test_a_connection_beyond_max_connections_is_refused_with_a_503_when_no
 
     async with running(busy, max_connections=1) as server:
         first = await server.connect()
-        await first.send_all(head(headers=["connection: close"]))  # being answered: not idle, so it is not the one closed
+        # being answered: not idle, so it is not the one closed
+        await first.send_all(head(headers=["connection: close"]))
         await trio.sleep(0.2)
         second = await server.connect()
         [(response, body)] = parse_responses(await read_until_closed(second))

@@ -22,7 +22,9 @@ from sim_helpers import recent_requests
 PIL = pytest.importorskip("PIL.Image")
 FAST = ("--time-scale", "0.02", "--schema-revision", "3")
 REVISION_1 = ("--time-scale", "0.02")
-LOCAL_IMAGES = {"image_url_allowlist": ["127.0.0.1"]}  # the test's image server is on loopback, refused by default  # tensorrt_llm/grpc/openengine: supports_multimodal=false, media UNIMPLEMENTED
+# the test's image server is on loopback, refused by default
+# (tensorrt_llm/grpc/openengine: supports_multimodal=false, media UNIMPLEMENTED)
+LOCAL_IMAGES = {"image_url_allowlist": ["127.0.0.1"]}
 
 
 def image_bytes(fmt: str, color) -> bytes:
@@ -104,7 +106,7 @@ async def test_two_images_give_identical_tokens_in_agg_and_disagg_and_reach_both
     def media_of(record):
         return [(m["source"], m["value"][: len(e[1])], m["uuid"]) for m, e in zip(record["media"], expected)]
 
-    (agg_leg,) = [r for r in await recent_requests(engine_client, agg.worker("aggregated"))]
+    (agg_leg,) = list(await recent_requests(engine_client, agg.worker("aggregated")))
     assert agg_leg["kind"] == "full" and media_of(agg_leg) == expected
     (ctx_leg,) = await recent_requests(engine_client, disagg.worker("prefill"))
     (gen_leg,) = await recent_requests(engine_client, disagg.worker("decode"))

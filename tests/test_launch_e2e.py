@@ -43,7 +43,8 @@ def requests(url: str) -> list[str]:
     with httpx.Client(base_url=url, timeout=60) as http:
         out = []
         for body in bodies:
-            response = http.post("/v1/chat/completions", json={"model": "tiny-chat", "max_tokens": 10, "seed": 4, **body})
+            response = http.post("/v1/chat/completions",
+                                 json={"model": "tiny-chat", "max_tokens": 10, "seed": 4, **body})
             assert response.status_code == 200, response.text
             out.append(response.json()["choices"][0]["message"]["content"])
         return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.metrics import OUTCOMES, ROUTES, FrontendProcesses, Metrics, TokenMeter
 

@@ -189,7 +189,8 @@ def test_models_health_and_metrics(disagg):
         http.post("/v1/chat/completions", json=chat_body(max_tokens=3))
         metrics = http.get("/metrics").text
     for name in ("orchestrator_requests_total", "orchestrator_time_to_first_token_seconds_bucket",
-                 "orchestrator_inter_token_latency_seconds", 'orchestrator_stage_duration_seconds_count{stage="prefill"}',
+                 "orchestrator_inter_token_latency_seconds",
+                 'orchestrator_stage_duration_seconds_count{stage="prefill"}',
                  'stage="kv_handoff"', 'stage="decode"', "orchestrator_requests_in_flight",
                  'orchestrator_workers{role="decode",state="ready"} 1.0'):
         assert name in metrics, name
@@ -200,7 +201,8 @@ def test_metrics_count_tokens_not_chunks_and_every_series_starts_at_zero(agg):
     token counters add up to the usage the client saw; labelled series exist before their first event."""
     with agg.http() as http:
         before = http.get("/metrics").text
-        assert _metric(before, 'orchestrator_requests_total{mode="aggregated",outcome="client_error",route="completions"}') == 0
+        assert _metric(
+            before, 'orchestrator_requests_total{mode="aggregated",outcome="client_error",route="completions"}') == 0
         assert _metric(before, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED"}') == 0
         assert _metric(before, "process_cpu_seconds_total") > 0
         usage = http.post("/v1/chat/completions", json=chat_body(max_tokens=40, stream=True, ignore_eos=True,
@@ -289,8 +291,8 @@ async def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tmp_p
         from orchestrator.testkit.plugin import wait_for_load
 
         for client in (p, d):
-            load = await wait_for_load(client, lambda l: l.running_requests == 0 and l.active_kv_sessions == 0
-                                       and l.used_kv_blocks == 0 and l.queued_requests == 0, timeout=30)
+            load = await wait_for_load(client, lambda info: info.running_requests == 0 and info.active_kv_sessions == 0
+                                        and info.used_kv_blocks == 0 and info.queued_requests == 0, timeout=30)
             assert _load_attr(load, "kv_sessions_expired") == 0
     async with httpx.AsyncClient(base_url=server.url) as http:
         with trio.fail_after(10):
@@ -336,7 +338,8 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
         tmp_path / "busy.yaml", "disaggregated", {"prefill": [good.address], "decode": [overloaded_decode.address]}))
     async with httpx.AsyncClient(timeout=30) as http:
         for _ in range(4):  # round robin sends some prefills to the flaky worker; each is retried once
-            assert (await http.post(retry.url + "/v1/chat/completions", json=chat_body(max_tokens=2))).status_code == 200
+            response = await http.post(retry.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
+            assert response.status_code == 200
         metrics = (await http.get(retry.url + "/metrics")).text
         retries = _metric(metrics, 'orchestrator_retries_total{role="prefill"}')
         assert 1 <= retries <= 4

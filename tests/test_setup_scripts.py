@@ -1,4 +1,4 @@
-"""scripts/setup.sh, demo.sh and test.sh on a stand-in machine: a copy of the scripts and pyproject.toml, and
+"""scripts/setup.sh, demo.sh, lint.sh and test.sh on a stand-in machine: a copy of the scripts and pyproject.toml, and
 fake apt-get, etcd and .venv/bin/python that only log how they were called. What they install, and when they
 install nothing."""
 
@@ -28,7 +28,8 @@ class Machine:
         stubs = ["apt-get"] + ["etcd"] * etcd + ["etcdctl"] * etcdctl
         venv = self.root / ".venv" / "bin"
         venv.mkdir(parents=True)
-        for path in [self.bin / name for name in stubs] + [venv / "python", venv / "orchestrator"]:
+        for path in [self.bin / name for name in stubs] + [venv / name for name in ("python", "orchestrator", "ruff",
+                                                                                    "mypy")]:
             path.write_text(LOGGING_STUB)
             path.chmod(0o755)
         (self.bin / "sudo").write_text('#!/bin/bash\nexec "$@"\n')  # when the suite does not run as root
@@ -77,3 +78,11 @@ def test_the_demo_installs_only_the_package_and_no_etcd(tmp_path, installed_befo
     assert calls[-1] == "orchestrator launch configs/disagg.yaml"
     assert machine.run("demo.sh") == ["orchestrator launch configs/disagg.yaml"]
     assert pip_installs(machine.run("setup.sh")) == ["python -m pip install -q -e .[test,bench]"]  # the extras now
+
+
+def test_lint_sets_up_then_runs_ruff_over_the_tree_and_mypy_as_configured(tmp_path):
+    machine = Machine(tmp_path, etcd=True, etcdctl=True)
+    calls = machine.run("lint.sh")
+    assert pip_installs(calls) == ["python -m pip install -q -e .[test,bench]"]  # ruff and mypy come with `test`
+    assert calls[-2:] == ["ruff check .", "mypy "]  # no arguments: its files and options are in pyproject.toml
+    assert machine.run("lint.sh") == ["ruff check .", "mypy "]

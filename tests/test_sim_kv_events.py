@@ -25,12 +25,12 @@ import msgpack
 import pytest
 import trio
 import zmq
-from sim_helpers import PrefillReady, collect, full_request, terminal, token_ids
 
 from orchestrator.openengine.v1 import kv_pb2, openengine_pb2_grpc, server_pb2
 from orchestrator.prefill import context_only_leg
 from orchestrator.sim.kv_events import proto_event, wire_batch, wire_event
 from orchestrator.sim.prefix_cache import ROOT_KEY, BlockRemoved, BlockStored, MmKey, block_key, wire_hash
+from sim_helpers import PrefillReady, collect, full_request, terminal, token_ids
 
 FAST = ("--time-scale", "0")
 BLOCK = 32  # the default profile's kv_block_size

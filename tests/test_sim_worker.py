@@ -9,6 +9,14 @@ import signal
 import grpc
 import pytest
 import trio
+
+from orchestrator.decode import generation_leg
+from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
+from orchestrator.engine.client import HealthState
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import lifecycle_pb2
+from orchestrator.prefill import context_only_leg
+from orchestrator.testkit.plugin import wait_for_load
 from sim_helpers import (
     Failed,
     Finished,
@@ -24,14 +32,6 @@ from sim_helpers import (
     token_ids,
     with_placeholders,
 )
-
-from orchestrator.decode import generation_leg
-from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
-from orchestrator.engine.client import HealthState
-from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.openengine.v1 import lifecycle_pb2
-from orchestrator.prefill import context_only_leg
-from orchestrator.testkit.plugin import wait_for_load
 
 FAST = ("--time-scale", "0")
 
@@ -90,7 +90,7 @@ async def test_an_unpulled_session_expires_after_the_transfer_timeout(sim_worker
 
         full = full_request("late")
         ready = terminal(await collect(p, context_only_leg(full)))
-        load = await wait_for_load(p, lambda l: l.active_kv_sessions == 0, timeout=5)
+        load = await wait_for_load(p, lambda info: info.active_kv_sessions == 0, timeout=5)
         assert load.used_kv_blocks == 0 and attr(load, "kv_sessions_expired") == 1
         events = await collect(d, generation_leg(full, ready.kv_session))
         assert terminal(events).error.code == ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND
@@ -177,7 +177,7 @@ async def test_get_load_is_truthful_while_running_and_after(sim_workers, engine_
         async with trio.open_nursery() as nursery:
             for i in range(5):
                 nursery.start_soon(collect, client, full_request(f"load{i}", max_tokens=60))
-            busy = await wait_for_load(client, lambda l: l.running_requests == 5)
+            busy = await wait_for_load(client, lambda info: info.running_requests == 5)
             assert busy.used_kv_blocks > 0 and busy.decode_batch_size >= 1
         idle = await client.load()
         assert idle.running_requests == 0 and idle.queued_requests == 0
@@ -191,7 +191,7 @@ async def test_kv_capacity_queues_requests_until_blocks_come_back(sim_workers, e
         async with trio.open_nursery() as nursery:
             for i in range(2):
                 nursery.start_soon(collect, client, full_request(f"q{i}", max_tokens=100))
-            load = await wait_for_load(client, lambda l: l.queued_requests == 1 and l.running_requests == 1)
+            load = await wait_for_load(client, lambda info: info.queued_requests == 1 and info.running_requests == 1)
             assert load.running_requests == 1 and load.used_kv_blocks == 4
         assert (await client.load()).used_kv_blocks == 0
 
@@ -214,7 +214,7 @@ async def test_fault_stall_hangs_the_stream_and_cancel_still_frees_it(sim_worker
                 async for event in stream:
                     got.append(event)
         assert scope.cancelled_caught and len(token_ids(got)) == 3
-        load = await wait_for_load(client, lambda l: l.running_requests == 0)
+        load = await wait_for_load(client, lambda info: info.running_requests == 0)
         assert load.used_kv_blocks == 0
 
 
@@ -369,7 +369,7 @@ async def test_a_stream_nobody_reads_is_aborted_by_the_stall_watchdog(sim_worker
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(connection.data_to_send())  # and never read or acknowledge anything after this
         async with engine_client(worker.address) as client:
-            load = await wait_for_load(client, lambda l: attr(l, "stalled_requests") == 1, timeout=20)
+            load = await wait_for_load(client, lambda info: attr(info, "stalled_requests") == 1, timeout=20)
             assert load.running_requests == 0 and load.used_kv_blocks == 0
             # its request id is released: the same id is taken again at once
             assert isinstance(terminal(await collect(client, full_request("unread", max_tokens=2))), Finished)

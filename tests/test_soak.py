@@ -18,7 +18,8 @@ async def test_soak_mixed_traffic_leaks_nothing(tmp_path, sim_workers, orchestra
     prefill = sim_workers.start("prefill", *flags)
     decodes = [sim_workers.start("decode", *flags) for _ in range(2)]
     server = orchestrator_servers.start(write_config(
-        tmp_path / "soak.yaml", "disaggregated", {"prefill": [prefill.address], "decode": [d.address for d in decodes]}))
+        tmp_path / "soak.yaml", "disaggregated",
+        {"prefill": [prefill.address], "decode": [d.address for d in decodes]}))
     rng = random.Random(11)
     counts = {"ok": 0, "cancelled": 0, "client_error": 0, "other": 0}
 
@@ -48,8 +49,8 @@ async def test_soak_mixed_traffic_leaks_nothing(tmp_path, sim_workers, orchestra
     assert counts["other"] == 0 and counts["ok"] > REQUESTS // 2, counts
     for worker in (prefill, *decodes):
         async with engine_client(worker.address) as client:
-            load = await wait_for_load(client, lambda l: l.running_requests == 0 and l.active_kv_sessions == 0
-                                       and l.used_kv_blocks == 0, timeout=30)
+            load = await wait_for_load(client, lambda info: info.running_requests == 0 and info.active_kv_sessions == 0
+                                        and info.used_kv_blocks == 0, timeout=30)
             assert load.attributes.fields["kv_sessions_expired"].number_value == 0
     async with httpx.AsyncClient(base_url=server.url) as http:
         with trio.fail_after(10):

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import trio
+import trio.lowlevel
 
 from orchestrator.bench.sse_client import Connection, HttpError
 
@@ -49,7 +50,7 @@ async def serve(responses: list[bytes], cuts: random.Random, task_status=trio.TA
                 step = cuts.randint(1, 40)
                 await stream.send_all(raw[at:at + step])
                 at += step
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         await stream.aclose()
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -67,7 +68,7 @@ async def run_client(responses: list[bytes], requests: int, seed: int):
             payloads: list[bytes] = []
             try:
                 outcomes.append(await connection.post_stream("/v1/chat/completions", {"n": 1},
-                                                             lambda data, at: payloads.append(data)))
+                                                             lambda data, at: payloads.append(data)))  # noqa: B023
             except HttpError as error:
                 outcomes.append(error)
             received.append(payloads)

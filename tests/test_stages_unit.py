@@ -17,6 +17,7 @@ from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
+from orchestrator.flow.retry import with_retries
 from orchestrator.kv import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -24,7 +25,6 @@ from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.flow.retry import with_retries
 from orchestrator.testkit.plugin import Fail, FakeEngineClient, FakePool, Hang, Send, Wait, fake_worker
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 
@@ -164,7 +164,7 @@ def lease_on(pool):
 async def test_decode_streams_the_text_and_marks_the_lease_pulled(autojump_clock):
     pool, _, (d,), _, decode, *_ = deployment([prefill_script()], [lambda request: decode_tokens(3)])
     lease = lease_on(pool)
-    sink, state = await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
+    sink, _state = await run_decode(decode, workers(pool, "decode")[0], generation_leg(full(), SESSION), lease)
     assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
     assert lease.pulled and d.cancelled == [] and d.aborts == []
 
@@ -240,7 +240,7 @@ async def test_decode_cancelled_mid_stream_aborts_the_leg_and_leaves_the_lease_a
 
 async def test_the_releaser_tries_the_next_decode_worker_when_a_release_leg_fails(autojump_clock):
     failing = EngineError("injected", worker="d0", rpc="Generate")
-    pool, (p,), (d0, d1), _, _, releaser, metrics = deployment(
+    pool, (_p,), (d0, d1), _, _, releaser, metrics = deployment(
         [prefill_script()], [lambda r: [Send(Failed(failing))], lambda r: decode_tokens(1)])
     lease = lease_on(pool)
     await releaser.release_unpulled(lease, full(), next(w for w in workers(pool, "decode") if w.client is d0))
@@ -353,8 +353,8 @@ async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_
     """A declared decode role that packs its handoff under a named profile (TensorRT-LLM's sibling server)
     refuses a request without a KV session. Gated on those fields, whatever schema_revision says: upstream
     relabelled the sibling server's fields revision 1."""
-    from orchestrator.testkit.fakes import capabilities
     from orchestrator.kv import TRTLLM_HANDOFF_PROFILE
+    from orchestrator.testkit.fakes import capabilities
 
     sibling = {"schema_revision": revision, "handoff_profile": TRTLLM_HANDOFF_PROFILE}
     prefill = FakeEngineClient("p0", capabilities("prefill", **sibling), lambda r: [Send(PrefillReady(SESSION))])

@@ -17,11 +17,11 @@ import trio.testing
 from orchestrator.decode.output import ReplayedStream, StreamState, finish_reason, stream_output
 from orchestrator.engine import Finished, Tokens
 from orchestrator.engine.client import GenerateStream
-from orchestrator.transport.inbox import TrioInbox
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1.generation_pb2 import FinishReason
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from orchestrator.transport.inbox import TrioInbox
 
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
 WORDS = tuple(TOKENIZER.encode("the river and the bridge"))  # five tokens, one per word piece

@@ -21,7 +21,7 @@ async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim
         async with trio.open_nursery() as background:
             for i in range(6):  # six long requests keep `busy` busy, straight through the engine client
                 background.start_soon(_collect, direct, f"hog{i}")
-            await wait_for_load(direct, lambda l: l.running_requests == 6)
+            await wait_for_load(direct, lambda info: info.running_requests == 6)
             async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
                 await trio.sleep(1.6)  # a GetLoad sample of each worker (one every 1.5 s), fresh for 3 s
                 statuses = []
@@ -73,7 +73,10 @@ def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_work
 @pytest.mark.parametrize("time_scale", ["1", "0.1"])
 def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_scale(
         tmp_path, sim_workers, orchestrator_servers, time_scale):
-    """GPU-time figures must be self-consistent: N users cannot complete more than N / latency requests/s."""
+    """GPU-time figures must be self-consistent: N users cannot complete more than N / latency requests/s.
+
+    By Little's law the bound is N / mean latency; the median is not a bound (a few fast requests under a
+    busy CPU put the median above the mean)."""
     worker = sim_workers.start("aggregated", "--time-scale", time_scale, "--profile", "llama3-8b-h100")
     server = orchestrator_servers.start(write_config(tmp_path / "c.yaml", "aggregated",
                                                      {"aggregated": [worker.address]}))
@@ -85,7 +88,7 @@ def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_s
     assert result.returncode == 0, result.stderr
     (point,) = json.loads(out.read_text())["points"]
     assert point["completed"] == 12
-    assert point["request_throughput"] <= 2 / point["e2e_s"]["p50"] * 1.05
+    assert point["request_throughput"] <= 2 / point["e2e_s"]["mean"] * 1.05
     assert point["output_tokens_per_s"] <= 2 * point["tokens_per_s_per_user"] * 1.05
 
 

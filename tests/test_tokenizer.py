@@ -5,7 +5,6 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tokenizers import Tokenizer
 
 from orchestrator.models import TINY_CHAT

@@ -15,13 +15,14 @@ import grpc
 import pytest
 import trio
 import trio.testing
+
 from grpc_servers import grpc_aio_server
 from h2_scripted_server import GRPC_HEADERS, SettingCodes, grpc_message, scripted_server
-
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
-from orchestrator.transport import h2_channel as h2_streams, http2
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import openengine_pb2_grpc
+from orchestrator.transport import h2_channel as h2_streams
+from orchestrator.transport import http2
 
 HANG_GUARD_S = 10  # what a broken transport would wait forever for fails the test instead
 

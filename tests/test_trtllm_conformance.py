@@ -28,7 +28,6 @@ import httpx
 import pytest
 import trio
 from google.protobuf import json_format
-from serve_helpers import chat_body, sse_events
 
 from orchestrator.convert import check_worker_media, full_leg, parse_chat, resolve_limits
 from orchestrator.decode import generation_leg
@@ -39,11 +38,12 @@ from orchestrator.engine.events import FinishReason
 from orchestrator.errors import InvalidRequest
 from orchestrator.frontend.errors import to_api_error
 from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, check_session
-from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
 from orchestrator.testkit.plugin import free_port, python_command, wait_for_load, write_config
+from serve_helpers import chat_body, sse_events
 
 FAST = ("--time-scale", "0.02")
 REVISION_3 = ("--schema-revision", "3")
@@ -450,7 +450,8 @@ async def test_a_failed_decode_leg_releases_its_session_through_another_decode_w
     failed = len([s for s in statuses if s >= 500])
     assert failed >= 1 and statuses.count(200) == 6 - failed, statuses
     async with engine_client(prefill.address) as client:
-        load = await wait_for_load(client, lambda l: l.active_kv_sessions == 0 and l.used_kv_blocks == 0, timeout=10)
+        load = await wait_for_load(client, lambda info: info.active_kv_sessions == 0 and info.used_kv_blocks == 0,
+                                   timeout=10)
     assert load.attributes.fields["kv_sessions_pulled"].number_value == 6
     assert load.attributes.fields["late_session_aborts"].number_value == 0  # no abort by session was tried
     assert f'orchestrator_kv_cleanups_total{{way="decode_pull"}} {failed}.0' in metrics
@@ -666,7 +667,8 @@ async def test_a_stalled_stream_is_a_502_neither_retried_nor_moved(tmp_path, sim
         statuses = [(await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))) for _ in range(4)]
     refused = [r for r in statuses if r.status_code != 200]
     assert len(refused) == 2 and {r.status_code for r in refused} == {502}
-    assert {r.json()["error"]["code"] for r in refused} == {"stream_stalled"} and "retry-after" not in refused[0].headers
+    assert {r.json()["error"]["code"] for r in refused} == {"stream_stalled"}
+    assert "retry-after" not in refused[0].headers
     assert len(await _recent(engine_client, spare)) == 2  # only its own turns
 
 

@@ -1,6 +1,6 @@
 """The package as it ships: its wheel (what Containerfile installs) built from the source, installed into a fresh
 venv without the source tree, and its console script serving a request there. The image itself is not built
-here (no container runtime, no registry); docs/operations.md says how to build it."""
+here (no container runtime, no registry); docs/deployment.md says how to build it."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.concurrency and not args.rate:
         print("error: give --concurrency and/or --rate", file=sys.stderr)
         return 2
-    workload = Workload(model=args.model, input_len=Range.parse(args.input_len), output_len=Range.parse(args.output_len),
+    workload = Workload(model=args.model, input_len=Range.parse(args.input_len),
+                        output_len=Range.parse(args.output_len),
                         requests=args.requests, warmup=args.warmup, image_share=args.image_share, seed=args.seed,
                         timeout_s=args.timeout)
     tokenizer = load_tokenizer(args.model_dir)

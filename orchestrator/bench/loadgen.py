@@ -32,7 +32,7 @@ class Range:
     high: int
 
     @classmethod
-    def parse(cls, text: str | int) -> "Range":
+    def parse(cls, text: str | int) -> Range:
         if isinstance(text, int):
             return cls(text, text)
         low, _, high = str(text).partition(":")

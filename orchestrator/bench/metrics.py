@@ -15,7 +15,7 @@ Definitions (the ones serving benchmarks quote):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -126,7 +126,7 @@ def aggregate(records: Sequence[RequestRecord], *, gpus: int = 1, slo_ttft: floa
         "errors": errors,
         "error_messages": messages,
         "duration_s": window,
-        "ttft_s": summary([r.ttft for r in ok]),
+        "ttft_s": summary([t for r in ok if (t := r.ttft) is not None]),  # ok: it has chunks, so a ttft
         "tpot_s": summary([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": summary([gap for r in ok for gap in r.itls]),
         "e2e_s": summary([r.e2e for r in ok]),

@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Protocol
 
 import attrs
 import yaml
@@ -33,10 +34,10 @@ from orchestrator.bench.compare import SloSpec, _fmt, _json_default
 from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.config import ConfigError, build_attrs
-from orchestrator.workers.roles import ROLES
 from orchestrator.sim.output import Vocabulary
 from orchestrator.sim.profiles import PROFILES, Profile
-from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
+from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest, Step
+from orchestrator.workers.roles import ROLES
 
 PLAN_MODES = ("aggregated", "disaggregated", "conditional")
 
@@ -113,11 +114,18 @@ def topologies(spec: PlanSpec) -> list[Topology]:
 
 # ---- the virtual-clock simulation -------------------------------------------------------------------
 
+class Stepping(Protocol):
+    """A simulated worker the virtual clock steps: its scheduler and the step in flight."""
+
+    scheduler: Scheduler
+    step: Step | None
+
+
 class _Worker:
     def __init__(self, role: str, profile: Profile):
         self.role = role
         self.scheduler = Scheduler(profile, role, Vocabulary([1, 2, 3], eos_id=0))
-        self.step = None  # the step in flight, if any
+        self.step: Step | None = None  # the step in flight, if any
 
     @property
     def load(self) -> int:
@@ -142,19 +150,20 @@ class VirtualClock:
             self.now, _, action, args = heapq.heappop(self._events)
             action(*args)
 
-    def _submit(self, worker: _Worker, request: SimRequest) -> None:
+    def _submit(self, worker: Stepping, request: SimRequest) -> None:
         worker.scheduler.submit(request)
         if worker.step is None:
             self._start_step(worker)
 
-    def _start_step(self, worker: _Worker) -> None:
+    def _start_step(self, worker: Stepping) -> None:
         worker.step = worker.scheduler.plan_step()
         if worker.step is not None:
             self._at(self.now + worker.step.ms / 1000.0, self._finish_step, worker)
 
-    def _finish_step(self, worker: _Worker) -> None:
+    def _finish_step(self, worker: Stepping) -> None:
         # Callbacks of this step may submit to this worker: it counts as busy until its next step is planned.
-        worker.scheduler.finish_step(worker.step)
+        if worker.step is not None:  # scheduled by _start_step only when it planned one
+            worker.scheduler.finish_step(worker.step)
         worker.step = None
         self._start_step(worker)
 
@@ -238,7 +247,7 @@ def simulate(topology: Topology, spec: PlanSpec, concurrency: int) -> dict:
 
 
 def plan(spec: PlanSpec) -> dict:
-    results = []
+    results: list[dict[str, Any]] = []
     for topology in topologies(spec):
         points = [{"load_kind": "concurrency", "load": c, **simulate(topology, spec, c)}
                   for c in spec.workload.concurrency]
@@ -255,7 +264,7 @@ def plan(spec: PlanSpec) -> dict:
 
 def pareto_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points no other point beats on both axes (more tokens/s per GPU and per user), by x."""
-    frontier = []
+    frontier: list[tuple[float, float]] = []
     for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
         if not frontier or y > frontier[-1][1]:
             frontier.append((x, y))

@@ -23,8 +23,8 @@ import os
 import platform
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import attrs
 import yaml
@@ -34,11 +34,11 @@ from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.plan import VirtualClock
 from orchestrator.config import POLICIES, ConfigError, build_attrs
-from orchestrator.workers.routing import LoadSample, make_policy
 from orchestrator.sim.output import Vocabulary, request_key
 from orchestrator.sim.prefix_cache import Token, expanded_image
 from orchestrator.sim.profiles import PROFILES, Profile
-from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest
+from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest, Step
+from orchestrator.workers.routing import LoadSample, make_policy
 
 WORKLOAD_KINDS = ("conversations", "shared-prefix")
 TOPOLOGY_MODES = ("aggregated", "disaggregated")
@@ -179,7 +179,7 @@ class _Worker:
     def __init__(self, role: str, index: int, profile: Profile, id_offset: int):
         self.role, self.address = role, f"{role}-{index}"
         self.scheduler = Scheduler(profile, role, Vocabulary(list(VOCABULARY), eos_id=0), id_offset=id_offset)
-        self.step = None
+        self.step: Step | None = None
         self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample:
@@ -225,7 +225,8 @@ class ReuseCluster(VirtualClock):
                 next_session()
                 return
             if turn == 0:
-                image = expanded_image(session.image, self.profile.image_tokens, self.id_offset) if session.image else []
+                image = (expanded_image(session.image, self.profile.image_tokens, self.id_offset) if session.image
+                         else [])
                 history = (*session.system, *image)
             prompt = (*history, *session.messages[turn])
 

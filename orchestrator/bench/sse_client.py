@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import trio
@@ -53,6 +53,8 @@ class Connection:
             self._stream = self._receiver = None
 
     async def _fill(self) -> None:
+        if self._receiver is None:
+            raise ConnectionError("not connected")
         data = await self._receiver.receive_some(65536)
         if not data:
             raise ConnectionError("connection closed by the server")
@@ -73,7 +75,8 @@ class Connection:
     def _take_chunks(self) -> tuple[list[bytes], bool]:
         """The data of every complete chunk at the front of the buffer, and whether the last (empty) chunk
         was among them; what they took leaves the buffer."""
-        buffer, at, chunks = self._buffer, 0, []
+        buffer, at = self._buffer, 0
+        chunks: list[bytes] = []
         while (line_end := buffer.find(b"\r\n", at)) >= 0:
             size = int(buffer[at:line_end].split(b";")[0], 16)
             end = line_end + 2 + size + 2  # the size line, the data, its CRLF

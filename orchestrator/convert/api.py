@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Literal, overload
 
 import attrs
 
-from orchestrator.errors import invalid
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
+from orchestrator.errors import invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -84,6 +85,12 @@ class ApiRequest:
 
 # ---- small typed getters ------------------------------------------------------------------------
 
+@overload
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
+            integer: Literal[True], lo_open: bool = False) -> int | None: ...
+@overload
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
+            integer: bool = False, lo_open: bool = False) -> float | int | None: ...
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
             integer: bool = False, lo_open: bool = False) -> float | int | None:
     value = body.get(name)
@@ -187,10 +194,10 @@ def _common(body: dict, kind: str) -> dict:
                                         or len(conversation_id) > 256):
         raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
                       param="conversation_id")
-    return dict(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                min_tokens=_number(body, "min_tokens", 0, UINT32_MAX, integer=True), stop=stops, stop_token_ids=stop_token_ids,
-                ignore_eos=_bool(body, "ignore_eos"), sampling=sampling, conversation_id=conversation_id,
-                media_options=_media_options(body))
+    return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
+            "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,
+            "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"), "sampling": sampling,
+            "conversation_id": conversation_id, "media_options": _media_options(body)}
 
 
 MEDIA_OPTION_MODALITIES = ("image", "video", "audio")

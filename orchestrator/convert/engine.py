@@ -163,7 +163,7 @@ def media_items(images: tuple[ImageRef, ...]) -> list[g.MediaItem]:
         item = g.MediaItem(modality=g.MODALITY_IMAGE, mime_type=image.mime_type, uuid=image.uuid or "")
         if image.url is not None:
             item.url = image.url
-        else:
+        elif image.data_uri is not None:  # exactly one of the two is set
             item.data_uri = image.data_uri
         items.append(item)
     return items

@@ -11,7 +11,6 @@ from orchestrator.kv.handoff import decode_needs_media
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 
-
 GENERATION_SUFFIX = "-gen"
 
 

@@ -8,7 +8,8 @@ one delta (coalesced under load). It never decides about workers; the decode sta
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol, cast
 
 import attrs
 import trio
@@ -17,7 +18,6 @@ from orchestrator.engine import EngineError, Failed, Finished, GenerateStream, P
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
-
 
 Delta = tuple[str, Sequence[int], Sequence[TokenLogprob]]  # text, its token ids, their logprobs
 
@@ -37,9 +37,16 @@ class OutputSink(Protocol):
                      cached_tokens: int | None = None) -> None:
         """`cached_tokens`: of the prompt, how many the engine found cached (None: it did not say)."""
 
-    # Optional, for direct delivery (DirectTokens): a sink that can write from another task has
-    # can_write_now: bool -- whether deltas_now may be called at this moment;
-    # deltas_now(items) -> bool -- `deltas` written at once; False when part waits for `await flush()`.
+
+class DirectSink(OutputSink, Protocol):
+    """A sink direct delivery (DirectTokens) can write to from another task: optional, probed by `arm`."""
+
+    can_write_now: bool  # whether deltas_now may be called at this moment
+
+    def deltas_now(self, items: Sequence[Delta]) -> bool:
+        """`deltas` written at once; False when part waits for `await flush()`."""
+
+    async def flush(self) -> None: ...
 
 
 @attrs.define
@@ -65,7 +72,7 @@ class StreamState:
         return self.cached_tokens
 
 
-async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
+async def stream_output(stream: GenerateStream | ReplayedStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
                         state: StreamState, *, worker: str, on_chunk=None) -> None:
     """Read until the engine finishes or a stop string matches; raises the engine's error.
 
@@ -115,7 +122,8 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
                     may_arm = False
                     direct = DirectTokens.arm(stream, sink, detokenizer, state, on_chunk)
             if flush:
-                await sink.flush()  # what the socket did not take from a direct delivery (the client is slow)
+                # FLUSH comes through DirectTokens only: what the socket did not take from a direct delivery
+                await cast(DirectSink, sink).flush()  # (the client is slow)
     finally:
         if direct is not None:
             stream.deliver_directly(None)
@@ -124,7 +132,7 @@ async def stream_output(stream: GenerateStream, sink: OutputSink, detokenizer: I
         await sink.delta(tail, (), ())
 
 
-def _count(ids: list[int], state: StreamState, on_chunk) -> None:
+def _count(ids: Sequence[int], state: StreamState, on_chunk) -> None:
     state.completion_tokens += len(ids)
     state.token_ids.extend(ids)
     if on_chunk is not None:
@@ -181,7 +189,7 @@ class DirectTokens:
         self.per_token = sink.per_token
 
     @classmethod
-    def arm(cls, stream, sink, detokenizer, state, on_chunk) -> "DirectTokens | None":
+    def arm(cls, stream, sink, detokenizer, state, on_chunk) -> DirectTokens | None:
         """Start direct delivery on `stream` if it can hand events over and `sink` can write in place; the
         caller ends it with `stream.deliver_directly(None)`."""
         if not getattr(sink, "can_write_now", False) or getattr(stream, "deliver_directly", None) is None:
@@ -193,18 +201,22 @@ class DirectTokens:
         """Deal with the token events that arrived together (None), or leave what the request's task gets."""
         if not self.sink.can_write_now:
             return batch
+        ids: Sequence[int]
+        logprobs: Sequence[TokenLogprob]
         if len(batch) == 1:  # the usual case: one token event per stream and read
             event = batch[0]
             if type(event) is not Tokens:
                 return batch
             ids, logprobs = event.token_ids, event.logprobs
         else:
-            ids, logprobs = [], []
+            all_ids: list[int] = []
+            all_logprobs: list[TokenLogprob] = []
             for event in batch:
                 if type(event) is not Tokens:
                     return batch
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
+                all_ids.extend(event.token_ids)
+                all_logprobs.extend(event.logprobs)
+            ids, logprobs = all_ids, all_logprobs
         _count(ids, self.state, self.on_chunk)
         items = token_deltas(ids, logprobs, self.per_token, self.detokenizer)
         written = self.sink.deltas_now(items) if items else True
@@ -229,3 +241,6 @@ class ReplayedStream:
     async def next_batch(self) -> list:
         await trio.lowlevel.checkpoint()
         return self._batches.pop() if self._batches else []
+
+    def deliver_directly(self, handler) -> bool:
+        return False  # every event is here already: none arrives later to be delivered

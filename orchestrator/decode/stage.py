@@ -14,18 +14,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.decode.output import OutputSink, StreamState, finish_reason, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
 from orchestrator.engine.errors import ErrorCode
+from orchestrator.flow.retry import with_retries
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.flow.retry import with_retries
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 

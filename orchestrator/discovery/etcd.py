@@ -19,10 +19,11 @@ import trio
 from orchestrator.discovery import keys
 from orchestrator.discovery.registration import EtcdTls, new_client
 from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.transport.loop_thread import LoopThread
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.transport.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
+_closing: set[asyncio.Future] = set()  # clients being closed on the loop thread
 
 
 class WatchBroken(Exception):
@@ -52,7 +53,7 @@ class EtcdRegistry(WorkerRegistry):
             attempt += 1
             try:
                 await self._session(endpoint, publish)
-            except Exception as exc:  # etcd client errors of every kind: publish degraded, retry
+            except Exception as exc:  # noqa: BLE001 - etcd client errors of every kind: publish degraded, retry
                 publish(Snapshot(frozenset(self._entries.values()), healthy=False,
                                  detail=f"etcd {endpoint} unreachable: {cause_chain(exc)}"))
                 self._retry_log("etcd %s: watch of %s lost, resynchronising in %.1f s: %s", endpoint, self.prefix,
@@ -105,13 +106,15 @@ class EtcdRegistry(WorkerRegistry):
                     nursery.start_soon(self._probe, client, endpoint)
                     await self._follow(inbox, publish)
             except BaseExceptionGroup as group:  # the probe's or the watch's news, not a group of them
-                raise group.exceptions[0] if len(group.exceptions) == 1 else group
+                raise (group.exceptions[0] if len(group.exceptions) == 1 else group) from None
         finally:
             def stop():
                 task = holder.get("task")
                 if task is not None:
                     task.cancel()
-                asyncio.ensure_future(client.close())
+                closing = asyncio.ensure_future(client.close())
+                _closing.add(closing)  # the loop holds tasks weakly: keep this one until it is done
+                closing.add_done_callback(_closing.discard)
 
             loop_thread.call_soon(stop)
 
@@ -123,7 +126,7 @@ class EtcdRegistry(WorkerRegistry):
             with trio.move_on_after(self.probe_interval_s) as waited:
                 try:
                     await self._loop_thread.run(client.status)
-                except Exception as exc:  # noqa: BLE001 - any failure to answer is the same news
+                except Exception as exc:  # any failure to answer is the same news
                     raise WatchBroken(f"etcd {endpoint} failed a status request: {cause_chain(exc)}") from exc
             if waited.cancelled_caught:
                 raise WatchBroken(f"etcd {endpoint} did not answer a status request within "

@@ -4,7 +4,8 @@
 
 It waits for the worker (connect-until-ready), refuses a worker whose ServerInfo role (or model)
 differs from what it was told, then keeps it registered under a lease while its health is READY or
-DEGRADED, withdraws it at once when it turns unhealthy (NOT_READY: also how a draining worker says it), and revokes the lease on SIGTERM.
+DEGRADED, withdraws it at once when it turns unhealthy (NOT_READY: also how a draining worker says it),
+and revokes the lease on SIGTERM.
 Prints `ready KEY` once registered.
 """
 

@@ -3,7 +3,8 @@
 Used by the `orchestrator register` sidecar (on the orchestrator's asyncio loop thread) and by
 `orchestrator sim-worker --etcd` (in the simulator's own loop): one implementation of the rules.
 - registered while `is_healthy()` is true: a lease of `ttl` seconds, kept alive every ttl/3;
-- withdrawn (lease revoked, key gone) at once when the worker turns unhealthy (NOT_READY: also how a draining worker says it);
+- withdrawn (lease revoked, key gone) at once when the worker turns unhealthy (NOT_READY: also how a
+  draining worker says it);
 - kept through an etcd outage: the lease is not given up on a connection error. After a restart etcd
   restores it with a fresh TTL, so the first thing a reconnect does is refresh it; a new lease and key
   are written only when etcd says the old one is gone. Retries back off up to TTL/3 (so the restored
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import aetcd
@@ -45,7 +46,7 @@ class EtcdTls:
     key: bytes | None = None
 
     @classmethod
-    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> "EtcdTls":
+    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> EtcdTls:
         def read(name: str | None) -> bytes | None:
             return None if name is None else Path(name).read_bytes()
         return cls(read(ca_file), read(cert_file), read(key_file))
@@ -113,7 +114,7 @@ class Registration:
                     await self._serve(self._client)
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:  # aetcd raises its own errors and grpc's; all mean "retry"
+                except Exception as exc:  # noqa: BLE001 - aetcd raises its own errors and grpc's; all mean "retry"
                     self.registered = False  # unknown until the lease is refreshed again (we keep it)
                     self._retry_log("etcd %s: keeping %s registered failed, retrying in %.1f s: %s", self.etcd_url,
                                     self.key.decode(), backoff, cause_chain(exc))
@@ -132,7 +133,7 @@ class Registration:
             try:
                 await asyncio.wait_for(client.revoke_lease(lease.id), 2.0)
                 log.info("etcd: revoked lease of %s", self.key.decode())
-            except Exception as exc:  # best effort on the way out; the TTL covers the rest
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out; the TTL covers the rest
                 log.warning("etcd: could not revoke lease of %s: %s", self.key.decode(), cause_chain(exc))
         self._lease = None
         self.registered = False

@@ -7,7 +7,7 @@ the registry cannot reach its source (the last snapshot stays in service, /healt
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Awaitable, Callable, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 import attrs
 import trio
@@ -51,7 +52,7 @@ class MultimodalSupport:
     routing_image_token_id: int | None
 
     @classmethod
-    def from_proto(cls, caps: model_pb2.MultimodalCapabilities) -> "MultimodalSupport":
+    def from_proto(cls, caps: model_pb2.MultimodalCapabilities) -> MultimodalSupport:
         return cls(
             aggregate_images=generation_pb2.MODALITY_IMAGE in caps.aggregate_modalities,
             prefill_decode_images=generation_pb2.MODALITY_IMAGE in caps.prefill_decode_modalities,
@@ -80,13 +81,13 @@ class FeatureSupport:
         return self.supported and (not self.modes or mode in self.modes)
 
     @classmethod
-    def guided(cls, caps: model_pb2.GuidedDecodingCapabilities) -> "FeatureSupport":
+    def guided(cls, caps: model_pb2.GuidedDecodingCapabilities) -> FeatureSupport:
         return cls(supported=caps.supported if caps.HasField("supported") else False,
                    modes=frozenset(_mode_name(model_pb2.GuidedDecodingMode, "GUIDED_DECODING_MODE_", m)
                                    for m in caps.modes))
 
     @classmethod
-    def logprobs(cls, caps: model_pb2.LogprobCapabilities) -> "FeatureSupport":
+    def logprobs(cls, caps: model_pb2.LogprobCapabilities) -> FeatureSupport:
         return cls(supported=caps.supported if caps.HasField("supported") else False,
                    modes=frozenset(_mode_name(model_pb2.CandidateTokenSelectionMode,
                                               "CANDIDATE_TOKEN_SELECTION_MODE_", m)
@@ -157,7 +158,7 @@ class WorkerCapabilities:
         return not types or source in types
 
     @classmethod
-    def from_protos(cls, server: server_pb2.ServerInfo, model: model_pb2.ModelInfo) -> "WorkerCapabilities":
+    def from_protos(cls, server: server_pb2.ServerInfo, model: model_pb2.ModelInfo) -> WorkerCapabilities:
         kv = server.kv_connector
         capacity = server.capacity
         return cls(

@@ -17,10 +17,12 @@ status that has not come 30 s later is not waited for: the call is cancelled the
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
+from google.protobuf.message import Message
 
 from orchestrator.engine import events as ev
 from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
@@ -61,9 +63,9 @@ def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
 
 
 # The Control service's unary calls and the messages they answer with.
-_CONTROL_RESPONSES = {"Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo,
-                      "GetModelInfo": model_pb2.ModelInfo, "GetLoad": server_pb2.LoadInfo,
-                      "Abort": lifecycle_pb2.AbortResponse}
+_CONTROL_RESPONSES: dict[str, type[Message]] = {
+    "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
+    "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 
 
@@ -103,7 +105,7 @@ class GenerateStream:
         can (False if not). The handler must leave terminal events to next_batch(), which marks `ended`."""
         return self._call.deliver_directly(handler)
 
-    def __aiter__(self) -> "GenerateStream":
+    def __aiter__(self) -> GenerateStream:
         return self
 
     async def __anext__(self) -> ev.Event:
@@ -132,7 +134,7 @@ class EngineClient:
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
                    name: str | None = None, tls: ChannelTls | None = None, stream_transport: str = "h2",
                    keepalive_interval_s: float = 30.0,
-                   keepalive_timeout_s: float = 10.0) -> AsyncIterator["EngineClient"]:
+                   keepalive_timeout_s: float = 10.0) -> AsyncIterator[EngineClient]:
         """`keepalive_*`: a PING after that long without hearing from the worker while calls are open, to be
         answered within the timeout (transport/keepalive.py says how servers' ping policies are respected).
         `loop_thread` runs grpc.aio for the grpcio transport (and is not used with h2)."""

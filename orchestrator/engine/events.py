@@ -15,7 +15,8 @@ from orchestrator.engine.token_message import event_token_ids, without_request_i
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
-_REASON_NAMES = {FinishReason.FINISH_REASON_LENGTH: "length", FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
+_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length",
+                                  FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @attrs.frozen(slots=True)
@@ -25,7 +26,7 @@ class Usage:
     cached_prompt_tokens: int | None = None
 
     @classmethod
-    def from_proto(cls, usage: generation_pb2.Usage) -> "Usage":
+    def from_proto(cls, usage: generation_pb2.Usage) -> Usage:
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return cls(usage.prompt_tokens, usage.completion_tokens, cached)
 
@@ -132,7 +133,8 @@ def decode_bytes(payload: bytes, *, worker: str) -> Event | None:
 # index a worker may add), and Tokens is frozen: the event read from those bytes once is shared by every
 # later message with the same bytes, skipping the read and the allocation. Kept for what it saves on every
 # streamed token: 0.7-1.1 us a message against 3.8-5.4 us without it (TensorRT-LLM-shaped messages, 4 paired
-# runs on the loaded 2-core VM, 2026-12-05), next to a serve CPU per streamed token of 13-20 us. The limit bounds the table against a worker that
-# sends arbitrary ids or texts: full, with a short delta text in each message, it holds about 15 MB.
+# runs on the loaded 2-core VM, 2026-12-05), next to a serve CPU per streamed token of 13-20 us. The limit
+# bounds the table against a worker that sends arbitrary ids or texts: full, with a short delta text in each
+# message, it holds about 15 MB.
 _TOKEN_EVENTS: dict[bytes, Tokens] = {}
 _TOKEN_EVENTS_LIMIT = 1 << 16

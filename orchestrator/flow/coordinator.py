@@ -4,7 +4,8 @@
                the engine request (pure conversion lives in orchestrator.convert);
     execute()  open the request's nursery (the caller's disconnect watch cancels it) and
                dispatch: one leg (aggregated, or conditional's local path) to the decode stage, or the
-               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in orchestrator.flow.request_flow.
+               prefill stage then the decode stage, joined by a KV lease (orchestrator.kv), in
+               orchestrator.flow.request_flow.
 
 Any cancellation (client disconnect, deadline, shutdown) cancels the nursery; the stages abort the work
 on every worker involved and keep the KV rule, so no prefill blocks are stranded.
@@ -12,7 +13,7 @@ on every worker involved and keep the KV rule, so no prefill blocks are stranded
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -23,15 +24,15 @@ from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
+from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import RequestFlow
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.prefill.stage import PrefillStage
-from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.tokenizer import ModelTokenizer
+from orchestrator.workers.pool import Worker, WorkerPool
 
 
 @attrs.frozen
@@ -69,6 +70,7 @@ class Coordinator:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
         mode = self.config.mode
+        roles: tuple[str, ...]
         if mode == "aggregated":
             path, roles = "aggregated", ("aggregated",)
         elif (mode == "conditional" and not api.images
@@ -95,17 +97,20 @@ class Coordinator:
         return Plan(request_id, api, path, full, len(prompt_ids), workers, caps)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
+        unavailable = f"{worker.role} worker {worker.address} is not available"
+        client = worker.client
+        if client is None:  # closed since it was picked
+            raise NoWorkerAvailable(unavailable, retry_after=1)
         try:
-            cached = worker.client.cached_capabilities
+            cached = client.cached_capabilities
             if cached is not None:  # the usual case: no pass through the scheduler for it
                 return cached
-            return await worker.client.capabilities()
+            return await client.capabilities()
         except DiscoveryFailed as exc:
             raise WorkerDiscoveryFailed(f"capability discovery of {worker.role} worker {worker.address} failed: "
                                         f"{exc.message}", code="worker_discovery_failed", retry_after=1) from exc
-        except (EngineError, AttributeError) as exc:
-            raise NoWorkerAvailable(f"{worker.role} worker {worker.address} is not available",
-                                    retry_after=1) from exc
+        except EngineError as exc:
+            raise NoWorkerAvailable(unavailable, retry_after=1) from exc
 
     # ---- execution ---------------------------------------------------------------------------------
     async def execute(self, plan: Plan, sink: OutputSink, *,

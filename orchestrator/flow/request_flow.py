@@ -13,6 +13,7 @@ import logging
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.convert import serves_features
 from orchestrator.decode import (
     ReplayedStream,
@@ -28,7 +29,6 @@ from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import HandoffError, check_session
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.tokenizer import IncrementalDetokenizer
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ worker not tried yet, up to `retries` more times. With no other worker left, the
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from orchestrator.engine import EngineError, WorkerUnavailable
 from orchestrator.errors import NoWorkerAvailable

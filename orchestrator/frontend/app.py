@@ -21,26 +21,27 @@ import logging
 import re
 import secrets
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits, parse_chat, parse_completion
-from orchestrator.flow.coordinator import Coordinator
 from orchestrator.engine import EngineError
-from orchestrator.frontend import openai_format as fmt
 from orchestrator.errors import RequestError
+from orchestrator.flow.coordinator import Coordinator
+from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.http_server import BAD_BODY, BODY_ARRIVED, ON_DISCONNECT, SEND_NOW
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
-from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.workers.pool import WorkerPool
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 Scope = dict[str, Any]
@@ -145,7 +146,7 @@ class App:
         # degraded: still serving the last known pool while the registry (etcd) is unreachable
         status = ("draining" if self.draining else "not_ready" if not ready
                   else "degraded" if not self.pool.registry_healthy else "ready")
-        body = {"status": status, "mode": self.config.mode, "ready_workers": roles}
+        body: dict[str, Any] = {"status": status, "mode": self.config.mode, "ready_workers": roles}
         # The operator's view (worker addresses, states, causes): to every caller when no API keys are
         # configured, else only to callers with a key.
         if not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None:
@@ -180,7 +181,8 @@ class App:
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get(API_KEY)
         with self.tracer.request(scope, key) as request_span:
-            await self._answer(kind, scope, receive, send, self.accounts.get(key), request_span)
+            account = self.accounts.get(key) if key is not None else None
+            await self._answer(kind, scope, receive, send, account, request_span)
 
     async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
                       request_span) -> None:
@@ -208,7 +210,7 @@ class App:
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
-    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: "_Response",
+    async def _serve_completion(self, kind: str, scope: Scope, request_id: str, response: _Response,
                                 receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         extensions = scope.get("extensions") or {}
@@ -248,10 +250,10 @@ class App:
             await response.error(ApiError(500, f"internal error while serving request {request_id}"))
             return "error"
         finally:
-            if admitted:
+            if admitted and account is not None:  # (admitted: it has one)
                 account.ended(response.usage)
 
-    async def _refuse(self, error: Exception, request_id: str, response: "_Response") -> str:
+    async def _refuse(self, error: Exception, request_id: str, response: _Response) -> str:
         """Answer a failed request with its error (logged with its cause chain when it is ours); its outcome."""
         api_error = to_api_error(error)
         if api_error.status >= 500:  # the client's body is scrubbed; the whole story is here
@@ -278,7 +280,7 @@ class App:
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: "_Response", receive: Receive,
+    async def _run(self, kind: str, request_id: str, api, plan, response: _Response, receive: Receive,
                    on_disconnect: Callable[[Callable[[], None]], None] | None) -> str:
         model = api.model
         created = int(time.time())
@@ -296,6 +298,7 @@ class App:
                 request.start_soon(_call_on_disconnect, receive, gone)
 
         token_text = self.coordinator.tokenizer.token_text
+        sink: _StreamingSink | _CollectingSink
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
             # them, and a failure before the first byte is still a plain HTTP error with its status.
@@ -312,7 +315,7 @@ class App:
             return "error"
         if disconnected:
             raise ClientGone()
-        if api.stream:
+        if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
                 await response.start_stream()
             await response.end_stream()
@@ -332,7 +335,7 @@ async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> Non
 # ---- output sinks ------------------------------------------------------------------------------
 
 class _StreamingSink:
-    def __init__(self, response: "_Response", writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
+    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
@@ -398,6 +401,10 @@ class _CollectingSink:
         self.parts.append(text)
         self.logprobs.extend(logprobs)
 
+    async def deltas(self, items) -> None:  # (only per-token sinks are given several; here for the protocol)
+        for text, token_ids, logprobs in items:
+            await self.delta(text, token_ids, logprobs)
+
     def ending(self) -> None:
         pass
 
@@ -450,7 +457,8 @@ class _Response:
 
     def chunk_now(self, data: bytes) -> bool:
         """A chunk of a started stream written at once; False when part of it waits for `flush()`."""
-        return self.send_now(data)
+        send_now = self.send_now  # set: the caller checked can_send_now
+        return send_now is not None and send_now(data)
 
     async def flush(self) -> None:
         await self.send({"type": "http.response.body", "body": b"", "more_body": True})
@@ -495,7 +503,8 @@ def _ignore_size(size: int) -> None:
 async def read_json(receive: Receive, limit: int, *, on_size: Callable[[int], None] = _ignore_size) -> Any:
     """The JSON body; `on_size` is told its size in bytes once it is read (also when it is then refused).
     Nothing raised from here refers to the body: its buffers are dropped first (see the module docstring)."""
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

@@ -16,7 +16,7 @@ log = logging.getLogger("orchestrator.serve")
 try:
     import resource
 except ImportError:  # not a POSIX system: no limit to raise
-    resource = None
+    resource = None  # type: ignore[assignment]
 
 RESERVE_MIN = 64  # descriptors kept for everything but client connections, at least
 RESERVE_SHARE = 0.1  # and at least this share of the limit

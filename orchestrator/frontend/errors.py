@@ -42,7 +42,7 @@ def _default_type(status: int) -> str:
 
 _DOMAIN_STATUS = {errors.InvalidRequest: 400, errors.ModelNotFound: 404, errors.NoWorkerAvailable: 503,
                   errors.WorkerDiscoveryFailed: 503, errors.RequestTimedOut: 504, errors.RateLimited: 429}
-_ENGINE_STATUS = {
+_ENGINE_STATUS: dict[int, int] = {
     ErrorCode.ERROR_CODE_INVALID_ARGUMENT: 400,
     ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE: 400,
     ErrorCode.ERROR_CODE_MODEL_NOT_FOUND: 404,

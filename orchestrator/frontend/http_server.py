@@ -43,16 +43,17 @@ import logging
 import socket as stdlib_socket
 import ssl
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import attrs
 import httptools
 import trio
 
-from orchestrator.transport.eager_receive import EagerReceiver
-from orchestrator.transport.eager_send import EagerSender
 from orchestrator.frontend import http_wire as wire
 from orchestrator.log import RateLimitedLog
+from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.transport.eager_send import EagerSender
 
 log = logging.getLogger(__name__)
 Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -179,7 +180,7 @@ class _Server:
         waiting = [c for c in self.open if c.waiting_since is not None]
         if not waiting:
             return False
-        longest = min(waiting, key=lambda connection: connection.waiting_since)
+        longest = min(waiting, key=lambda connection: connection.waiting_since or 0.0)  # all set: see above
         longest.waiting_since = None  # it is going: not a candidate again
         longest.reading.cancel()
         return True
@@ -197,7 +198,7 @@ class _Server:
         connection = _Connection(self, transport, peer, local)
         self.open.add(connection)
         try:
-            if self.ssl_context is not None:
+            if isinstance(transport, trio.SSLStream):
                 with trio.move_on_after(self.limits.keep_alive_s) as handshake:
                     await transport.do_handshake()
                 if handshake.cancelled_caught:
@@ -363,7 +364,7 @@ class _Connection:
                 request.body.clear()
         self.parsed.clear()
         self.incoming = None
-        self.parser = None
+        self.parser = None  # type: ignore[assignment]  # unreachable from here on: drop it with its references
 
     def _gone(self) -> None:
         """The client closed its side or the connection broke: wake receive() and call the callback."""
@@ -405,11 +406,11 @@ class _Connection:
         self.parsed.append(request)
 
     def on_body(self, body: bytes) -> None:
-        self.incoming.body.append(body)
+        cast(_Request, self.incoming).body.append(body)  # a body follows a head: incoming is set
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
-        self.incoming.complete = True
+        cast(_Request, self.incoming).complete = True
         self.incoming = None
 
     # ---- the answering side -----------------------------------------------------------------------
@@ -468,8 +469,8 @@ class _Connection:
         if not exchange.finished:
             if exchange.head_sent:  # a response cut short cannot be completed: the client sees it end
                 return False
-            if exchange.body_error() is not None:  # its body was malformed: the client's error, not ours
-                await exchange.send_error(*self.bad_request)
+            if exchange.body_error() is not None and self.bad_request is not None:  # its body was malformed:
+                await exchange.send_error(*self.bad_request)  # the client's error, not ours
                 return False
             await exchange.send_error(500, "the application sent no response", "internal_error")
             return False

@@ -23,4 +23,4 @@ class ClosingTCPServer(TCPServer):
 
 
 def install() -> None:
-    hypercorn_run.TCPServer = ClosingTCPServer
+    hypercorn_run.TCPServer = ClosingTCPServer  # type: ignore[misc]  # the patch: hypercorn has no hook for it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from orchestrator.config import KeyLimits
 from orchestrator.errors import RateLimited

@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import trio

@@ -7,8 +7,8 @@ once, so a streamed token costs one JSON encoding of its text.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring
-from typing import Callable, Sequence
 
 from orchestrator.engine.events import TokenLogprob
 

@@ -13,14 +13,19 @@ handle and the blocks stay held. So a decode leg already on its way is kept unti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from orchestrator.openengine.v1 import kv_pb2
 
+if TYPE_CHECKING:
+    from orchestrator.workers.pool import Worker
+
 
 @attrs.define(eq=False)
 class KvLease:
-    prefill_worker: object  # orchestrator.workers.pool.Worker (kept loose: this module is pure)
+    prefill_worker: Worker  # imported only for type checking: this module is pure
     session: kv_pb2.KvSessionRef
     cached_tokens: int | None = None  # what the prefill found cached (its PrefillReady usage)
     pulled: bool = False  # a decode leg streamed a token: the worker holds nothing for us any more

@@ -12,12 +12,12 @@ import logging
 
 import trio
 
+from orchestrator import tracing
 from orchestrator.decode.legs import release_leg
 from orchestrator.engine import EngineError, Failed
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv.lease import KvLease
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 

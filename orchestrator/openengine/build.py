@@ -1,4 +1,4 @@
-"""Regenerate the Python stubs in this package from proto/openengine/v1/*.proto.
+"""Regenerate the Python stubs in this package (and their .pyi type stubs) from proto/openengine/v1/*.proto.
 
     python -m orchestrator.openengine.build [--out DIR]
 
@@ -23,8 +23,8 @@ _IMPORT = re.compile(r"^from openengine\.v1 import ", re.MULTILINE)
 
 
 def build(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # dev dependency, needed only to regenerate
-    import grpc_tools
+    import grpc_tools  # dev dependency, needed only to regenerate
+    from grpc_tools import protoc
 
     protos = sorted(PROTO_ROOT.glob("openengine/v1/*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
@@ -34,6 +34,7 @@ def build(out_dir: Path) -> list[Path]:
             f"-I{PROTO_ROOT}",
             f"-I{include}",
             f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
             *map(str, protos),
         ]
@@ -41,7 +42,8 @@ def build(out_dir: Path) -> list[Path]:
             raise RuntimeError(f"protoc failed on {PROTO_ROOT}")
         written = []
         out_dir.mkdir(parents=True, exist_ok=True)
-        for generated in sorted((Path(tmp) / "openengine" / "v1").glob("*.py")):
+        generated_dir = Path(tmp) / "openengine" / "v1"
+        for generated in sorted([*generated_dir.glob("*.py"), *generated_dir.glob("*.pyi")]):
             text = _IMPORT.sub("from orchestrator.openengine.v1 import ", generated.read_text())
             target = out_dir / generated.name
             target.write_text(text)

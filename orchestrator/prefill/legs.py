@@ -8,7 +8,7 @@ ignore_eos must apply there.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 

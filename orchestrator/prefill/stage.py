@@ -13,15 +13,15 @@ import logging
 import attrs
 import trio
 
+from orchestrator import tracing
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import Event
+from orchestrator.flow.retry import with_retries
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
-from orchestrator.flow.retry import with_retries
-from orchestrator import tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class PrefillStage:
                 if outcome.answer:
                     return PrefillResult(answer=outcome.answer)
                 raise (outcome.failed.error if outcome.failed is not None else
-                       EngineError(outcome.error, worker=worker.address, rpc="Generate",
+                       EngineError(outcome.error or "the prefill leg ended without an outcome",
+                                   worker=worker.address, rpc="Generate",
                                    code=ErrorCode.ERROR_CODE_INTERNAL))
 
         _, result = await with_retries(self.pool, first_worker, attempt, retries=self.retries, metrics=self.metrics,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 import httpx
@@ -15,7 +16,7 @@ from orchestrator.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2
 from orchestrator.sim import handoff, kv_transfer, media, output, prefix_cache
 from orchestrator.sim.responses import Outbox
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, SimRequest
-
+from orchestrator.sim.worker_state import SimWorkerState
 
 log = logging.getLogger("orchestrator.sim")
 E = error_pb2.ErrorCode
@@ -36,7 +37,8 @@ class EngineFailure(Exception):
 
     def __init__(self, code: int, message: str, retryable: bool = False, in_stream: bool = False):
         super().__init__(message)
-        self.code, self.message, self.retryable, self.in_stream = code, message, retryable, in_stream
+        self.code = cast(error_pb2.ErrorCode, code)  # an ErrorCode number (E.X, or E.Value(name) typed as int)
+        self.message, self.retryable, self.in_stream = message, retryable, in_stream
 
 
 class StallWatch:
@@ -70,10 +72,11 @@ class EngineUnavailable(Exception):
     """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
 
 
-class AdmissionService:
+class AdmissionService(SimWorkerState):
     """Inference.Generate and its admission rules; mixed into SimWorker (orchestrator.sim.server)."""
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context) -> AsyncIterator:
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator:
         rid = request.request_id
         outbox = Outbox()
         sim_request: SimRequest | None = None
@@ -158,10 +161,10 @@ class AdmissionService:
             if request_type not in (None, "context_only", "context_and_generation"):
                 raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, "extra.request_type must be one of "
                                     "['context_and_generation', 'context_only']")
-            for key, kind in (("detokenize", bool), ("conversation_id", str)):
-                if key in extra and not isinstance(extra[key], kind):
+            for key, expected in (("detokenize", bool), ("conversation_id", str)):
+                if key in extra and not isinstance(extra[key], expected):
                     raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT,
-                                        f"extra.{key} must be a {'boolean' if kind is bool else 'string'}")
+                                        f"extra.{key} must be a {'boolean' if expected is bool else 'string'}")
         has_session = request.kv.HasField("session")
         if has_session:
             kind = GENERATION_ONLY

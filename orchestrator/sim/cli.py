@@ -6,14 +6,16 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
-from orchestrator.workers.roles import ROLES
 from orchestrator.sim.media import MediaLimits
 from orchestrator.sim.persona import GUIDED_BACKENDS, HANDOFF_SHAPES, IMAGE_PATHS, LOAD_METRICS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
+from orchestrator.workers.roles import ROLES
 
 log = logging.getLogger("orchestrator.sim")
 
@@ -123,7 +125,8 @@ def config_from_args(args: argparse.Namespace):
     from orchestrator.sim.kv_events import KvEventsConfig
 
     persona = Persona(args.persona, args.schema_revision, args.handoff)
-    for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1), ("--kv-events-port", args.kv_events_port, 0),
+    for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1),
+                             ("--kv-events-port", args.kv_events_port, 0),
                              ("--kv-events-replay-port", args.kv_events_replay_port, 0),
                              ("--drop-kv-events", args.drop_kv_events, 0)):
         if value is not None and not low <= value <= 65535:
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, int]], int] = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     return runner(serve(config, slow_start_s=args.slow_start, drain_grace_s=args.drain_grace, on_ready=on_ready))

@@ -8,9 +8,9 @@ import grpc
 from google.protobuf import struct_pb2
 
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
-from orchestrator.workers.roles import Role
 from orchestrator.sim import handoff, kv_events, kv_transfer, prefix_cache
-
+from orchestrator.sim.worker_state import SimWorkerState
+from orchestrator.workers.roles import Role
 
 HS = lifecycle_pb2.HealthState
 
@@ -22,10 +22,10 @@ SCHEMA_RELEASES = {1: "768a93c7b44e40f28c692ad0b471a8f2",  # the BSR commit tens
                    3: "f1a7189311770f8aa1f0dd787561df809847595d"}  # tensorrt_llm/openengine's OPENENGINE_COMMIT
 
 
-class ControlService:
+class ControlService(SimWorkerState):
     """Control RPCs; mixed into SimWorker (orchestrator.sim.server), which owns the state."""
 
-    def health_state(self) -> int:
+    def health_state(self) -> lifecycle_pb2.HealthState:
         # openengine v0.1.0 has no DRAINING state: TensorRT-LLM says NOT_READY once its engine stops serving.
         if self.draining or self.config.not_ready:
             return HS.HEALTH_STATE_NOT_READY
@@ -94,7 +94,7 @@ class ControlService:
                     max_top_n=20),
                 guided_decoding=model_pb2.GuidedDecodingCapabilities(
                     supported=c.guided_backend != "none",
-                    modes=[model_pb2.GuidedDecodingMode.Value("GUIDED_DECODING_MODE_" + mode.upper())
+                    modes=["GUIDED_DECODING_MODE_" + mode.upper()  # by name: protobuf refuses an unknown one
                            for mode in self.persona.guide_modes(c.guided_backend)]),
                 max_num_sequences=1, supports_stop_in_output=True),
             supports_lora=False, supports_multimodal=c.multimodal,
@@ -124,7 +124,7 @@ class ControlService:
             # Without load metrics TensorRT-LLM reports only the requests it is serving (queued ones included).
             return server_pb2.LoadInfo(instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
                                        running_requests=s.running + len(s.waiting))
-        prefill_tokens, decode_batch = s.last_step
+        _prefill_tokens, decode_batch = s.last_step
         return server_pb2.LoadInfo(
             instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
             running_requests=s.running, queued_requests=len(s.waiting),
@@ -224,11 +224,11 @@ class ControlService:
                 encoding="protobuf", schema_version=1, max_queue_size=kv_events.FANOUT_BUFFER)
             for rank in sorted(set(request.data_parallel_ranks) or range(ranks))])
 
-    async def SubscribeKvEvents(self, request, context):
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
         if self.persona.revision_1_trtllm:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents is not implemented; use "
                                 "GetKvEventSources and subscribe directly over ZMQ")
-        if not self.config.kv_events.enabled:
+        if not self.config.kv_events.enabled or self.kv_fanout is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV event collection is disabled")
         if request.include_snapshot or request.start_sequence_number:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,

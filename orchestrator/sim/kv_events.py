@@ -41,7 +41,8 @@ import logging
 import socket
 import time
 from collections import deque
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import cast
 
 import attrs
 import msgpack
@@ -95,7 +96,7 @@ def _token(token) -> int | str:
 def wire_event(event: Event, *, mm_keys: bool) -> dict:
     """One event as the streaming sink serializes it (key order included)."""
     if isinstance(event, BlockStored):
-        body = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
+        body: dict[str, object] = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                 "parent_block_hash": event.parent_block_hash, "token_ids": [_token(t) for t in event.token_ids],
                 "block_size": event.block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
         if mm_keys:
@@ -126,7 +127,7 @@ class ZmqPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self.port = self._bind(self._pub, bind_host, config.port)
-        self._replay = None
+        self._replay: zmq.asyncio.Socket | None = None
         self.replay_port: int | None = None
         if config.replay_port is not None:
             self._replay = self._context.socket(zmq.ROUTER)
@@ -148,7 +149,7 @@ class ZmqPublisher:
 
     def start(self) -> None:
         if self._replay is not None:
-            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay(self._replay))
 
     def publish(self, events: Sequence[Event]) -> None:
         sequence = self._sequence  # reserved first: a lost batch leaves a gap
@@ -166,8 +167,7 @@ class ZmqPublisher:
         self._buffer.append((sequence, payload))
         self.published += 1
 
-    async def _serve_replay(self) -> None:
-        replay = self._replay
+    async def _serve_replay(self, replay: zmq.asyncio.Socket) -> None:
         while True:
             frames = await replay.recv_multipart()
             if len(frames) != 3:
@@ -209,8 +209,9 @@ def proto_event(event: Event) -> kv_pb2.KvEvent:
         if not all(isinstance(t, int) for t in event.token_ids):
             return kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared())  # fail closed
         stored = kv_pb2.BlockStored(block_hashes=[block_hash(h) for h in event.block_hashes],
-                                    token_ids=list(event.token_ids), block_size=event.block_size, lora_id=0,
-                                    lora_name="", medium=kv_pb2.STORAGE_MEDIUM_GPU, group_idx=0)
+                                    token_ids=cast("list[int]", list(event.token_ids)),  # ints: checked above
+                                    block_size=event.block_size, lora_id=0, lora_name="",
+                                    medium=kv_pb2.STORAGE_MEDIUM_GPU, group_idx=0)
         if event.parent_block_hash is not None:
             stored.parent_block_hash.CopyFrom(block_hash(event.parent_block_hash))
         return kv_pb2.KvEvent(block_stored=stored)

@@ -14,10 +14,14 @@ import asyncio
 import logging
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import msgpack
+
+if TYPE_CHECKING:
+    from orchestrator.sim.prefix_cache import PrefixLease
 
 log = logging.getLogger(__name__)
 PROTOCOL = "msgpack-tcp"
@@ -53,13 +57,13 @@ class HeldSession:
     opaque_state: str
     first_gen_tokens: list[int]
     rank: int = 0  # the attention-DP rank whose blocks it holds
-    lease: object = None  # its prefill's hold on the prefix cache (prefix_cache.PrefixLease), released with it
+    lease: PrefixLease | None = None  # its prefill's hold on the prefix cache, released with it
 
 
 class SessionStore:
     """Prefill side: sessions waiting for their decode, with a transfer timeout (None: held until exit)."""
 
-    def __init__(self, release_blocks: Callable[[int, int, object], None], timeout_s: float | None):
+    def __init__(self, release_blocks: Callable[[int, int, PrefixLease | None], None], timeout_s: float | None):
         self._release_blocks = release_blocks
         self.timeout_s = timeout_s
         self.sessions: dict[str, HeldSession] = {}

@@ -61,7 +61,7 @@ class Vocabulary:
         self.eos_id = eos_id
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path) -> "Vocabulary":
+    def from_model_dir(cls, model_dir: Path) -> Vocabulary:
         tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
         vocab: dict[str, int] = tokenizer["model"]["vocab"]
         config = json.loads((model_dir / "tokenizer_config.json").read_text())

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import attrs
 
-Token = Union[int, bytes]  # bytes: an image's digest, the first of its expanded tokens
+Token = int | bytes  # bytes: an image's digest, the first of its expanded tokens
 HASH_ALGO = "v2_sha256_64"
 ROOT_KEY = hashlib.sha256(b"\x00").digest()  # ReuseScope(lora_id=None, salt=None).to_bytes() == b"\x00"
 DIGEST_SIZE = 32
@@ -117,7 +117,7 @@ class AllBlocksCleared:
     pass
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 class _Block:
     __slots__ = ("key", "hash", "parent", "tokens", "children", "refs", "last_used", "last_digest")
 
-    def __init__(self, key: bytes, parent: "_Block | None", tokens: tuple[Token, ...]):
+    def __init__(self, key: bytes, parent: _Block | None, tokens: tuple[Token, ...]):
         self.key, self.parent, self.tokens = key, parent, tokens
         self.hash = wire_hash(key)
         self.children = 0
@@ -133,7 +133,7 @@ class _Block:
         self.last_used = 0
         digests = [t for t in tokens if isinstance(t, bytes)]
         # the image whose synthetic ids may continue into the next block (decodeEventBlock's item digest)
-        self.last_digest = digests[-1] if digests else (parent.last_digest if parent else None)
+        self.last_digest: bytes | None = digests[-1] if digests else (parent.last_digest if parent else None)
 
 
 @attrs.define(eq=False)

@@ -6,10 +6,10 @@ import asyncio
 import collections
 import uuid as uuidlib
 
-
 from orchestrator.openengine.v1 import generation_pb2
 from orchestrator.sim import handoff, kv_transfer, output
 from orchestrator.sim.scheduler import GENERATION_ONLY, SimRequest
+from orchestrator.sim.worker_state import SimWorkerState
 
 
 class Outbox:
@@ -38,7 +38,7 @@ class Outbox:
         return batch
 
 
-class ResponseCallbacks:
+class ResponseCallbacks(SimWorkerState):
     """The scheduler's callbacks for one request, as responses in its outbox; mixed into SimWorker."""
 
     def _token_response(self, rid: str, want_logprobs: bool, top_n: int):

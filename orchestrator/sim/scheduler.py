@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 
@@ -46,9 +46,9 @@ class SimRequest:
     include_stop: bool = False
     first_gen_tokens: tuple[int, ...] = ()  # generation_only: what the prefill already produced
     # callbacks into the server: on_token(request, token_id), on_finish(request, reason, match)
-    on_token: Callable[["SimRequest", int], None] = lambda r, t: None
-    on_finish: Callable[["SimRequest", str, tuple[str, int] | None], None] = lambda r, why, m: None
-    on_context_done: Callable[["SimRequest", int], None] = lambda r, t: None
+    on_token: Callable[[SimRequest, int], None] = lambda r, t: None
+    on_finish: Callable[[SimRequest, str, tuple[str, int | str] | None], None] = lambda r, why, m: None
+    on_context_done: Callable[[SimRequest, int], None] = lambda r, t: None
     prefilled: int = 0
     generated: int = 0
     blocks: int = 0
@@ -214,8 +214,8 @@ class Scheduler:
             rank.active += 1
             request.blocks, request.rank, request.lease = need, rank.index, lease
             if request.kind == GENERATION_ONLY:
-                if lease is not None:  # the pulled KV is resident here now, and cached like any other
-                    rank.cache.store(lease, request.tokens)
+                if lease is not None and request.tokens is not None:  # the pulled KV is resident here now,
+                    rank.cache.store(lease, request.tokens)  # and cached like any other
                 request.state = "decode"
                 self.decoding.append(request)
                 self._emit(request)  # the prefill's first token, carried in the KV session
@@ -267,8 +267,8 @@ class Scheduler:
             if request.prefilled < request.prompt_len:
                 continue
             self.prefilling.remove(request)
-            if request.lease is not None:  # the prompt's KV is computed: its full blocks become reusable
-                self.ranks[request.rank].cache.store(request.lease, request.tokens)
+            if request.lease is not None and request.tokens is not None:  # the prompt's KV is computed:
+                self.ranks[request.rank].cache.store(request.lease, request.tokens)  # its full blocks are reusable
             if request.kind == CONTEXT_ONLY:
                 self._context_token(request)
             else:
@@ -350,10 +350,10 @@ class Scheduler:
             logging.shutdown()
             os._exit(3)
 
-    def _finish(self, request: SimRequest, reason: str, match: tuple[str, int] | None) -> None:
+    def _finish(self, request: SimRequest, reason: str, match: tuple[str, int | str] | None) -> None:
         if request in self.decoding:
             self.decoding.remove(request)
-        if request.lease is not None and request.output_ids:
+        if request.lease is not None and request.tokens is not None and request.output_ids:
             # every token but the last has KV now: a follow-up that resends the answer reuses it
             self.ranks[request.rank].cache.store(request.lease, (*request.tokens, *request.output_ids[:-1]))
         self._release(request)

@@ -33,7 +33,6 @@ from orchestrator.sim.control import ControlService
 from orchestrator.sim.responses import ResponseCallbacks
 from orchestrator.sim.scheduler import Faults, Scheduler, SimRequest
 
-
 log = logging.getLogger("orchestrator.sim")
 __all__ = ["SimConfig", "SimWorker", "serve"]
 
@@ -131,6 +130,8 @@ async def serve(config: SimConfig, *, slow_start_s: float = 0.0, drain_grace_s: 
     openengine_pb2_grpc.add_InferenceServicer_to_server(worker, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(worker, server)
     if config.tls_cert is not None:  # TLS, and mTLS when a client CA is given
+        if config.tls_key is None:
+            raise ValueError("--tls-cert needs --tls-key")
         credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
                                                   root_certificates=(config.tls_client_ca.read_bytes()
                                                                      if config.tls_client_ca else None),

@@ -12,8 +12,9 @@ and what Abort was asked (`aborts`). Exported by the testkit (orchestrator.testk
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
@@ -25,6 +26,9 @@ from orchestrator.engine.events import Event, Failed, Finished, PrefillReady
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 from orchestrator.workers.states import WorkerState
+
+if TYPE_CHECKING:
+    from orchestrator.engine import EngineClient
 
 
 @attrs.frozen
@@ -93,7 +97,7 @@ class FakeEngineClient:
         self.name = self.address = name
         self.caps = caps or capabilities()
         self.script = script
-        self.calls: list[tuple[str, object]] = []
+        self.calls: list[tuple[str, Any]] = []  # (rpc, its request)
         self.cancelled: list[str] = []  # request ids whose stream was left before its script ended
         self.aborts: list[object] = []  # request ids and kv sessions asked to abort
         self.metadata: dict[str, tuple] = {}  # the gRPC metadata each Generate call was sent with, by request id
@@ -135,7 +139,7 @@ def fake_worker(role: str, client: FakeEngineClient):
     from orchestrator.workers.pool import Worker
 
     worker = Worker(WorkerSpec(address=f"grpc://{client.name}", role=role, model="m", instance_id=client.name))
-    worker.client = client
+    worker.client = cast("EngineClient", client)  # the calls the pool and the stages make, scripted
     worker.state = WorkerState.READY
     return worker
 

@@ -24,21 +24,12 @@ A five-line test:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 import pytest
 
-from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
-    Fail,
-    FakeEngineClient,
-    FakePool,
-    Hang,
-    Send,
-    Wait,
-    fake_worker,
-)
 from orchestrator.processes import (  # noqa: F401 - re-exported for tests that use the testkit
     EtcdServer,
     ManagedProcess,
@@ -49,6 +40,15 @@ from orchestrator.processes import (  # noqa: F401 - re-exported for tests that 
     SimWorkers,
     free_port,
     python_command,
+)
+from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
+    Fail,
+    FakeEngineClient,
+    FakePool,
+    Hang,
+    Send,
+    Wait,
+    fake_worker,
 )
 
 
@@ -71,21 +71,21 @@ def write_config(path: Path, mode: str, workers: dict[str, list[str]] | None = N
 
 
 @pytest.fixture
-def sim_workers(tmp_path) -> SimWorkers:
+def sim_workers(tmp_path) -> Iterator[SimWorkers]:
     workers = SimWorkers(tmp_path)
     yield workers
     workers.close()
 
 
 @pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory) -> EtcdServer:
+def etcd_server(tmp_path_factory) -> Iterator[EtcdServer]:
     server = EtcdServer(tmp_path_factory.mktemp("etcd-logs"))
     yield server
     server.close()
 
 
 @pytest.fixture
-def orchestrator_servers(tmp_path) -> OrchestratorServers:
+def orchestrator_servers(tmp_path) -> Iterator[OrchestratorServers]:
     servers = OrchestratorServers(tmp_path)
     yield servers
     servers.close()

@@ -11,8 +11,9 @@ Both report failures as the same EngineErrors (engine/errors.py), and the engine
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from orchestrator.transport.keepalive import KeepalivePolicy
 

@@ -16,6 +16,7 @@ Only for plain sockets: TLS streams (trio.SSLStream) always go through their own
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import trio
 
@@ -33,7 +34,8 @@ class EagerReceiver:
         """Up to `max_bytes` (b"" at the end of the stream). Raises ClosedResourceError once the stream was
         closed here, BrokenResourceError if the read failed, as trio's receive_some does."""
         if self._socket is None:
-            return await self.stream.receive_some(max_bytes)
+            # trio's socket and TLS streams return bytes (its Stream ABC also allows a bytearray)
+            return cast(bytes, await self.stream.receive_some(max_bytes))
         waited = False
         while True:
             # fileno() each time: -1 once the socket is closed, so a number reused by a new socket is never read

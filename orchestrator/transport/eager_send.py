@@ -36,7 +36,7 @@ class EagerSender:
     def busy(self) -> bool:
         return self._busy
 
-    def send_nowait(self, data: bytes) -> bytes | memoryview:
+    def send_nowait(self, data: bytes | memoryview) -> bytes | memoryview:
         """What the kernel takes now, without waiting; returns the rest (all of it for a stream that is not a
         plain socket, or while a send_all is waiting). Raises BrokenResourceError if the write failed."""
         # fileno() each time: -1 once the socket is closed, so a number reused by a new socket is never written
@@ -50,7 +50,7 @@ class EagerSender:
             raise trio.BrokenResourceError(f"the socket write failed: {exc}") from exc
         return memoryview(data)[sent:] if sent < len(data) else b""
 
-    async def send_all(self, data: bytes) -> None:
+    async def send_all(self, data: bytes | memoryview) -> None:
         data = self.send_nowait(data)
         if not data:
             return

@@ -9,8 +9,9 @@ woken once per loop iteration for all the messages of that iteration.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -49,7 +50,7 @@ class GrpcioChannel:
 
     @classmethod
     async def open(cls, address: str, loop_thread: LoopThread, *, worker: str, tls: ChannelTls | None,
-                   keepalive: KeepalivePolicy) -> "GrpcioChannel":
+                   keepalive: KeepalivePolicy) -> GrpcioChannel:
         options = [*_CHANNEL_OPTIONS, *_keepalive_options(keepalive)]
 
         async def connect() -> grpc.aio.Channel:  # on the loop thread: the channel belongs to that loop
@@ -69,7 +70,8 @@ class GrpcioChannel:
         started: dict[str, Any] = {}
 
         def start() -> None:  # loop thread; the caller does not wait for it
-            call = self.grpc_channel.unary_stream(path)(request, metadata=metadata or None)
+            method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = self.grpc_channel.unary_stream(path)
+            call = method(request, metadata=metadata or None)
             started["call"] = call
             started["pump"] = asyncio.get_running_loop().create_task(
                 _pump(call, inbox, decode, worker=self._worker, rpc=rpc))
@@ -86,7 +88,8 @@ class GrpcioChannel:
         rpc = path.rsplit("/", 1)[-1]
 
         def call():  # loop thread; cancelling the trio caller cancels it (LoopThread.run)
-            method = self.grpc_channel.unary_unary(path, response_deserializer=decode)
+            method: grpc.aio.UnaryUnaryMultiCallable[bytes, Any] = self.grpc_channel.unary_unary(
+                path, response_deserializer=decode)
             return method(request, timeout=timeout, metadata=metadata or None)
 
         try:
@@ -118,7 +121,7 @@ def _end_when_status_comes(started: dict[str, Any]) -> None:  # loop thread
         pump.add_done_callback(lambda _: timer.cancel())
 
 
-async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, decode: Callable[[bytes], Any], *,
+async def _pump(call: grpc.aio.UnaryStreamCall[bytes, bytes], inbox: StreamInbox, decode: Callable[[bytes], Any], *,
                 worker: str, rpc: str) -> None:
     """Loop-thread side of a streaming call: decode its messages into the trio-side inbox, then close it with
     the call's outcome. Whatever happens, the inbox is closed: its trio reader never waits forever."""
@@ -126,7 +129,7 @@ async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, decode: Call
         async for message in call:  # bytes: the call has no deserializer
             try:
                 item = decode(message)
-            except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or anything a decoder raises
                 inbox.close(EngineError(f"the worker sent a message that does not decode: {exc}", worker=worker,
                                         rpc=rpc))
                 call.cancel()
@@ -137,7 +140,7 @@ async def _pump(call: grpc.aio.UnaryStreamCall, inbox: StreamInbox, decode: Call
         inbox.close(from_rpc_error(exc, worker=worker, rpc=rpc))
     except asyncio.CancelledError:
         inbox.close(EngineError("stream cancelled", worker=worker, rpc=rpc, code=ErrorCode.ERROR_CODE_CANCELLED))
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the trio side must not wait forever
         inbox.close(EngineError(f"stream failed: {exc!r}", worker=worker, rpc=rpc))
     else:
         inbox.close()

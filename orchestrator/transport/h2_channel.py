@@ -54,16 +54,17 @@ import logging
 import ssl
 import urllib.parse
 import zlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import trio
 
+from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
+from orchestrator.transport import calls, http2
 from orchestrator.transport.eager_receive import EagerReceiver
 from orchestrator.transport.eager_send import EagerSender
-from orchestrator.transport import calls, http2
-from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
 
@@ -166,7 +167,7 @@ class H2Channel:
                 (b"te", b"trailers"), (b"grpc-accept-encoding", b"identity"), (b"user-agent", b"orchestrator-h2")])
         return block
 
-    async def _current(self, rpc: str) -> "WorkerConnection":
+    async def _current(self, rpc: str) -> WorkerConnection:
         connection = self._connection
         if connection is not None and connection.usable and not self._closed:
             return connection  # the usual case, without the lock's checkpoint (a pass through the scheduler)
@@ -177,7 +178,7 @@ class H2Channel:
                 self._connection = await self._connect(rpc)
             return self._connection
 
-    async def _connect(self, rpc: str) -> "WorkerConnection":
+    async def _connect(self, rpc: str) -> WorkerConnection:
         try:
             transport: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
             if self._ssl_context is not None:
@@ -537,8 +538,11 @@ class WorkerConnection:
                     break
                 payload = bytes(buffer[_HEADER:_HEADER + length])
                 del buffer[:_HEADER + length]
-                if flag and (payload := self._decompress(stream, payload)) is None:
-                    return
+                if flag:
+                    inflated = self._decompress(stream, payload)
+                    if inflated is None:
+                        return
+                    payload = inflated
                 if not self._deliver(stream, payload):
                     return
         if not stream._items and stream.unread:  # nothing waits for the reader (a message in part, or dropped)
@@ -575,7 +579,7 @@ class WorkerConnection:
     def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
         try:
             item = stream.decode(payload)
-        except Exception as exc:  # protobuf's DecodeError, or anything a decoder raises on bad bytes
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or anything a decoder raises on bad bytes
             error = EngineError(f"the worker sent a message that does not decode: {exc}", worker=self.channel.worker,
                                 rpc=stream.rpc)
             self._abandon(stream, error)

@@ -49,7 +49,7 @@ handle given to open_stream() and handed back to the callbacks.
 from __future__ import annotations
 
 import struct
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import hpack
 
@@ -193,7 +193,7 @@ def _setting(key: int, value: int) -> bytes:
     return key.to_bytes(2, "big") + value.to_bytes(4, "big")
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+def frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
@@ -307,7 +307,7 @@ class ClientConnection:
     def wants_to_send(self) -> bool:
         return bool(self._out)
 
-    def put_back(self, unsent: bytes) -> None:
+    def put_back(self, unsent: bytes | memoryview) -> None:
         """Bytes from data_to_send() that could not be sent yet: first in line again."""
         self._out[:0] = unsent
 
@@ -412,16 +412,16 @@ class ClientConnection:
                     raise ProtocolError("HEADERS too short for its priority fields", FRAME_SIZE_ERROR)
                 payload = payload[5:]
             self._headers = (stream_id, flags, bytearray(payload))
-            self._check_header_block_size()
+            self._check_header_block_size(self._headers[2])
             if flags & END_HEADERS:
-                self._header_block_done()
+                self._header_block_done(self._headers)
         elif kind == CONTINUATION:
             if self._headers is None or self._headers[0] != stream_id:
                 raise ProtocolError("CONTINUATION without the HEADERS it continues")
             self._headers[2].extend(payload)
-            self._check_header_block_size()
+            self._check_header_block_size(self._headers[2])
             if flags & END_HEADERS:
-                self._header_block_done()
+                self._header_block_done(self._headers)
         elif kind == SETTINGS:
             self._on_settings(flags, stream_id, payload)
         elif kind == WINDOW_UPDATE:
@@ -455,16 +455,16 @@ class ClientConnection:
                 raise ProtocolError("PRIORITY must be 5 bytes", FRAME_SIZE_ERROR)
         # any other type is an extension frame: ignored (RFC 9113 §4.1)
 
-    def _check_header_block_size(self) -> None:
+    def _check_header_block_size(self, block: bytearray) -> None:
         """A header block is bounded while it accumulates, not only once decoded: HEADERS followed by CONTINUATION
         frames without end (the CONTINUATION flood) would otherwise grow without limit. A block is never larger
         than the header list it encodes, so the list's limit bounds it; it cannot be skipped either (the HPACK
         table would leave the peer's), hence a connection error."""
-        if len(self._headers[2]) > self.max_header_list_size:
+        if len(block) > self.max_header_list_size:
             raise ProtocolError(f"a header block above {self.max_header_list_size} bytes", ENHANCE_YOUR_CALM)
 
-    def _header_block_done(self) -> None:
-        stream_id, flags, block = self._headers
+    def _header_block_done(self, pending: tuple[int, int, bytearray]) -> None:
+        stream_id, flags, block = pending
         self._headers = None
         headers = self._decode_block(bytes(block))
         stream = self.streams.get(stream_id)
@@ -504,7 +504,7 @@ class ClientConnection:
             self._stable_blocks.clear()
         elif len(self._stable_blocks) < 64:
             self._stable_blocks[block] = tuple(headers)
-        return headers
+        return cast("list[tuple[bytes, bytes]]", headers)  # raw=True: a list of byte pairs
 
     def _end(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id)

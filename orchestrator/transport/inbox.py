@@ -18,7 +18,8 @@ reader is parked in get_batch, so never concurrently with the reader's own handl
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -42,12 +43,12 @@ class LoopThread:
         self.trio_token = token
         self._dispatcher = _WakeDispatcher(loop, token)
 
-    def new_inbox(self) -> "StreamInbox":
+    def new_inbox(self) -> StreamInbox:
         return StreamInbox(self._dispatcher)
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, name: str = "grpc-asyncio") -> AsyncIterator["LoopThread"]:
+    async def open(cls, name: str = "grpc-asyncio") -> AsyncIterator[LoopThread]:
         loop = _new_loop()
         started = threading.Event()
 
@@ -157,7 +158,7 @@ class _WakeDispatcher:
         self._dirty: list[StreamInbox] = []
         self._flush_pending = False
 
-    def mark(self, inbox: "StreamInbox") -> None:  # loop thread
+    def mark(self, inbox: StreamInbox) -> None:  # loop thread
         self._dirty.append(inbox)
         if not self._flush_pending:
             self._flush_pending = True
@@ -172,7 +173,7 @@ class _WakeDispatcher:
             pass
 
 
-def _wake_all(inboxes: list["StreamInbox"]) -> None:  # trio thread
+def _wake_all(inboxes: list[StreamInbox]) -> None:  # trio thread
     for inbox in inboxes:
         inbox._wake()
 

@@ -1,7 +1,8 @@
 """The live worker pool: one engine client per worker, its health, capabilities and load.
 
 Each worker's state follows the pure table in orchestrator.workers.states; this module is its monitor
-(health polling, identity checks, load polling) and the picks. A worker is routable when it is READY. Snapshots from the registry are diffed: new workers are connected, removed ones stop
+(health polling, identity checks, load polling) and the picks. A worker is routable when it is READY.
+Snapshots from the registry are diffed: new workers are connected, removed ones stop
 getting requests at once and are closed when their in-flight requests are done (or a grace
 period passes). A transport failure during a request marks the worker unhealthy until the next
 good health check.
@@ -18,8 +19,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import trio
 
@@ -27,11 +28,11 @@ from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.workers.roles import ROLES
-from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import LoadSample, make_policy
+from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 log = logging.getLogger(__name__)
 
@@ -97,23 +98,21 @@ class WorkerPool:
         self.registry_healthy = True
         self.registry_detail = ""
         self.changed = trio.Event()  # set on every pool change; replaced after
-        self._nursery: trio.Nursery | None = None
 
     # ---- running ---------------------------------------------------------------------------------
     async def run(self, registry: WorkerRegistry, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             first = trio.Event()
 
             def publish(snapshot: Snapshot) -> None:
-                self._apply(snapshot)
+                self._apply(snapshot, nursery)
                 first.set()
 
             nursery.start_soon(registry.run, publish)
             await first.wait()
             task_status.started()
 
-    def _apply(self, snapshot: Snapshot) -> None:
+    def _apply(self, snapshot: Snapshot, nursery: trio.Nursery) -> None:
         self.registry_healthy = snapshot.healthy
         self.registry_detail = snapshot.detail
         if not snapshot.healthy:
@@ -123,13 +122,13 @@ class WorkerPool:
         for spec in snapshot.workers - current:
             worker = self.workers[spec] = Worker(spec)
             log.info("worker added: %s %s", spec.role, spec.address)
-            self._nursery.start_soon(self._run_worker, worker)
+            nursery.start_soon(self._run_worker, worker)
         for spec in current - snapshot.workers:
             worker = self.workers.pop(spec)
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
             self.retiring.add(worker)
-            self._nursery.start_soon(self._retire, worker)
+            nursery.start_soon(self._retire, worker)
         self._notify()
 
     async def _retire(self, worker: Worker) -> None:
@@ -149,15 +148,14 @@ class WorkerPool:
                     worker.client = client
                     async with trio.open_nursery() as nursery:
                         if self._policy_names[worker.role] == "least_loaded":
-                            nursery.start_soon(self._poll_load, worker)
-                        await self._monitor(worker)
+                            nursery.start_soon(self._poll_load, worker, client)
+                        await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
             worker.client = None
             self._notify()
 
-    async def _monitor(self, worker: Worker) -> None:
-        client = worker.client
+    async def _monitor(self, worker: Worker, client: EngineClient) -> None:
         polls_load = self._policy_names[worker.role] == "least_loaded"
         while True:
             previous = worker.state
@@ -174,13 +172,13 @@ class WorkerPool:
             except EngineError as exc:
                 self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
                 if isinstance(exc, WorkerUnavailable):
-                    self._fail_calls_if_silent(worker, timeout, exc)
+                    self._fail_calls_if_silent(worker, client, timeout, exc)
             else:
                 worker.unresponsive = False
                 if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
                     if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
-                    await self._check_identity(worker)
+                    await self._check_identity(worker, client)
                 else:
                     self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
@@ -190,22 +188,22 @@ class WorkerPool:
                 await worker.wake_monitor.wait()
 
     @staticmethod
-    def _fail_calls_if_silent(worker: Worker, quiet_s: float, error: EngineError) -> None:
-        failed = worker.client.fail_calls_if_silent(quiet_s, f"the worker is unresponsive: {error.message}")
+    def _fail_calls_if_silent(worker: Worker, client: EngineClient, quiet_s: float, error: EngineError) -> None:
+        failed = client.fail_calls_if_silent(quiet_s, f"the worker is unresponsive: {error.message}")
         if failed:
             worker.unresponsive = True
             log.warning("worker %s %s is unresponsive (no health answer, nothing received for %g s): failed its %d "
                         "open calls so that they retry or migrate", worker.role, worker.address, quiet_s, failed)
 
-    async def _instance_changed(self, worker: Worker) -> bool:
+    async def _instance_changed(self, worker: Worker, client: EngineClient) -> bool:
         """A restart faster than one health interval shows only as a new ServerInfo.instance_id."""
-        cached = worker.client.cached_capabilities
+        cached = client.cached_capabilities
         now = trio.current_time()
         if cached is None or not cached.instance_id or now < worker.identity_checked_at + self.identity_interval:
             return False
         worker.identity_checked_at = now
         try:
-            info = await worker.client.server_info(timeout=max(1.0, self.health_interval * 2))
+            info = await client.server_info(timeout=max(1.0, self.health_interval * 2))
         except EngineError:
             return False  # the health check will notice a dead worker
         if info.instance_id != cached.instance_id:
@@ -214,11 +212,11 @@ class WorkerPool:
             return True
         return False
 
-    async def _check_identity(self, worker: Worker) -> None:
-        if await self._instance_changed(worker):
-            worker.client.forget_capabilities()
+    async def _check_identity(self, worker: Worker, client: EngineClient) -> None:
+        if await self._instance_changed(worker, client):
+            client.forget_capabilities()
         try:
-            caps = await worker.client.capabilities()
+            caps = await client.capabilities()
         except EngineError as exc:
             # Health is fine, discovery is not: keep the worker routable so that requests see the shared
             # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
@@ -258,12 +256,12 @@ class WorkerPool:
         if worker.load_sample.requests:
             worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again
 
-    async def _poll_load(self, worker: Worker) -> None:
+    async def _poll_load(self, worker: Worker, client: EngineClient) -> None:
         interval = max(0.02, self.staleness_s / 2)
         while True:
             if worker.state is WorkerState.READY:
                 try:
-                    self._on_load(worker, await worker.client.load(timeout=max(1.0, interval * 4)))
+                    self._on_load(worker, await client.load(timeout=max(1.0, interval * 4)))
                 except EngineError:
                     pass
             if self._idle_load(worker):
@@ -293,7 +291,8 @@ class WorkerPool:
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 
-    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None) -> Worker:
+    def pick(self, role: str, exclude: tuple[Worker, ...] = (),
+             accepts: Callable[[Worker], bool] | None = None) -> Worker:
         """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes."""
         candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
                       and (accepts is None or accepts(w))]

@@ -13,12 +13,12 @@ class Role(enum.StrEnum):
     DECODE = "decode"  # runs generation legs (and whole requests in conditional mode)
 
     @property
-    def engine_role(self) -> int:
+    def engine_role(self) -> server_pb2.EngineRole:
         """The ServerInfo.engine_role value that declares this role."""
         return _ENGINE_ROLES[self]
 
     @classmethod
-    def from_engine_role(cls, value: int) -> "Role | None":
+    def from_engine_role(cls, value: int) -> Role | None:
         """None for ENGINE_ROLE_UNSPECIFIED: the worker serves any role (revision-1 TensorRT-LLM)."""
         return next((role for role, number in _ENGINE_ROLES.items() if number == value), None)
 

@@ -10,7 +10,8 @@ too, so a burst does not all land on one stale minimum.
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -35,7 +36,7 @@ class LoadSample:
     def kv_load(self, sent_since: int, per_request: float) -> float:
         """The fraction of the KV cache in use, with each request sent since the sample assumed to take
         `per_request` blocks (an average running request's)."""
-        return ((self.used_kv_blocks or 0) + sent_since * per_request) / self.total_kv_blocks
+        return ((self.used_kv_blocks or 0) + sent_since * per_request) / (self.total_kv_blocks or 1)  # reports_kv
 
 
 class Candidate(Protocol):
@@ -68,7 +69,7 @@ class LeastLoaded:
         if by_kv:
             # What a request sent since a sample is assumed to take: that worker's average running request, or
             # for an idle worker the others' (else a burst would all land on the idle one, its score never rising).
-            averages = [s.blocks_per_request for s in samples if s.blocks_per_request is not None]
+            averages = [b for s in samples if s is not None and (b := s.blocks_per_request) is not None]
             fallback = sum(averages) / len(averages) if averages else 1.0
 
         def score(i: int) -> tuple[float, float, int]:
