@@ -135,6 +135,6 @@ def decode_bytes(payload: bytes, *, worker: str) -> Event | None:
 # streamed token: 0.7-1.1 us a message against 3.8-5.4 us without it (TensorRT-LLM-shaped messages, 4 paired
 # runs on the loaded 2-core VM, 2026-12-05), next to a serve CPU per streamed token of 13-20 us. The limit
 # bounds the table against a worker that sends arbitrary ids or texts: full, with a short delta text in each
-# message, it holds about 15 MB.
+# message, it holds about 15 MB. With grpcio it is filled on the loop thread: a dict's get and set are atomic.
 _TOKEN_EVENTS: dict[bytes, Tokens] = {}
 _TOKEN_EVENTS_LIMIT = 1 << 16
