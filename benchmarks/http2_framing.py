@@ -1,4 +1,4 @@
-"""CPU of the client side of HTTP/2 for gRPC calls: our framing (engine/http2.py) against the h2 library.
+"""CPU of the client side of HTTP/2 for gRPC calls: our framing (transport/http2.py) against the h2 library.
 
     python benchmarks/http2_framing.py [--streams 3000] [--frames 80000]
 
@@ -44,11 +44,11 @@ def _serve(server, data: bytes) -> None:
 
 
 class Ours:
-    name = "ours (engine/http2.py)"
+    name = "ours (engine/http2.py)"  # the label tests/test_benchmark_scripts.py reads
 
     def __init__(self):
         self.client = http2.ClientConnection(_Ignore(), receive_window=1024 * 1024,
-                                             connection_window=16 * 1024 * 1024)  # as engine/h2_streams.py has them
+                                             connection_window=16 * 1024 * 1024)  # as transport/h2_channel.py has them
         self.client.initiate()
         self.block = http2.encode_headers(HEADERS)
 
@@ -62,7 +62,7 @@ class Ours:
         self.client.receive(data)
 
     def read(self, stream_id: int, count: int) -> None:
-        """The stream's reader took `count` bytes: their credit goes back (engine/h2_streams.py, once a read)."""
+        """The stream's reader took `count` bytes: their credit goes back (transport/h2_channel.py, once a read)."""
         self.client.consumed(stream_id, count)
 
 

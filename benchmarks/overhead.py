@@ -6,7 +6,7 @@ Simulated workers at zero GPU cost (--time-scale 0), so every millisecond measur
 For aggregated (1 worker) and disaggregated (1 prefill + 1 decode), at concurrency 1 and 64:
   (a) direct: our engine client drives the legs itself (disagg: context-only leg, then the
       generation leg with the KV session; after the first tokens it counts them in the connection's
-      task, as serve writes them: engine/inbox.py's direct delivery), and
+      task, as serve writes them: transport/inbox.py's direct delivery), and
   (b) through `orchestrator serve` over HTTP/SSE (a lean keep-alive client, TCP_NODELAY),
 measured in the same run against the same worker processes (at concurrency 1 request by request in
 turn, so that both see the machine in the same state; at 64 one after the other). Prints streamed
@@ -104,7 +104,7 @@ class Direct:
         first, count = None, 0
 
         def count_in_place(batch: list) -> list | None:
-            """Token events counted in the connection's task, as serve writes them (engine/inbox.py)."""
+            """Token events counted in the connection's task, as serve writes them (transport/inbox.py)."""
             nonlocal count
             if any(type(event) is not Tokens for event in batch):
                 return batch

@@ -199,7 +199,7 @@ class AuthConfig:
 
 
 HTTP_SERVERS = ("native", "hypercorn")
-STREAM_TRANSPORTS = ("grpcio", "h2")  # as orchestrator/engine/client.py has them
+STREAM_TRANSPORTS = ("grpcio", "h2")  # as orchestrator/transport/calls.py has them
 
 
 @attrs.frozen
@@ -278,7 +278,7 @@ class Config:
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
     workers_tls: TlsFiles | None = None  # TLS (mTLS with cert_file/key_file) on every worker connection
-    # How calls reach the workers: h2 (our HTTP/2 client on trio, engine/h2_streams.py), or grpcio
+    # How calls reach the workers: h2 (our HTTP/2 client on trio, transport/h2_channel.py), or grpcio
     stream_transport: str = "h2"
     keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()

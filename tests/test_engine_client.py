@@ -114,9 +114,9 @@ async def test_a_call_left_after_its_terminal_event_is_cancelled_if_its_status_n
         sim_workers, engine_client, monkeypatch):
     """The status is 30 s late: the call is cancelled after the grace (grpcio: a timer; h2: a sweep of such
     streams every grace), so a worker that never ends its calls cannot pile them up."""
-    from orchestrator.transport import h2_grpc as h2_streams
+    from orchestrator.transport import calls
 
-    monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.3)
+    monkeypatch.setattr(calls, "STATUS_GRACE_S", 0.3)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address) as client:
         stream, events = await read_to_finished(client, request("silent", max_tokens=3))
@@ -346,4 +346,6 @@ async def test_with_h2_streams_no_grpcio_channel_is_opened(sim_workers, engine_c
     async with engine_client(worker.address) as client:
         assert await client.health() == lifecycle_pb2.HEALTH_STATE_READY
         assert (await client.capabilities()).model_id
-        assert (client._channel is None) == (client._h2 is not None)
+        from orchestrator.transport.h2_channel import H2Channel
+
+        assert (getattr(client._channel, "grpc_channel", None) is None) == isinstance(client._channel, H2Channel)

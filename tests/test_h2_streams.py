@@ -1,4 +1,4 @@
-"""Generate over our own HTTP/2 client (engine/h2_streams.py): the wire rules it keeps, and the same
+"""Generate over our own HTTP/2 client (transport/h2_channel.py): the wire rules it keeps, and the same
 behaviour as grpcio against real simulated workers (tests/test_engine_client.py runs on both too)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import trio.testing
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testkit.plugin import wait_for_load
-from orchestrator.transport import h2_grpc as h2_streams
-from orchestrator.transport.h2_grpc import H2Stream, _Connection
+from orchestrator.transport import h2_channel as h2_streams
+from orchestrator.transport.h2_channel import H2Stream, WorkerConnection
 from sim_helpers import read_to_finished
 
 
@@ -31,8 +31,8 @@ class _Channel:
     worker, authority = "w", "127.0.0.1:1"
 
 
-def bare_connection() -> _Connection:
-    return _Connection(transport=None, channel=_Channel(), scheme="http")
+def bare_connection() -> WorkerConnection:
+    return WorkerConnection(transport=None, channel=_Channel(), scheme="http")
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -63,12 +63,12 @@ async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads
     assert not stream._items
     for message in messages[1:]:
         connection._on_data(stream, framed(message.SerializeToString()))
-    batch = await GenerateStream(stream, "w", decoded=True).next_batch()
+    batch = await GenerateStream(stream).next_batch()
     assert batch == [ev.Tokens((7,)), ev.Finished(reason=g.FINISH_REASON_LENGTH)]
 
 
 async def test_the_messages_of_one_read_reach_a_waiting_reader_together_through_its_direct_handler():
-    """engine/inbox.py: while the reader waits, what one read brought for its stream is handed to its direct
+    """transport/inbox.py: while the reader waits, what one read brought for its stream is handed to its direct
     handler in the connection's task; the reader wakes only for what the handler leaves it."""
     connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
     one, two, three = (g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=i)])) for i in (1, 2, 3))
@@ -212,7 +212,7 @@ async def test_many_streams_share_one_connection_and_match_grpcio(sim_workers, e
                 nursery.start_soon(one, i)
         assert len(results) == 64 and all(len(t) == 24 for t in results.values())
         assert await tokens_of(h2_client, "x-seeded") == await tokens_of(grpc_client, "x-seeded")
-        assert h2_client._h2._connection is not None and len(h2_client._h2._connection.streams) == 0
+        assert h2_client._channel._connection is not None and len(h2_client._channel._connection.streams) == 0
 
 
 async def test_a_request_larger_than_the_flow_control_window_is_sent_whole(sim_workers, engine_client):
@@ -331,14 +331,14 @@ async def test_a_stream_left_to_end_by_itself_is_reset_if_its_status_never_comes
         sim_workers, engine_client, monkeypatch):
     """After Finished the caller leaves without a reset (the status is due at once); a worker whose status
     then never comes (here 30 s late) cannot keep the stream open: it is reset a grace period later."""
-    from orchestrator.transport import h2_grpc as h2_streams
+    from orchestrator.transport import calls
 
-    monkeypatch.setattr(h2_streams, "STATUS_GRACE_S", 0.2)
+    monkeypatch.setattr(calls, "STATUS_GRACE_S", 0.2)
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--status-delay", "30")
     async with engine_client(worker.address, stream_transport="h2") as client:
         stream, events = await read_to_finished(client, request("late-status", max_tokens=3))
         assert isinstance(events[-1], Finished) and stream.ended
-        connection = client._h2._connection
+        connection = client._channel._connection
         assert len(connection.streams) == 1  # left open, waiting for its trailers
         with trio.fail_after(5):
             while connection.streams:

@@ -1,4 +1,4 @@
-"""Our HTTP/2 client framing (engine/http2.py), I/O-free: checked against h2's server side, an independent
+"""Our HTTP/2 client framing (transport/http2.py), I/O-free: checked against h2's server side, an independent
 implementation of RFC 9113, and against hand-made frames for what a broken peer can send."""
 
 from __future__ import annotations

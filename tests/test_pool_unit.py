@@ -61,6 +61,6 @@ async def test_the_configured_keepalive_reaches_every_worker_connection():
             with trio.fail_after(5):
                 while pool.workers[spec].client is None:
                     await trio.sleep(0.01)
-            keepalive = pool.workers[spec].client._h2.keepalive
+            keepalive = pool.workers[spec].client._channel.keepalive
             assert (keepalive.interval_s, keepalive.timeout_s) == (7.0, 3.0)
             nursery.cancel_scope.cancel()

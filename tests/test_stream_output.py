@@ -159,7 +159,7 @@ async def run_handing_over(reads, sink, *, stop=()) -> StreamState:
     """stream_output on a real inbox fed like the HTTP/2 connection feeds it: each read's events handed
     over together once the request's task waits (engine/inbox.py)."""
     inbox, state = TrioInbox(), StreamState()
-    stream = GenerateStream(inbox, "w", decoded=True)
+    stream = GenerateStream(inbox)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(stream_output, stream, sink, IncrementalDetokenizer(TOKENIZER, stop), state,
                                    worker="w"))
@@ -232,7 +232,7 @@ async def test_a_cancelled_request_ends_direct_delivery():
     sink = WritesNowSink(per_token=True)
     with trio.move_on_after(5) as scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(stream_output, GenerateStream(inbox, "w", decoded=True), sink,
+            nursery.start_soon(partial(stream_output, GenerateStream(inbox), sink,
                                        IncrementalDetokenizer(TOKENIZER), StreamState(), worker="w"))
             await trio.testing.wait_all_tasks_blocked()
             inbox._items.append(Tokens(WORDS[:1]))

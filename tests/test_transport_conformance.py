@@ -1,4 +1,4 @@
-"""Conformance of the worker transport (engine/h2_streams.py over engine/http2.py) to RFC 9113 and gRPC over
+"""Conformance of the worker transport (transport/h2_channel.py over transport/http2.py) to RFC 9113 and gRPC over
 HTTP/2, call by call: what a broken worker (or a proxy in front of one) can send, against h2's server side
 (tests/h2_scripted_server.py), and what a stock grpc.aio server with production-like options does
 (tests/grpc_servers.py: its default ping policy, max_concurrent_streams, max_connection_age, compression),
@@ -21,7 +21,7 @@ from h2_scripted_server import GRPC_HEADERS, SettingCodes, grpc_message, scripte
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import openengine_pb2_grpc
-from orchestrator.transport import h2_grpc as h2_streams
+from orchestrator.transport import h2_channel as h2_streams
 from orchestrator.transport import http2
 
 HANG_GUARD_S = 10  # what a broken transport would wait forever for fails the test instead
@@ -89,7 +89,7 @@ async def test_a_stream_silent_for_five_keepalive_intervals_survives_the_default
                                  keepalive_timeout_s=5.0) as client:
             events = await events_of(client, "silent")
             if transport == "h2":  # the keepalive did run: it pinged the silent connection
-                assert client._h2._connection.pings_sent >= 1
+                assert client._channel._connection.pings_sent >= 1
     assert token_ids(events) == [0, 1] and isinstance(events[-1], Finished)
 
 
@@ -126,9 +126,9 @@ async def test_goaway_too_many_pings_names_itself_doubles_the_interval_and_is_lo
     async with scripted_server(answer) as server, engine_client(
             server.address, stream_transport="h2", keepalive_interval_s=0.1) as client:
         first = await outcome_of(client, "one")
-        assert client._h2.keepalive.interval_s == pytest.approx(0.2)
+        assert client._channel.keepalive.interval_s == pytest.approx(0.2)
         second = await outcome_of(client, "two")
-        assert client._h2.keepalive.interval_s == pytest.approx(0.4)
+        assert client._channel.keepalive.interval_s == pytest.approx(0.4)
     for error in (first, second):
         assert isinstance(error, WorkerUnavailable) and error.retryable
         assert "ENHANCE_YOUR_CALM" in str(error) and "too_many_pings" in str(error)
@@ -210,8 +210,8 @@ async def test_a_broken_response_fails_its_own_call_resets_its_stream_and_spares
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(run, "broken")
         after = await outcome_of(client, "after")  # the connection still serves
-        connection = client._h2._connection
-        assert len(server.connections) == 1 and connection.wire.streams == {} and connection.streams == {}
+        connection = client._channel._connection
+        assert len(server.connections) == 1 and connection.framing.streams == {} and connection.streams == {}
     error = outcomes["broken"]
     assert isinstance(error, EngineError) and error.grpc_status == status, error
     assert token_ids(outcomes["neighbour"]) == [7] and isinstance(outcomes["neighbour"][-1], Finished)
@@ -316,7 +316,7 @@ async def test_a_grpc_server_streaming_to_a_reader_that_does_not_read_is_held_at
         async with engine_client(server.address, stream_transport="h2") as client:
             with trio.fail_after(HANG_GUARD_S):
                 async with client.generate(request("slow reader")) as stream:
-                    inbox = stream._inbox
+                    inbox = stream._call
                     settled, last = 0, -1
                     while settled < 10:  # until everything is written on the worker's side and nothing more comes
                         await trio.sleep(0.05)

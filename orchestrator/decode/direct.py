@@ -19,7 +19,7 @@ The contract, in one place. Three parties meet here and nowhere else:
 What runs in the reader task: `deliver` -- counting (StreamState, the token meter through `on_chunk`),
 incremental detokenizing and the stop strings, SSE formatting, and a write that does not block. It is a
 plain call inside another task: it never awaits, and it must not raise (if it does, that one call fails:
-transport/h2_grpc.py abandons the stream and logs it; the connection and its other streams go on).
+transport/h2_channel.py abandons the stream and logs it; the connection and its other streams go on).
 
 What it may touch: this request's StreamState, detokenizer and sink, and its token meter; nothing of the
 connection (the inbox gives the worker its flow-control credit after `deliver` returns). The request's

@@ -1,10 +1,12 @@
-"""The only package that touches grpc.aio and asyncio: a trio-facing OpenEngine v1 client.
+"""The OpenEngine v1 client the orchestrator's stages call, on trio: one EngineClient per worker.
 
-- loop_thread: the asyncio (uvloop) thread that runs grpc.aio, and the batched handoff to trio
-- client: EngineClient (generate, abort, health, server/model info, load, connect-until-ready)
+- client: EngineClient (generate, abort, health, server/model info, load, connect-until-ready) over one
+  transport/ WorkerChannel, and GenerateStream, the events of one Generate call
+- events: typed Generate events, decoded from GenerateResponse messages; token_message: the token ids of
+  the common one-token message, read from its bytes without a protobuf parse
 - capabilities: WorkerCapabilities and the single-flight discovery cache
-- events: typed Generate events
-- errors: one exception hierarchy for every worker failure
+- errors: one exception hierarchy for every worker failure, whichever transport carried the call
+Below it, transport/ carries the calls: our HTTP/2 client on trio, or grpc.aio on the loop thread.
 """
 
 from orchestrator.engine.capabilities import WorkerCapabilities

@@ -2,7 +2,7 @@
 
 One small frozen class per event kind, so the coordinator matches on types instead of poking at
 protobuf oneofs. Decoding is on the hot path of every token: it does no more than it must, and
-`decode_bytes` reads a plain token message's ids from its wire bytes (engine/token_wire.py), and shares
+`decode_bytes` reads a plain token message's ids from its bytes (engine/token_message.py), and shares
 one event among the messages whose bytes say the same.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from orchestrator.engine.errors import EngineError, from_engine_error
-from orchestrator.engine.token_wire import event_token_ids, without_request_id
+from orchestrator.engine.token_message import event_token_ids, without_request_id
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
@@ -131,7 +131,10 @@ def decode_bytes(payload: bytes, *, worker: str) -> Event | None:
 
 # A one-token message's bytes after its request_id depend only on the token (and the delta text and output
 # index a worker may add), and Tokens is frozen: the event read from those bytes once is shared by every
-# later message with the same bytes, skipping the read. The limit bounds the table against a worker that
-# sends arbitrary ids or texts: full, with a short delta text in each message, it holds about 15 MB.
+# later message with the same bytes, skipping the read and the allocation. Kept for what it saves on every
+# streamed token: 0.7-1.1 us a message against 3.8-5.4 us without it (TensorRT-LLM-shaped messages, 4 paired
+# runs on the loaded 2-core VM, 2026-12-05), next to a serve CPU per streamed token of 13-20 us. The limit
+# bounds the table against a worker that sends arbitrary ids or texts: full, with a short delta text in each
+# message, it holds about 15 MB. With grpcio it is filled on the loop thread: a dict's get and set are atomic.
 _TOKEN_EVENTS: dict[bytes, Tokens] = {}
 _TOKEN_EVENTS_LIMIT = 1 << 16

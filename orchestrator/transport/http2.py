@@ -42,7 +42,7 @@ What it deliberately does not do:
 - the SETTINGS acknowledgement timeout (§6.5.3) and rate limits on the peer's PING, SETTINGS or RST_STREAM
   frames (a worker is not an adversary; what it can make us hold is bounded per frame, header block, stream
   window and message).
-The caller (engine/h2_streams.py) owns the socket and the streams' meaning; each stream is an opaque
+The caller (transport/h2_channel.py) owns the socket and the streams' meaning; each stream is an opaque
 handle given to open_stream() and handed back to the callbacks.
 """
 
@@ -490,7 +490,9 @@ class ClientConnection:
         """Every block, whatever its stream, goes through the decoder: its dynamic table must follow the
         peer's encoder. A block that adds nothing to the table (table references and literals without
         indexing: what a server sends for the same headers once it indexed them) means the same until a
-        block changes the table, so its decode is remembered until then."""
+        block changes the table, so its decode is remembered until then. Kept for what it saves on every call:
+        hpack decodes a call's response headers and trailers in 50-75 us on the loaded 2-core VM against 5-7 us
+        remembered; benchmarks/http2_framing.py's call costs 0.11x h2's with it and 0.19x without."""
         stable = not _changes_table(block)
         if stable and (known := self._stable_blocks.get(block)) is not None:
             return list(known)

@@ -26,11 +26,13 @@ import trio
 
 
 class TrioInbox:
+    """A call's responses on their way to the one task that reads them (get_batch)."""
+
     __slots__ = ("_items", "_reader", "_closed", "_error", "direct")
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._reader: trio.lowlevel.Task | None = None
+        self._reader = trio.lowlevel.ParkingLot()  # the reader, while it waits in get_batch
         self._closed = False
         self._error: BaseException | None = None
         self.direct: Callable[[list], list | None] | None = None  # the reader's direct handler, if any
@@ -39,9 +41,16 @@ class TrioInbox:
     def closed(self) -> bool:
         return self._closed
 
+    def deliver_directly(self, handler: Callable[[list], list | None] | None) -> bool:
+        """Give what arrives to `handler` while the reader waits (None: wake the reader again); True."""
+        self.direct = handler
+        return True
+
     def hand_over(self) -> None:
         """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
-        if self._reader is not None and self.direct is not None:
+        # Only while the reader is parked: then it is not handling a batch of its own, so the handler never runs
+        # concurrently with it, and what the handler declines still reaches it in order.
+        if self._reader and self.direct is not None:
             batch = list(self._items)
             self._items.clear()
             rest = self.direct(batch)
@@ -51,24 +60,22 @@ class TrioInbox:
         self._wake_reader()
 
     def _wake_reader(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            trio.lowlevel.reschedule(reader)
+        self._reader.unpark_all()  # it leaves the lot at once: a second hand_over before it runs only queues
 
     async def get_batch(self) -> list[Any]:
         """Everything queued so far (at least one item); [] once closed and drained.
 
         Raises the error the stream was closed with, after its items were read. Either it parks
         until woken (that park is the checkpoint), or it finds items at once and yields to the
-        scheduler once, so a fast stream cannot starve other tasks.
+        scheduler once, so a fast stream cannot starve other tasks. Cancelled while parked, it leaves
+        the lot (trio does that) and what arrives meanwhile stays queued for the next call.
         """
         items = self._items
         if items or self._closed:
             await trio.lowlevel.checkpoint()
         else:
             while not items and not self._closed:
-                self._reader = trio.lowlevel.current_task()
-                await trio.lowlevel.wait_task_rescheduled(self._abort)
+                await self._reader.park()
         batch = list(items)
         items.clear()
         if batch:
@@ -81,7 +88,3 @@ class TrioInbox:
 
     def _taken(self) -> None:
         """The reader took what was queued (H2Stream gives the worker its flow-control credit back here)."""
-
-    def _abort(self, _: Any) -> trio.lowlevel.Abort:
-        self._reader = None
-        return trio.lowlevel.Abort.SUCCEEDED

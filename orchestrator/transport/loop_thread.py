@@ -181,12 +181,17 @@ def _wake_all(inboxes: list[StreamInbox]) -> None:  # trio thread
 class StreamInbox(TrioInbox):
     """Messages from one asyncio-side stream, handed to one trio-side reader in batches."""
 
-    __slots__ = ("_dispatcher", "_wake_pending")
+    __slots__ = ("_dispatcher", "_wake_pending", "let_end")
 
     def __init__(self, dispatcher: _WakeDispatcher):
         super().__init__()
         self._dispatcher = dispatcher
         self._wake_pending = False
+        self.let_end = False  # as a call's stream (transport/channel.py CallStream): set by its reader
+
+    def deliver_directly(self, handler: Callable[[list], list | None] | None) -> bool:
+        """Never: the producer is the loop thread, where the reader's handler must not run."""
+        return False
 
     # ---- loop thread side -------------------------------------------------------------------
     def put(self, item: Any) -> None:

@@ -1,10 +1,11 @@
-"""gRPC calls over our own HTTP/2 connection on trio (framing: engine/http2.py): Generate streams and the
-unary control calls (Health, GetLoad, ServerInfo, ModelInfo, Abort).
+"""H2Channel: a worker's gRPC calls over our own HTTP/2 connection on trio (framing: transport/http2.py), the
+default WorkerChannel (transport/calls.py): Generate streams and the unary control calls (Health, GetLoad,
+ServerInfo, ModelInfo, Abort).
 
 Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
 asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
 (benchmarks/cpu_cost.py prints the floor), and an idle health poll wakes four threads. Here the bytes
-arrive on trio's own thread: engine/http2.py parses the frames, we cut the gRPC length-prefixed messages
+arrive on trio's own thread: transport/http2.py parses the frames, we cut the gRPC length-prefixed messages
 and decode them.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
@@ -23,18 +24,18 @@ stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-H
 - the status: `grpc-status` / `grpc-message` from the trailers or a trailers-only response, mapped by
   errors.from_grpc_status exactly as for grpcio; without a grpc-status, a `:status` other than 200 maps as
   gRPC maps HTTP statuses (a proxy, or no gRPC server); a `content-type` other than application/grpc*, a
-  grpc-status that is not a number, and every HTTP/2 stream error (engine/http2.py) fail that call INTERNAL
+  grpc-status that is not a number, and every HTTP/2 stream error (transport/http2.py) fail that call INTERNAL
   and only it; a call failed while its stream is open resets it (RST_STREAM CANCEL), so the worker stops
   and the stream slot is free;
 - leaving a stream early (a cancelled scope, a client that went away) sends RST_STREAM(CANCEL), which
   the server sees as a cancelled RPC; a stream whose caller read its terminal event (`let_end`) is left
   to end with its trailers instead (engine/client.py says why), and reset only if it lingers past
-  STATUS_GRACE_S;
+  calls.STATUS_GRACE_S;
 - a lost connection fails every open stream as WorkerUnavailable (retryable); GOAWAY fails the streams the
   server will not process, naming its code and debug data, and new streams, and those waiting for a slot on
   that connection, go to a new one;
 - the peer's SETTINGS_MAX_CONCURRENT_STREAMS: a new stream waits for a free slot;
-- keepalive PINGs that respect the server's ping policy (engine/keepalive.py), their ACKs matched to them;
+- keepalive PINGs that respect the server's ping policy (transport/keepalive.py), their ACKs matched to them;
 - a unary call's DEADLINE_EXCEEDED (retryable) when its timeout passes.
 Plaintext (h2c with prior knowledge, TensorRT-LLM's default) or TLS with ALPN h2 (workers_tls).
 What it deliberately does not do: compress requests, or ask for compressed responses (inflating costs CPU
@@ -61,13 +62,13 @@ import grpc
 import trio
 
 from orchestrator.engine.errors import EngineError, from_grpc_status, grpc_status_from_number
-from orchestrator.transport import http2
+from orchestrator.transport import calls, http2
 from orchestrator.transport.eager_receive import EagerReceiver
 from orchestrator.transport.eager_send import EagerSender
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
 
-log = logging.getLogger("orchestrator.engine")
+log = logging.getLogger("orchestrator.engine")  # the engine client's logger: one name for a worker's troubles
 
 # Receive flow control: each stream may have STREAM_RECEIVE_WINDOW bytes on their way or waiting for its reader,
 # credited back as the reader takes them (a reader that does not read stops its worker there); the connection's
@@ -75,9 +76,6 @@ log = logging.getLogger("orchestrator.engine")
 STREAM_RECEIVE_WINDOW = 1024 * 1024
 CONNECTION_RECEIVE_WINDOW = 16 * 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a response message above this fails its call, as grpcio's limit does
-# A stream whose caller read its terminal event is left to end with its status; one still open after this long
-# is reset (client.py's grpcio path cancels such a call after the same time).
-STATUS_GRACE_S = 30.0
 _FRESH_CONNECTION_TRIES = 3  # a call that never started on a connection that went away tries a new one
 _READ_SIZE = 256 * 1024
 _HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
@@ -96,7 +94,7 @@ class H2Stream(TrioInbox):
         self.decode = decode
         self.let_end = False  # the caller is done and the call is over but for its status: do not reset it
         self.unread = 0  # DATA bytes behind messages still queued for the reader: their credit waits for it
-        self._connection: _Connection | None = None
+        self._connection: WorkerConnection | None = None
         self._buffer = bytearray()
         self._status: int | None = None
         self._message = ""
@@ -153,7 +151,7 @@ class H2Channel:
         self._nursery = nursery
         self._ssl_context = ssl_context
         self._server_name = server_name or self.host
-        self._connection: _Connection | None = None
+        self._connection: WorkerConnection | None = None
         self._connecting = trio.Lock()
         self._closed = False
         self._header_blocks: dict[tuple[str, str], bytes] = {}
@@ -169,7 +167,7 @@ class H2Channel:
                 (b"te", b"trailers"), (b"grpc-accept-encoding", b"identity"), (b"user-agent", b"orchestrator-h2")])
         return block
 
-    async def _current(self, rpc: str) -> _Connection:
+    async def _current(self, rpc: str) -> WorkerConnection:
         connection = self._connection
         if connection is not None and connection.usable and not self._closed:
             return connection  # the usual case, without the lock's checkpoint (a pass through the scheduler)
@@ -180,7 +178,7 @@ class H2Channel:
                 self._connection = await self._connect(rpc)
             return self._connection
 
-    async def _connect(self, rpc: str) -> _Connection:
+    async def _connect(self, rpc: str) -> WorkerConnection:
         try:
             transport: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
             if self._ssl_context is not None:
@@ -193,7 +191,7 @@ class H2Channel:
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             raise unavailable(f"cannot connect to {self.authority}: {_why_not_connected(exc)}", worker=self.worker,
                               rpc=rpc) from exc
-        connection = _Connection(transport, self, "https" if self._ssl_context else "http")
+        connection = WorkerConnection(transport, self, "https" if self._ssl_context else "http")
         await self._nursery.start(connection.run)
         return connection
 
@@ -222,6 +220,8 @@ class H2Channel:
         try:
             yield stream
         finally:
+            # Synchronous on purpose: a cancelled caller cannot await here, and its RST_STREAM must still go out
+            # (finish queues it and sends what the socket takes at once; the writer task sends the rest).
             connection.finish(stream)
 
     async def unary(self, path: str, request: bytes, decode: Callable[[bytes], Any], *,
@@ -246,6 +246,10 @@ class H2Channel:
         if self._connection is not None:
             self._connection.close()
 
+    async def aclose(self) -> None:
+        """WorkerChannel's close: nothing to wait for (the connection's tasks end in their nursery)."""
+        self.close()
+
     def fail_if_silent(self, quiet_s: float, why: str) -> int:
         """Drop the connection and fail its calls as WorkerUnavailable (retryable: they retry or migrate
         elsewhere) when it has calls open and nothing arrived on it for `quiet_s` seconds; how many calls.
@@ -263,8 +267,8 @@ class H2Channel:
         return calls
 
 
-class _Connection:
-    """One HTTP/2 connection (engine/http2.py does the framing): a reader, a writer and a keepalive task."""
+class WorkerConnection:
+    """One HTTP/2 connection (transport/http2.py does the framing): a reader, a writer and a keepalive task."""
 
     def __init__(self, transport: trio.abc.Stream, channel: H2Channel, scheme: str):
         self.transport = transport
@@ -272,20 +276,20 @@ class _Connection:
         self.receiver = EagerReceiver(transport)
         self.channel = channel
         self.scheme = scheme
-        self.wire = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
+        self.framing = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
                                            connection_window=CONNECTION_RECEIVE_WINDOW)
         self.streams: dict[int, H2Stream] = {}
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
         self.goaway = ""  # the worker's GOAWAY, named for the errors of the calls it ends ("GOAWAY CODE: debug")
         self.pings_sent = 0
-        self._dirty = trio.Event()  # set when the wire has bytes to send
+        self._dirty = trio.Event()  # set when the framing has bytes to send
         self._slot_freed = trio.Event()
         self._failure: BaseException | None = None  # why the connection ended, for the streams it fails
         self._lingering: list[H2Stream] = []  # left to end by themselves and still open at the last sweep
         self._arrived: list[H2Stream] = []  # streams given messages by the read being processed
         self._scope = trio.CancelScope()
         # When bytes last came from the worker, or run() began: the keepalive pings only after this much quiet
-        # (engine/keepalive.py), and H2Channel.fail_if_silent fails the calls of a worker silent for long.
+        # (transport/keepalive.py), and H2Channel.fail_if_silent fails the calls of a worker silent for long.
         self.last_arrival = 0.0
         self._last_ping = 0.0  # the PING awaiting its ACK, and how many went since the last HEADERS or DATA
         self._pings_since_data = 0
@@ -296,7 +300,7 @@ class _Connection:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read, write and keep alive until the connection fails or is closed; then fail what is open."""
         self.last_arrival = trio.current_time()
-        self.wire.initiate()
+        self.framing.initiate()
         self._dirty.set()
         try:
             with self._scope:
@@ -317,7 +321,7 @@ class _Connection:
         """Best effort: the GOAWAY naming the worker's protocol error, before we hang up."""
         with trio.move_on_after(0.2):
             try:
-                await self.transport.send_all(self.wire.data_to_send())
+                await self.transport.send_all(self.framing.data_to_send())
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
                     ssl.SSLError):
                 pass
@@ -347,7 +351,7 @@ class _Connection:
                 raise trio.BrokenResourceError("the worker closed the connection")
             self.last_arrival = trio.current_time()
             try:
-                self.wire.receive(data)
+                self.framing.receive(data)
             finally:
                 self._hand_over()
                 self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
@@ -355,14 +359,14 @@ class _Connection:
     async def _keepalive(self) -> None:
         """PINGs by the keepalive policy while streams are open, and the sweep of streams left lingering."""
         policy = self.channel.keepalive
-        next_sweep = trio.current_time() + STATUS_GRACE_S
+        next_sweep = trio.current_time() + calls.STATUS_GRACE_S
         while True:
             ping_at = self._ping_due() if self.streams else trio.current_time() + policy.interval_s
             await trio.sleep_until(min(ping_at, next_sweep))
             now = trio.current_time()
             if now >= next_sweep:
                 self._reset_lingering()
-                next_sweep = now + STATUS_GRACE_S
+                next_sweep = now + calls.STATUS_GRACE_S
             if self.streams and now >= self._ping_due():  # (anything heard meanwhile moved it later)
                 await self._ping(policy.timeout_s)
 
@@ -377,7 +381,7 @@ class _Connection:
         self._last_ping = trio.current_time()
         self._ping_payload = self.pings_sent.to_bytes(8, "big")
         self._ping_answered = trio.Event()
-        self.wire.ping(self._ping_payload)
+        self.framing.ping(self._ping_payload)
         self._kick()
         with trio.move_on_after(timeout):
             await self._ping_answered.wait()
@@ -385,29 +389,31 @@ class _Connection:
         raise trio.BrokenResourceError(f"no answer to a keepalive ping within {timeout:g} s")
 
     def _kick(self) -> None:
-        if self.wire.wants_to_send:
+        if self.framing.wants_to_send:
             self._dirty.set()
 
     def _flush(self) -> None:
-        """Send what the wire has from the calling task when the socket takes it at once (no pass through the
+        """Send what the framing has from the calling task when the socket takes it at once (no pass through the
         writer task); the rest, if any, goes back first in line for the writer."""
-        if not self.wire.wants_to_send or self.sender.busy or self._dirty.is_set():
+        # While the writer is in a send (busy) or due to run (dirty), bytes sent from here would cut into or
+        # overtake what it took: frames must leave in the order the framing queued them.
+        if not self.framing.wants_to_send or self.sender.busy or self._dirty.is_set():
             self._kick()
             return
         try:
-            rest = self.sender.send_nowait(self.wire.data_to_send())
+            rest = self.sender.send_nowait(self.framing.data_to_send())
         except trio.BrokenResourceError as exc:
             self._fail(exc)
             return
         if rest:
-            self.wire.put_back(rest)
+            self.framing.put_back(rest)
             self._dirty.set()
 
     async def _write(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = self.wire.data_to_send()
+            data = self.framing.data_to_send()
             if data:
                 await self.sender.send_all(data)
 
@@ -415,18 +421,18 @@ class _Connection:
     async def start(self, stream: H2Stream, path: str, extra_headers: bytes = b"") -> bool:
         """Open `stream` once a slot is free; False when the connection went away first (the call never started
         here: the channel takes it to a fresh connection)."""
-        while self.usable and not self.wire.can_open:
+        while self.usable and not self.framing.can_open:
             await self._slot_freed.wait()
-        if not self.usable or self.wire.going_away:
+        if not self.usable or self.framing.going_away:
             self.usable = False
             return False
         if not self.streams:  # an idle connection: its silence so far says nothing about this call
             self.last_arrival = trio.current_time()
         stream._connection = self
-        stream.id = self.wire.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
+        stream.id = self.framing.open_stream(stream, self.channel.header_block(path, self.scheme) + extra_headers,
                                           stream._outbound)
         self.streams[stream.id] = stream
-        if self.wire.going_away:  # stream ids ran out: this one is the last on this connection
+        if self.framing.going_away:  # stream ids ran out: this one is the last on this connection
             self.usable = False
         self._flush()
         return True
@@ -450,7 +456,7 @@ class _Connection:
         own after each read."""
         count, stream.unread = stream.unread, 0
         if stream.id in self.streams:
-            self.wire.consumed(stream.id, count)
+            self.framing.consumed(stream.id, count)
             if flush:
                 self._flush()
 
@@ -470,7 +476,7 @@ class _Connection:
 
     def _cancel(self, stream: H2Stream) -> None:
         if stream.id in self.streams and self.usable:
-            self.wire.reset(stream.id, http2.CANCEL)
+            self.framing.reset(stream.id, http2.CANCEL)
             self._flush()
 
     def close(self) -> None:
@@ -481,7 +487,7 @@ class _Connection:
         if self.streams.pop(stream.id, None) is not None:
             self._on_capacity()
 
-    # ---- what the worker sent (engine/http2.py calls these) --------------------------------------
+    # ---- what the worker sent (transport/http2.py calls these) --------------------------------------
     def _on_capacity(self) -> None:
         self._slot_freed.set()
         self._slot_freed = trio.Event()
@@ -491,7 +497,7 @@ class _Connection:
         self._forget(stream)
 
     def _on_stream_error(self, stream: H2Stream, code: int, why: str) -> None:
-        """The wire reset a stream whose frames broke HTTP/2: that call fails, the others go on."""
+        """The framing reset a stream whose frames broke HTTP/2: that call fails, the others go on."""
         stream._close(self._error(grpc.StatusCode.INTERNAL, stream, f"the worker broke HTTP/2 on this stream: {why}"))
         self._forget(stream)
 
@@ -516,7 +522,7 @@ class _Connection:
             self._ping_answered.set()
 
     def _on_data(self, stream: H2Stream, data: bytes) -> None:
-        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (engine/keepalive.py)
+        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (transport/keepalive.py)
         stream.unread += len(data)
         buffer = stream._buffer
         if not buffer and len(data) >= _HEADER and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5:
@@ -586,7 +592,7 @@ class _Connection:
 
     def _hand_over(self) -> None:
         """Each stream's messages of one read go to its reader together (one wake-up, or one direct delivery:
-        engine/inbox.py)."""
+        transport/inbox.py)."""
         arrived, self._arrived = self._arrived, []
         for stream in arrived:
             try:

@@ -1,4 +1,4 @@
-"""The token ids of a Generate token message, read straight from its protobuf wire bytes. Pure, no I/O.
+"""The token ids of a Generate token message, read straight from its serialized protobuf bytes. Pure, no I/O.
 
 Nearly every message of a stream is one token event, and a full protobuf parse plus the field accesses
 to reach its ids cost about twice as much as reading them here. Only the shape the workers send is read:
@@ -10,7 +10,7 @@ to reach its ids cost about twice as much as reading them here. Only the shape t
 fields in field-number order, as every protobuf serializer writes them (TensorRT-LLM's servicer sends
 output_index, tokens and the delta text; without logprobs a TokenInfo holds only the id). Anything else,
 a logprob, a usage, another field order, a long or non-ASCII string, gives None and takes the full parse:
-a shape this does not know is read slower, never differently (tests/test_token_wire.py holds it to that).
+a shape this does not know is read slower, never differently (tests/test_token_message.py holds it to that).
 """
 
 from __future__ import annotations

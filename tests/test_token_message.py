@@ -1,4 +1,4 @@
-"""Token ids read from a message's wire bytes (engine/token_wire.py): the shapes the workers send take the fast
+"""Token ids read from a message's wire bytes (engine/token_message.py): the shapes the workers send take the fast
 path, and no bytes at all are ever read differently from protobuf's own parse (engine/events.decode)."""
 
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.engine import events as ev
-from orchestrator.engine.token_wire import token_ids
+from orchestrator.engine.token_message import token_ids
 from orchestrator.openengine.v1 import generation_pb2 as g
 
 UINT32 = st.integers(min_value=0, max_value=2**32 - 1)
