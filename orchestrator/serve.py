@@ -197,12 +197,9 @@ async def _finish_in_flight(app, grace_s: float) -> None:
 
 async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event, reuse_port: bool = False,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The HTTP server `http.server` names, serving `app` until `shutdown`; started with its URL.
-    `reuse_port`: the port is shared with the other frontend processes (SO_REUSEPORT)."""
+    """The HTTP server (orchestrator/frontend/http_server.py), serving `app` until `shutdown`; started with its
+    URL. `reuse_port`: the port is shared with the other frontend processes (SO_REUSEPORT)."""
     http = config.http
-    if http.server == "hypercorn":
-        await _serve_hypercorn(app, config, host, port, shutdown, task_status)
-        return
     from orchestrator.frontend.http_server import ServerLimits, open_listener
     from orchestrator.frontend.http_server import serve_http as serve_native
 
@@ -219,36 +216,6 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
     listener = await open_listener(host, port, backlog=http.backlog, reuse_port=reuse_port)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)
-
-
-async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: trio.Event, task_status) -> None:
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from orchestrator.frontend import hypercorn_fix
-
-    hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
-    http = config.http
-    hc = HypercornConfig()
-    hc.bind = [f"{host}:{port}"]
-    hc.backlog = http.backlog  # hypercorn's default of 100 resets a burst of connections
-    hc.graceful_timeout = config.limits.shutdown_grace_s + LAST_WORDS_S
-    # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
-    # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
-    hc.keep_alive_timeout = http.keep_alive_s
-    hc.h11_max_incomplete_size = http.max_header_bytes
-    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
-        hc.certfile = str(config.base_dir / http.tls_cert_file)
-        hc.keyfile = str(config.base_dir / http.tls_key_file)
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-
-    async def started(task_status=trio.TASK_STATUS_IGNORED):
-        await hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait, task_status=task_status)
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started)
-        task_status.started(binds[0])
 
 
 async def _on_signal(app, shutdown: trio.Event, startup: trio.CancelScope) -> None:
@@ -327,7 +294,7 @@ def busy_port_message(host: str, port: int, error: OSError, flag: str, config_pa
 
 
 def _address_in_use(exc: BaseException) -> OSError | None:
-    """The EADDRINUSE inside what hypercorn's bind raised (possibly wrapped in exception groups)."""
+    """The EADDRINUSE inside what the listener's bind raised (possibly wrapped in exception groups)."""
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return exc
     if isinstance(exc, BaseExceptionGroup):

@@ -113,7 +113,6 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
     ("keepalive:\n  interval_s: 0\n", "keepalive.interval_s", "> 0"),
     ("keepalive:\n  timeout_s: ten\n", "keepalive.timeout_s", "a number"),
     ("keepalive:\n  time_s: 30\n", "keepalive.time_s", "interval_s, timeout_s"),
-    ("http:\n  processes: 2\n  server: hypercorn\n", "http.processes", "need http.server native"),
     ("- a list\n", "(top level)", "a mapping"),
     ("mode: [unclosed\n", "(syntax)", "valid YAML"),
 ])
@@ -122,6 +121,18 @@ def test_config_errors_name_file_key_and_expectation(tmp_path, text, key, words)
     with pytest.raises(ConfigError) as info:
         check_sim_workers(config_module.load(path), str(path))  # what `check-config` and `launch` run
     assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
+
+
+def test_http_server_is_retired_native_still_loads_and_hypercorn_is_refused_by_name(tmp_path):
+    """An upgraded deployment whose config spelled out the default keeps loading; one that asked for the removed
+    hypercorn server learns it at load, with the file, the key and what to write instead."""
+    assert config_module.load(write(tmp_path, "http:\n  server: native\n  processes: 2\n")).http.processes == 2
+    path = write(tmp_path, "http:\n  server: hypercorn\n")
+    with pytest.raises(ConfigError) as info:
+        config_module.load(path)
+    assert info.value.key == "http.server" and str(path) in str(info.value)
+    assert "native, the only HTTP server since hypercorn was removed" in str(info.value)
+    assert "got 'hypercorn'" in str(info.value)
 
 
 def test_a_missing_file_is_a_config_error():
