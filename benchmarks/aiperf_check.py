@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.models import TINY_CHAT
-from orchestrator.processes import OrchestratorServers, SimWorkers
+from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 from orchestrator.testkit.plugin import write_config
 
 ROOT = Path(__file__).resolve().parent.parent

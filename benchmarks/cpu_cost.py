@@ -35,7 +35,7 @@ from pathlib import Path
 import trio
 
 from orchestrator.engine import EngineClient, LoopThread
-from orchestrator.processes import OrchestratorServers, SimWorkers
+from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import Direct, ThroughOrchestrator, chat_prompt_ids, run_slots, start_deployment

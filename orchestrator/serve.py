@@ -22,6 +22,7 @@ from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
 from orchestrator.frontend.descriptors import connection_cap, open_files_limit, raise_open_files_limit
 from orchestrator.frontend.multiprocess import FrontendChildren, FrontendProcess, ParentWatch
+from orchestrator.processes import orchestrator_command
 
 log = logging.getLogger("orchestrator.serve")
 # After the shutdown grace, the requests still running are ended with a 503 or a final SSE error event
@@ -266,9 +267,9 @@ def run(args: argparse.Namespace) -> int:
     def child_argv(index: int, bound_port: int) -> list[str]:
         overrides = [a for w in args.worker for a in ("--worker", w)]
         overrides += [a for e in args.etcd_endpoint for a in ("--etcd-endpoint", e)]
-        return [sys.executable, "-m", "orchestrator", "--log-level", args.log_level, "serve", "-c",
-                str(args.config), "--host", host, "--port", str(bound_port), "--frontend-index", str(index),
-                "--frontend-parent", str(os.getpid()), *overrides]
+        return orchestrator_command("--log-level", args.log_level, "serve", "-c", str(args.config), "--host", host,
+                                    "--port", str(bound_port), "--frontend-index", str(index),
+                                    "--frontend-parent", str(os.getpid()), *overrides)
 
     try:
         trio.run(partial(serve, config, host=host, port=port, frontend=frontend, child_argv=child_argv))
