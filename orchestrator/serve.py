@@ -86,7 +86,7 @@ def worker_tls(config: Config):
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
-        from orchestrator.discovery.registration import EtcdTls
+        from orchestrator.discovery.etcd_client import EtcdTls
 
         etcd = config.discovery.etcd
         files = etcd.tls_files(config.base_dir, config.source)

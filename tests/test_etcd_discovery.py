@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.registry import WorkerSpec
+from orchestrator.discovery.snapshots import WorkerSpec
 from orchestrator.testkit.plugin import EtcdServer, orchestrator_command, write_config
 
 pytestmark = pytest.mark.etcd
@@ -237,12 +237,13 @@ async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_
 async def test_a_registration_keeps_its_lease_through_an_etcd_restart(tmp_path):
     """After a restart etcd restores leases with a fresh TTL; the registration must refresh its own lease
     (not write a new one), or the restored lease expires and deletes a live worker's key."""
-    from orchestrator.discovery.registration import Registration, new_client
+    from orchestrator.discovery.etcd_client import new_client
+    from orchestrator.discovery.lease_keeper import LeaseKeeper
     from orchestrator.engine import LoopThread
 
     etcd = EtcdServer(tmp_path)
     try:
-        registration = Registration(etcd.url, "test/workers/m/decode/keep", b'{"x": 1}', ttl=TTL)
+        registration = LeaseKeeper(etcd.url, "test/workers/m/decode/keep", b'{"x": 1}', ttl=TTL)
         async with LoopThread.open() as loop_thread:
             async def key_lease():
                 client = new_client(etcd.url)
