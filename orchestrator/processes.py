@@ -100,13 +100,16 @@ class ManagedProcess:
     def _record(self, line: str) -> None:
         with self._output_lock:
             self._lines.append(line)
-            if self._log is not None:
-                if not self._log.closed:
-                    self._log.write(line.encode() + b"\n")
-                    self._log.flush()  # a test or an operator may read the file while the child runs
-            else:
-                with _ECHO_LOCK:
-                    print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            try:
+                if self._log is not None:
+                    if not self._log.closed:
+                        self._log.write(line.encode() + b"\n")
+                        self._log.flush()  # a test or an operator may read the file while the child runs
+                else:
+                    with _ECHO_LOCK:
+                        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass  # a full disk or a closed stderr: the reader keeps draining, or the child would block
 
     def _join_readers(self) -> None:
         """After the exit: let the readers take the last lines (bounded: a grandchild may keep a pipe open)."""
@@ -194,7 +197,7 @@ class ManagedProcess:
         with trio.move_on_after(timeout):
             # The thread ends when the event is set: at the ready line or when stdout ends, even after we
             # stopped waiting for it.
-            await trio.to_thread.run_sync(self._ready.wait, abandon_on_cancel=True)
+            await _in_thread(self._ready.wait, abandon_on_cancel=True)
         if self.ready_url is None:
             if self._ready.is_set():
                 with trio.move_on_after(5):
@@ -220,7 +223,7 @@ class ManagedProcess:
 
     async def _exit_code_async(self) -> int:
         code = self.process.wait()  # it has exited: no wait
-        await trio.to_thread.run_sync(self._join_readers)
+        await _in_thread(self._join_readers)
         return code
 
     async def stop_async(self, timeout: float = 20.0) -> int:
@@ -234,9 +237,15 @@ class ManagedProcess:
                 self.process.kill()
                 with trio.move_on_after(5):
                     await self.wait_async()
-        await trio.to_thread.run_sync(self._join_readers)
+        await _in_thread(self._join_readers)
         self._close_log()
         return self.process.returncode
+
+
+async def _in_thread(fn, *, abandon_on_cancel: bool = False):
+    # A limiter of its own: a wait that lasts minutes must not hold a token of trio's default limiter, which
+    # the request path's threads share (tokenizing a long prompt, decoding a big body).
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon_on_cancel, limiter=trio.CapacityLimiter(1))
 
 
 def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_port: int,

@@ -1,12 +1,12 @@
-"""`orchestrator register`: the sidecar that announces one worker in etcd (through a LeaseKeeper).
+"""`orchestrator register`: the sidecar that announces one worker in etcd.
 
     orchestrator register --etcd http://127.0.0.1:2379 --worker grpc://127.0.0.1:50051 --role decode
 
 It waits for the worker (connect-until-ready), refuses a worker whose ServerInfo role (or model)
 differs from what it was told, then keeps it registered under a lease while its health is READY or
 DEGRADED, withdraws it at once when it turns unhealthy (NOT_READY: also how a draining worker says it),
-and revokes the lease on SIGTERM.
-Prints `ready KEY` once registered.
+and revokes the lease on SIGTERM (the lease rules are discovery/lease_keeper.py's). Prints `ready KEY`
+once registered.
 """
 
 from __future__ import annotations
