@@ -32,7 +32,7 @@ import trio
 
 log = logging.getLogger("orchestrator.processes")
 
-_TAIL_LINES = 1000  # kept in memory for failure messages and tail(); the log file has everything
+_TAIL_LINES = 1000  # without a log file: kept in memory for failure messages and tail()
 _OUTPUT_DRAIN_S = 2.0  # after the exit, how long to wait for the last lines (a grandchild may hold the pipe)
 _ECHO_LOCK = threading.Lock()  # lines of several children on our stderr stay whole
 
@@ -54,8 +54,9 @@ class ProcessFailed(RuntimeError):
 
 
 class ManagedProcess:
-    """One child process, started at once. `log_dir`: its output goes to `log_dir/NAME.log`; None: each line
-    goes to our stderr as `[NAME] line` (the launcher, frontend 0: the operator reads one stream)."""
+    """One child process, started at once. `log_dir`: its output goes to `log_dir/NAME.log` (its stderr
+    straight from the child, so it never waits for us to read it, and keeps logging if we die); None: each
+    line goes to our stderr as `[NAME] line` (the launcher, frontend 0: the operator reads one stream)."""
 
     def __init__(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
                  log_dir: Path | None = None):
@@ -63,22 +64,23 @@ class ManagedProcess:
         self.argv = argv
         self.log_path = None if log_dir is None else Path(log_dir) / f"{name}.log"
         self._log: IO[bytes] | None = None if self.log_path is None else open(self.log_path, "ab")
-        self._lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)  # without a log file
         self._output_lock = threading.Lock()
         self.ready_url: str | None = None
         self._ready = threading.Event()  # set by the `ready URL` line, or when stdout ends without one
         self._sent_sigterm = False
         try:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, start_new_session=True,
-                                            env={**os.environ, **env} if env else None)
+                                            stderr=subprocess.PIPE if self._log is None else self._log,
+                                            start_new_session=True, env={**os.environ, **env} if env else None)
         except OSError as exc:  # e.g. a launch.workers command that is not installed
             self._close_log()
             raise ProcessFailed(f"{name} could not start: {argv[0]}: {exc.strerror or exc}") from exc
         log.info("started %s (pid %d): %s", name, self.process.pid, " ".join(argv))
+        streams = [(self.process.stdout, True)] + ([(self.process.stderr, False)] if self._log is None else [])
         self._readers = [threading.Thread(target=self._read, args=(stream, is_stdout), daemon=True,
                                           name=f"{name}-{'stdout' if is_stdout else 'stderr'}")
-                         for stream, is_stdout in ((self.process.stdout, True), (self.process.stderr, False))]
+                         for stream, is_stdout in streams]
         for reader in self._readers:
             reader.start()
 
@@ -99,13 +101,14 @@ class ManagedProcess:
 
     def _record(self, line: str) -> None:
         with self._output_lock:
-            self._lines.append(line)
             try:
                 if self._log is not None:
                     if not self._log.closed:
+                        # Whole lines, appended (O_APPEND), next to what the child writes to its stderr.
                         self._log.write(line.encode() + b"\n")
                         self._log.flush()  # a test or an operator may read the file while the child runs
                 else:
+                    self._lines.append(line)
                     with _ECHO_LOCK:
                         print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
             except (OSError, ValueError):
@@ -119,7 +122,10 @@ class ManagedProcess:
 
     def tail(self, lines: int = 40) -> str:
         with self._output_lock:
-            last = list(self._lines)[-lines:]
+            if self.log_path is not None:
+                last = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            else:
+                last = list(self._lines)[-lines:]
         return "\n".join(f"  [{self.name}] {line}" for line in last)
 
     def describe_failure(self) -> str:
