@@ -41,13 +41,6 @@ from orchestrator.processes import (  # noqa: F401 - re-exported for tests that 
     free_port,
     orchestrator_command,
 )
-from orchestrator.testkit.processes import (  # noqa: F401 - re-exported for tests that use the testkit
-    EtcdServer,
-    OrchestratorServer,
-    OrchestratorServers,
-    SimWorkerProcess,
-    SimWorkers,
-)
 from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
     Fail,
     FakeEngineClient,
@@ -56,6 +49,13 @@ from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the script
     Send,
     Wait,
     fake_worker,
+)
+from orchestrator.testkit.processes import (  # noqa: F401 - re-exported for tests that use the testkit
+    EtcdServer,
+    OrchestratorServer,
+    OrchestratorServers,
+    SimWorkerProcess,
+    SimWorkers,
 )
 
 
