@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.models import TINY_CHAT
-from orchestrator.processes import OrchestratorServers, SimWorkers
 from orchestrator.testkit.plugin import write_config
+from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF_VENV = ROOT / ".venv-aiperf"

@@ -35,7 +35,7 @@ from pathlib import Path
 import trio
 
 from orchestrator.engine import EngineClient, LoopThread
-from orchestrator.processes import OrchestratorServers, SimWorkers
+from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import Direct, ThroughOrchestrator, chat_prompt_ids, run_slots, start_deployment
@@ -208,13 +208,10 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"])
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long idle CPU is measured (default 5)")
     parser.add_argument("--coalesce-tokens", action="store_true", help="measure with http.coalesce_tokens: true")
-    parser.add_argument("--servers", nargs="+", default=["native", "hypercorn"], choices=["native", "hypercorn"],
-                        help="the HTTP servers to measure side by side (http.server; default both)")
     parser.add_argument("--processes", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
-                        help="frontend process counts for the native server (http.processes; default 1 and "
-                             "one per core); hypercorn runs one")
+                        help="frontend process counts (http.processes; default 1 and one per core)")
     parser.add_argument("--stream-transports", nargs="+", default=["h2", "grpcio"], choices=["h2", "grpcio"],
-                        help="Generate transports (stream_transport) measured with one native process; the "
+                        help="Generate transports (stream_transport) measured with one frontend process; the "
                              "other variants use the first (default h2, the shipped default)")
     args = parser.parse_args(argv)
     prompt_ids = chat_prompt_ids()
@@ -223,14 +220,13 @@ def main(argv=None) -> int:
     rows = []
     try:
         default_transport = args.stream_transports[0]
-        variants = [(name, n, default_transport) for name in args.servers
-                    for n in (args.processes if name == "native" else [1])]
-        if "native" in args.servers and 1 in args.processes:
-            variants[1:1] = [("native", 1, t) for t in args.stream_transports[1:]]
+        variants = [(n, default_transport) for n in args.processes]
+        if 1 in args.processes:
+            variants[1:1] = [(1, t) for t in args.stream_transports[1:]]
         for mode in args.modes:
-            for http_server, processes, transport in variants:
+            for processes, transport in variants:
                 addresses, server = start_deployment(workers, servers, tmp, mode, http={
-                    "coalesce_tokens": args.coalesce_tokens, "server": http_server, "processes": processes},
+                    "coalesce_tokens": args.coalesce_tokens, "processes": processes},
                     stream_transport=transport)
                 idle = idle_cpu_ms_per_s(server.process.pid, args.idle_seconds)
                 rounds, events_per_token = trio.run(cpu_points, server.url, server.process.pid, args)
@@ -241,7 +237,8 @@ def main(argv=None) -> int:
                 split = CpuSplit([w.process.pid for w in workers.started if w.process.alive()], server.process.pid)
                 direct, through, cpu = trio.run(retained_fraction, mode, addresses, server.url, prompt_ids, args,
                                                 split)
-                label = f"{http_server} x{processes}" + (f" {transport}" if transport != default_transport else "")
+                # "native": our own HTTP server (frontend/http_server.py), as the earlier tables name it
+                label = f"native x{processes}" + (f" {transport}" if transport != default_transport else "")
                 rows.append((mode, label, points, a, b, events_per_token, direct, through, idle, floor, fits, cpu))
                 server.process.stop()  # one deployment at a time: nothing else competes for the 2 cores
                 workers.close()
@@ -277,9 +274,9 @@ def report(rows, args) -> None:
           f"sim workers at zero cost, {os.cpu_count()} cores, coalesce_tokens={args.coalesce_tokens}")
     print(f"{'mode':14} {'server':15} {'a ms/req':>9} {'target':>7} {'b us/tok':>9} {'target':>7} {'events/tok':>10} "
           f"{'c=64 direct tok/s':>18} {'via us tok/s':>13} {'retained':>8} {'target':>7}")
-    for mode, http_server, points, a, b, events_per_token, direct, through, idle, floor, fits, cpu in rows:
+    for mode, server, points, a, b, events_per_token, direct, through, idle, floor, fits, cpu in rows:
         target_a, target_b = TARGETS[mode]
-        print(f"{mode:14} {http_server:15} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
+        print(f"{mode:14} {server:15} {a * 1e3:9.2f} {target_a:7.1f} {b * 1e6:9.1f} {target_b:7.0f} "
               f"{events_per_token:10.2f} {direct:18.0f} {through:13.0f} {through / direct:8.2f} {0.9:7.1f}")
         detail = ", ".join(f"{tokens:.0f} tok: {cpu * 1e3:.2f} ms" for tokens, cpu in points)
         print(f"{'':30} per request (medians): {detail}; idle: {idle:.1f} ms CPU per s (target 8)")

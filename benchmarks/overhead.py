@@ -34,8 +34,8 @@ from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg
-from orchestrator.processes import OrchestratorServers, SimWorkers
 from orchestrator.testkit.plugin import write_config
+from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 from orchestrator.tokenizer import ModelTokenizer
 
 PROMPT = "Describe the river, the bridge and the mountains in the picture."

@@ -27,8 +27,8 @@ from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg
-from orchestrator.processes import SimWorkers
 from orchestrator.sim.profiles import PROFILES
+from orchestrator.testkit.processes import SimWorkers
 
 
 def cost_tables() -> None:

@@ -10,7 +10,7 @@ from orchestrator import __version__, log
 
 # Each module defines add_parser(subparsers); imports inside run() keep `--help` fast.
 SUBCOMMAND_MODULES = ("orchestrator.sim.cli", "orchestrator.serve", "orchestrator.launch", "orchestrator.config_check",
-                      "orchestrator.discovery.register", "orchestrator.bench.cli")
+                      "orchestrator.discovery.sidecar", "orchestrator.bench.cli")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

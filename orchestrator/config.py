@@ -198,7 +198,6 @@ class AuthConfig:
     protect_metrics: bool = False  # /metrics needs a key too
 
 
-HTTP_SERVERS = ("native", "hypercorn")
 STREAM_TRANSPORTS = ("grpcio", "h2")  # as orchestrator/transport/calls.py has them
 
 
@@ -206,13 +205,11 @@ STREAM_TRANSPORTS = ("grpcio", "h2")  # as orchestrator/transport/calls.py has t
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # native: frontend/http_server.py (httptools on trio); hypercorn: hypercorn's trio worker, for comparison
-    server: str = "native"
     # Frontend processes behind the one port, each with its own trio loop and pool view (the kernel spreads
-    # connections with SO_REUSEPORT). One per core uses every core; needs the native server.
+    # connections with SO_REUSEPORT). One per core uses every core.
     processes: int = attrs.field(default=1, validator=_positive)
     backlog: int = attrs.field(default=1024, validator=_positive)  # the listen queue for connection bursts
-    # Open client connections (native server): one more closes the longest idle one, or is refused (503) when
+    # Open client connections: one more closes the longest idle one, or is refused (503) when
     # none is idle. Default and ceiling: the open files limit less a reserve (frontend/descriptors.py).
     max_connections: int | None = attrs.field(default=None, validator=_positive)
     tls_cert_file: str | None = None  # HTTPS: PEM certificate chain and key
@@ -393,13 +390,8 @@ def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
 def _check(config: Config, file: str, check_paths: bool = True) -> None:
     if config.mode not in MODES:
         raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
-    if config.http.server not in HTTP_SERVERS:
-        raise ConfigError(file, "http.server", " or ".join(HTTP_SERVERS), config.http.server)
     if config.stream_transport not in STREAM_TRANSPORTS:
         raise ConfigError(file, "stream_transport", " or ".join(STREAM_TRANSPORTS), config.stream_transport)
-    if config.http.processes > 1 and config.http.server != "native":
-        raise ConfigError(file, "http.processes", "1 with http.server hypercorn (several frontend processes need "
-                          "http.server native)", config.http.processes)
     for role in ROLES:
         policy = getattr(config.routing, role)
         if policy not in POLICIES:
@@ -502,9 +494,23 @@ def serving_problem(config: Config, file: str) -> ConfigError | None:
     return None
 
 
+def _without_retired_keys(data: Any, file: str) -> Any:
+    """`http.server` chose between our HTTP server (`native`, the default) and hypercorn's until hypercorn was
+    removed. A config that spelled out `native` keeps loading unchanged on upgrade (the key is dropped: it
+    chooses nothing now); one that asked for hypercorn is refused at load, so `check-config` says so before a
+    deployment would quietly run another server than the one it names."""
+    http = data.get("http") if isinstance(data, dict) else None
+    if not isinstance(http, dict) or "server" not in http:
+        return data
+    if http["server"] != "native":
+        raise ConfigError(file, "http.server", "native, the only HTTP server since hypercorn was removed (or no "
+                          "http.server key at all)", http["server"])
+    return {**data, "http": {key: value for key, value in http.items() if key != "server"}}
+
+
 def from_dict(data: Any, *, file: str = "<dict>", base_dir: Path = Path("."), check_paths: bool = True) -> Config:
     """Build and check a config; `check_paths=False` skips what only the target host has (model.dir)."""
-    config = build_attrs(Config, data, file, "")
+    config = build_attrs(Config, _without_retired_keys(data, file), file, "")
     config = attrs.evolve(config, source=file, base_dir=base_dir)
     _check(config, file, check_paths)
     return config

@@ -10,15 +10,12 @@ rest down, prints the tail of its log and makes the launcher exit non-zero.
 from __future__ import annotations
 
 import argparse
-import collections
 import errno
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -27,7 +24,7 @@ import trio
 
 from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
-from orchestrator.processes import etcd_command, free_port
+from orchestrator.processes import ManagedProcess, ProcessFailed, etcd_command, free_port, orchestrator_command
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -45,102 +42,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        self.name = name
-        self.argv = argv
-        self.env = env  # added to ours (launch.workers[].env: e.g. the GPU a worker may use)
-        self.process: trio.Process | None = None
-        self.ready_url: str | None = None
-        self.ready = trio.Event()
-        self.exited = trio.Event()
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Start the process and pump its output; returns when it exits."""
-        self.process = await trio.lowlevel.open_process(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, env={**os.environ, **self.env} if self.env else None)
-        log.info("started %s (pid %d): %s", self.name, self.process.pid, " ".join(self.argv))
-        task_status.started()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, self.process.stdout, True)
-                nursery.start_soon(self._pump, self.process.stderr, False)
-                await self.process.wait()
-        finally:
-            self.exited.set()
-            self.ready.set()
-
-    async def _pump(self, stream, is_stdout: bool) -> None:
-        buffer = b""
-        async for chunk in stream:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for raw in lines:
-                self._line(raw.decode(errors="replace"), is_stdout)
-        if buffer:
-            self._line(buffer.decode(errors="replace"), is_stdout)
-
-    def _line(self, line: str, is_stdout: bool) -> None:
-        self.tail.append(line)
-        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-        if is_stdout and self.ready_url is None and line.startswith("ready "):
-            self.ready_url = line.split(" ", 1)[1].strip()
-            self.ready.set()
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.process is None else self.process.returncode
-
-    async def stop(self, timeout: float = 20.0) -> None:
-        if self.process is None or self.process.returncode is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(timeout):
-            await self.exited.wait()
-            return
-        log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
-        self.process.kill()
-        with trio.move_on_after(5):
-            await self.exited.wait()
-
-    def describe_failure(self) -> str:
-        state = f"exited with code {self.returncode}" if self.returncode is not None else "did not become ready"
-        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
-        return f"{self.name} {state}; last lines of its log:\n{lines}"
-
-
-def orchestrator_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator", *args]
-
-
 class Launcher:
     def __init__(self, config: Config, config_path: Path, *, http_port: int | None, host: str | None):
         self.config = config
         self.config_path = config_path
         self.http_port = config.http.port if http_port is None else http_port
         self.host = host or config.http.host
-        self.children: list[Child] = []
+        self.children: list[ManagedProcess] = []
         self.etcd_url: str | None = None
         self._tmp: str | None = None  # etcd's data, when launch.etcd is enabled
 
-    async def _start(self, nursery: trio.Nursery, child: Child, *, ready_timeout: float) -> str:
-        """Start `child` and wait for its `ready URL` line; the URL."""
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        """Start a child (its output goes to our stderr after its name); down() stops it."""
+        try:
+            child = ManagedProcess(name, argv, env=env)
+        except ProcessFailed as exc:
+            raise LaunchFailed(str(exc)) from exc
         self.children.append(child)
-        await nursery.start(child.run)
-        with trio.move_on_after(ready_timeout):
-            await child.ready.wait()
-        if child.ready_url is None:
-            raise LaunchFailed(child.describe_failure())
-        return child.ready_url
+        return child
 
-    async def up(self, nursery: trio.Nursery) -> str:
+    async def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None, *,
+                     ready_timeout: float) -> str:
+        """Start a child and wait for its `ready URL` line; the URL."""
+        child = self._spawn(name, argv, env)
+        try:
+            return await child.wait_ready_async(ready_timeout)
+        except ProcessFailed as exc:
+            raise LaunchFailed(str(exc)) from exc
+
+    async def up(self) -> str:
         launch = self.config.launch
         timeout = launch.ready_timeout_s
         self._check_port()  # before any worker: real ones take minutes to load
         if launch.etcd.enabled:
-            await self._start_etcd(nursery, timeout)
+            await self._start_etcd(timeout)
         overrides: list[str] = []
         etcd_flags: list[str] = []
         ttl_flags: list[str] = []
@@ -155,31 +90,29 @@ class Launcher:
             for i in range(spec.count):
                 name = f"{spec.role}-{i}" if spec.sim is None else f"sim-{spec.role}-{i}"
                 if spec.sim is not None:
-                    argv = orchestrator_argv("sim-worker", "--role", spec.role, "--port", "0",
-                                             "--model", self.config.model.name, "--profile", spec.sim.profile,
-                                             "--time-scale", repr(spec.sim.time_scale),
-                                             "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
-                                             *(ttl_flags if etcd_flags else ()), *spec.sim.args)
-                    address = await self._start(nursery, Child(name, argv, spec.env), ready_timeout=timeout)
+                    argv = orchestrator_command("sim-worker", "--role", spec.role, "--port", "0",
+                                                "--model", self.config.model.name, "--profile", spec.sim.profile,
+                                                "--time-scale", repr(spec.sim.time_scale),
+                                                "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
+                                                *(ttl_flags if etcd_flags else ()), *spec.sim.args)
+                    address = await self._start(name, argv, spec.env, ready_timeout=timeout)
                 else:
                     port = free_port()
                     argv = [part.replace("{port}", str(port)) for part in spec.command]
-                    child = Child(name, argv, spec.env)
-                    self.children.append(child)
-                    await nursery.start(child.run)
+                    self._spawn(name, argv, spec.env)
                     address = f"grpc://127.0.0.1:{port}"
                     if spec.register and etcd_flags:
-                        await self._start(nursery, Child(f"register-{name}", orchestrator_argv(
+                        await self._start(f"register-{name}", orchestrator_command(
                             "register", "--worker", address, "--role", spec.role, *etcd_flags,
                             "--ttl", lease_ttl,
-                            "--model", self.config.model.name)), ready_timeout=timeout)
+                            "--model", self.config.model.name), ready_timeout=timeout)
                 overrides += ["--worker", f"{spec.role}={address}"]
-        return await self._start(nursery, Child("orchestrator", self.serve_argv(overrides)), ready_timeout=timeout)
+        return await self._start("orchestrator", self.serve_argv(overrides), ready_timeout=timeout)
 
     def serve_argv(self, worker_overrides: list[str]) -> list[str]:
         """`orchestrator serve` for this config, with the launched workers (`--worker ROLE=ADDRESS` pairs)."""
-        argv = orchestrator_argv("serve", "-c", str(self.config_path), "--host", self.host,
-                                 "--port", str(self.http_port), "--port-flag=--http-port")
+        argv = orchestrator_command("serve", "-c", str(self.config_path), "--host", self.host,
+                                    "--port", str(self.http_port), "--port-flag=--http-port")
         if self.config.discovery.static is not None:
             argv += worker_overrides
         elif self.etcd_url:
@@ -201,7 +134,7 @@ class Launcher:
                     raise LaunchFailed(busy_port_message(self.host, self.http_port, exc, "--http-port",
                                                          self.config_path)) from exc
 
-    async def _start_etcd(self, nursery: trio.Nursery, timeout: float) -> None:
+    async def _start_etcd(self, timeout: float) -> None:
         binary = shutil.which(self.config.launch.etcd.binary)
         if binary is None:
             raise LaunchFailed(f"{self.config_path}: launch.etcd.binary: {self.config.launch.etcd.binary!r} is not on "
@@ -213,9 +146,7 @@ class Launcher:
             client, peer = free_port(), free_port()
             self.etcd_url = f"http://127.0.0.1:{client}"
             argv = etcd_command(binary, "orch-launch", os.path.join(self._tmp, f"etcd-{attempt}"), client, peer)
-            child = Child("etcd", argv)
-            self.children.append(child)
-            await nursery.start(child.run)
+            child = self._spawn("etcd", argv)
             with trio.move_on_after(timeout):
                 while child.returncode is None:
                     try:
@@ -227,40 +158,39 @@ class Launcher:
             if child.returncode is None:
                 break  # it runs but does not answer: no port clash, a real failure
             self.children.remove(child)
+            await child.stop_async()  # it has exited: this reads its last lines
         raise LaunchFailed(child.describe_failure())
 
     async def down(self) -> None:
         with trio.CancelScope(shield=True):
             for child in reversed(self.children):
-                await child.stop()
+                await child.stop_async()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def died(self) -> Child | None:
-        return next((c for c in self.children if c.exited.is_set()), None)
+    def died(self) -> ManagedProcess | None:
+        return next((c for c in self.children if not c.alive()), None)
 
 
 async def launch(config: Config, config_path: Path, *, http_port: int | None, host: str | None) -> int:
     launcher = Launcher(config, config_path, http_port=http_port, host=host)
     outcome: dict[str, object] = {}
-    async with trio.open_nursery() as children:  # owns the child processes' pumps
-        try:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async with trio.open_nursery() as control:
-                    control.start_soon(_first_signal, signals, control.cancel_scope, outcome)
-                    control.start_soon(_first_death, launcher, control.cancel_scope, outcome)
-                    try:
-                        url = await launcher.up(children)
-                    except LaunchFailed as exc:
-                        outcome.setdefault("error", str(exc))
-                        control.cancel_scope.cancel()
-                    else:
-                        print(f"ready {url}", flush=True)
-                        log.info("all components ready; Ctrl-C to stop")
-                        await trio.sleep_forever()
-        finally:
-            await launcher.down()
-            children.cancel_scope.cancel()
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as control:
+                control.start_soon(_first_signal, signals, control.cancel_scope, outcome)
+                control.start_soon(_first_death, launcher, control.cancel_scope, outcome)
+                try:
+                    url = await launcher.up()
+                except LaunchFailed as exc:
+                    outcome.setdefault("error", str(exc))
+                    control.cancel_scope.cancel()
+                else:
+                    print(f"ready {url}", flush=True)
+                    log.info("all components ready; Ctrl-C to stop")
+                    await trio.sleep_forever()
+    finally:
+        await launcher.down()
     if "error" in outcome and "signal" not in outcome:
         log.error("launch failed: %s", outcome["error"])
         return 1
@@ -278,6 +208,7 @@ async def _first_signal(signals, scope: trio.CancelScope, outcome: dict) -> None
 async def _first_death(launcher: Launcher, scope: trio.CancelScope, outcome: dict) -> None:
     while (dead := launcher.died()) is None:
         await trio.sleep(0.1)
+    await dead.wait_async()  # it has exited: this reads its last lines, for the message
     outcome.setdefault("error", dead.describe_failure())
     scope.cancel()
 

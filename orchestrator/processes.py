@@ -1,27 +1,49 @@
-"""Child processes on loopback, for tests, benchmarks and `bench compare`: started, awaited, stopped.
+"""Child processes we start and stop: the one supervisor of the launcher, of frontend 0's other frontend
+processes, of the testkit and of `bench compare`.
 
-- ManagedProcess: a command whose stdout announces readiness with `ready URL`; log to a file; stop()
-  sends SIGTERM, then SIGKILL after a timeout, and only ever to our own child.
-- SimWorkers / OrchestratorServers: groups of those, stopped together.
-- EtcdServer: a real etcd (Debian's etcd-server) on free ports with a temporary data dir.
+`ManagedProcess` starts a command in a session of its own, logs every line it writes (to a file, or to our
+stderr after its name), notices the line `ready URL` its stdout announces readiness with, and stops it with
+SIGTERM, then SIGKILL after a timeout. Signals go only to the process itself, which we started and have
+not reaped (so its pid cannot have been reused): never to a process group, never by name.
+
+It is used from plain threads (tests, `bench compare`) and from trio (the launcher, frontend 0), so every
+wait comes in both kinds: `wait_ready` / `wait` / `stop`, and `wait_ready_async` / `wait_async` /
+`stop_async`, which never block the trio loop. Reader threads pump the output in both cases.
+
+Also here: the one builder of `orchestrator ...` commands, `free_port()` and the etcd command line.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import math
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, cast
+from typing import IO
+
+import trio
+
+log = logging.getLogger("orchestrator.processes")
+
+_TAIL_LINES = 1000  # without a log file: kept in memory for failure messages and tail()
+_OUTPUT_DRAIN_S = 2.0  # after the exit, how long to wait for the last lines (a grandchild may hold the pipe)
+_ECHO_LOCK = threading.Lock()  # lines of several children on our stderr stay whole
+
+
+def orchestrator_command(*args: str) -> list[str]:
+    """`orchestrator ARGS...` with this interpreter: what every component starts another with."""
+    return [sys.executable, "-m", "orchestrator", *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (check-then-bind: whoever binds it later may find it taken meanwhile)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -32,110 +54,209 @@ class ProcessFailed(RuntimeError):
 
 
 class ManagedProcess:
-    """One child process whose stdout announces readiness with a line starting `ready `."""
+    """One child process, started at once. `log_dir`: its output goes to `log_dir/NAME.log` (its stderr
+    straight from the child, so it never waits for us to read it, and keeps logging if we die); None: each
+    line goes to our stderr as `[NAME] line` (the launcher, frontend 0: the operator reads one stream)."""
 
-    def __init__(self, name: str, argv: list[str], *, env: dict | None = None, log_dir: Path | None = None):
+    def __init__(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None):
         self.name = name
         self.argv = argv
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="orch-")) / f"{name}.log"
-        self._log = open(self.log_path, "w+b")
-        self.process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True,
-        )
-        self.ready_line: str | None = None
-        self.stdout_lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
+        self.log_path = None if log_dir is None else Path(log_dir) / f"{name}.log"
+        self._log: IO[bytes] | None = None if self.log_path is None else open(self.log_path, "ab")
+        self._lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)  # without a log file
+        self._output_lock = threading.Lock()
+        self.ready_url: str | None = None
+        self._ready = threading.Event()  # set by the `ready URL` line, or when stdout ends without one
+        self._sent_sigterm = False
+        try:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE if self._log is None else self._log,
+                                            start_new_session=True, env={**os.environ, **env} if env else None)
+        except OSError as exc:  # e.g. a launch.workers command that is not installed
+            self._close_log()
+            raise ProcessFailed(f"{name} could not start: {argv[0]}: {exc.strerror or exc}") from exc
+        log.info("started %s (pid %d): %s", name, self.process.pid, " ".join(argv))
+        streams = [(self.process.stdout, True)] + ([(self.process.stderr, False)] if self._log is None else [])
+        self._readers = [threading.Thread(target=self._read, args=(stream, is_stdout), daemon=True,
+                                          name=f"{name}-{'stdout' if is_stdout else 'stderr'}")
+                         for stream, is_stdout in streams]
+        for reader in self._readers:
+            reader.start()
 
-    def _read_stdout(self) -> None:
-        for raw in cast(IO[bytes], self.process.stdout):  # stdout=PIPE above, so never None
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.stdout_lines.append(line)
-            if self.ready_line is None and line.startswith("ready "):
-                self.ready_line = line
-                self._ready.set()
-        self._ready.set()  # EOF: the process ended
+    # ---- output ----------------------------------------------------------------------------------
 
-    def wait_ready(self, timeout: float = 60.0) -> str:
-        """The URL from the `ready URL` line; raises ProcessFailed with the log tail otherwise."""
-        if not self._ready.wait(timeout) or self.ready_line is None:
-            state = f"exited with {self.process.poll()}" if self.process.poll() is not None else "timed out"
-            raise ProcessFailed(f"{self.name} {state} before it was ready:\n{self.tail()}")
-        return self.ready_line.split(" ", 1)[1].strip()
+    def _read(self, stream: IO[bytes], is_stdout: bool) -> None:
+        try:
+            for raw in stream:
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                self._record(line)
+                if is_stdout and self.ready_url is None and line.startswith("ready "):
+                    self.ready_url = line.split(" ", 1)[1].strip()
+                    self._ready.set()
+        finally:
+            stream.close()
+            if is_stdout:
+                self._ready.set()  # no ready line will come
+
+    def _record(self, line: str) -> None:
+        with self._output_lock:
+            try:
+                if self._log is not None:
+                    if not self._log.closed:
+                        # Whole lines, appended (O_APPEND), next to what the child writes to its stderr.
+                        self._log.write(line.encode() + b"\n")
+                        self._log.flush()  # a test or an operator may read the file while the child runs
+                else:
+                    self._lines.append(line)
+                    with _ECHO_LOCK:
+                        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass  # a full disk or a closed stderr: the reader keeps draining, or the child would block
+
+    def _join_readers(self) -> None:
+        """After the exit: let the readers take the last lines (bounded: a grandchild may keep a pipe open)."""
+        deadline = time.monotonic() + _OUTPUT_DRAIN_S
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
 
     def tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(f"  [{self.name}] {line}" for line in text[-lines:])
+        with self._output_lock:
+            if self.log_path is not None:
+                last = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            else:
+                last = list(self._lines)[-lines:]
+        return "\n".join(f"  [{self.name}] {line}" for line in last)
+
+    def describe_failure(self) -> str:
+        code = self.process.poll()
+        state = f"exited with code {code}" if code is not None else "did not become ready"
+        return f"{self.name} {state}; last lines of its log:\n{self.tail() or '  (no output)'}"
+
+    # ---- state -----------------------------------------------------------------------------------
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs (this reaps it once it has exited)."""
+        return self.process.poll()
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.alive():  # Popen.send_signal also checks, so a reaped pid is never signalled
             self.process.send_signal(sig)
 
+    def _terminate(self) -> None:
+        """SIGTERM once: our children drain on the first and die of a second (its default action)."""
+        if not self._sent_sigterm:
+            self._sent_sigterm = True
+            self.signal(signal.SIGTERM)
+
+    # ---- waiting from a plain thread -------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """The URL of the `ready URL` line; ProcessFailed (with the log's tail) if it exits or times out first."""
+        self._ready.wait(timeout)
+        if self.ready_url is None:
+            if self._ready.is_set():  # stdout ended: the exit follows
+                try:
+                    self.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise ProcessFailed(self.describe_failure())
+        return self.ready_url
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, once it has exited and its last lines are read; TimeoutExpired after `timeout`."""
+        code = self.process.wait(timeout)
+        self._join_readers()
+        return code
+
     def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code. Only ever our own child."""
+        """SIGTERM, then SIGKILL after `timeout`; the exit code."""
         if self.alive():
-            self.process.send_signal(signal.SIGTERM)
+            self._terminate()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
                 self.process.kill()
                 self.process.wait(5)
-        self._log.close()
+        self._join_readers()
+        self._close_log()
+        return self.process.returncode
+
+    def _close_log(self) -> None:
+        with self._output_lock:
+            if self._log is not None:
+                self._log.close()
+
+    # ---- waiting in trio -------------------------------------------------------------------------
+
+    async def wait_ready_async(self, timeout: float = math.inf) -> str:
+        """wait_ready() in trio."""
+        with trio.move_on_after(timeout):
+            # The thread ends when the event is set: at the ready line or when stdout ends, even after we
+            # stopped waiting for it.
+            await _in_thread(self._ready.wait, abandon_on_cancel=True)
+        if self.ready_url is None:
+            if self._ready.is_set():
+                with trio.move_on_after(5):
+                    await self.wait_async()
+            raise ProcessFailed(self.describe_failure())
+        return self.ready_url
+
+    async def wait_async(self) -> int:
+        """wait() in trio: on a pidfd, as trio's own processes do, so no thread waits in waitpid()."""
+        if self.process.poll() is None:
+            # No checkpoint between the poll and the open, and in trio only this thread reaps the child: the
+            # pid is still ours.
+            try:
+                pidfd = os.pidfd_open(self.process.pid)
+            except ProcessLookupError:  # reaped meanwhile after all (a plain thread waited too)
+                return await self._exit_code_async()
+            try:
+                await trio.lowlevel.wait_readable(pidfd)
+            finally:
+                trio.lowlevel.notify_closing(pidfd)
+                os.close(pidfd)
+        return await self._exit_code_async()
+
+    async def _exit_code_async(self) -> int:
+        code = self.process.wait()  # it has exited: no wait
+        await _in_thread(self._join_readers)
+        return code
+
+    async def stop_async(self, timeout: float = 20.0) -> int:
+        """stop() in trio."""
+        if self.alive():
+            self._terminate()
+            with trio.move_on_after(timeout):
+                await self.wait_async()
+            if self.alive():
+                log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
+                self.process.kill()
+                with trio.move_on_after(5):
+                    await self.wait_async()
+        await _in_thread(self._join_readers)
+        self._close_log()
         return self.process.returncode
 
 
-def python_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator", *args]
-
-
-class SimWorker:
-    def __init__(self, role: str, process: ManagedProcess, address: str):
-        self.role = role
-        self.process = process
-        self.address = address
-
-    @property
-    def target(self) -> str:
-        return self.address.removeprefix("grpc://")
-
-
-class SimWorkers:
-    """Starts simulated workers as processes; stops all of them on `close()`."""
-
-    def __init__(self, log_dir: Path):
-        self._log_dir = log_dir
-        self.started: list[SimWorker] = []
-
-    def spawn(self, role: str, *flags: str) -> SimWorker:
-        """Start without waiting for readiness (`.process.wait_ready()` later)."""
-        name = f"sim-{role}-{len(self.started)}"
-        process = ManagedProcess(name, python_command("sim-worker", "--role", role, *flags), log_dir=self._log_dir)
-        worker = SimWorker(role, process, "")
-        self.started.append(worker)
-        return worker
-
-    def start(self, role: str, *flags: str, timeout: float = 60.0) -> SimWorker:
-        worker = self.spawn(role, *flags)
-        worker.address = worker.process.wait_ready(timeout)
-        return worker
-
-    def close(self) -> None:
-        for worker in reversed(self.started):
-            worker.process.stop()
+async def _in_thread(fn, *, abandon_on_cancel: bool = False):
+    # A limiter of its own: a wait that lasts minutes must not hold a token of trio's default limiter, which
+    # the request path's threads share (tokenizing a long prompt, decoding a big body).
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon_on_cancel, limiter=trio.CapacityLimiter(1))
 
 
 def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_port: int,
                  tls: tuple[str, str, str] | None = None) -> list[str]:
-    """A single-member etcd on loopback ports (tests and `orchestrator launch` start it the same way).
+    """A single-member etcd on loopback ports (`orchestrator launch` and the testkit start it the same way).
 
     `tls` (cert, key, client CA files): clients connect over TLS and must present a certificate.
     """
@@ -150,84 +271,3 @@ def etcd_command(binary: str, name: str, data_dir: str, client_port: int, peer_p
         cert, key, client_ca = tls
         command += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", client_ca, "--client-cert-auth"]
     return command
-
-
-class EtcdServer:
-    def __init__(self, log_dir: Path, tls: tuple[str, str, str] | None = None):
-        self.tls = tls  # (cert, key, client CA): TLS with client certificates required
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise ProcessFailed("etcd is not on PATH: install Debian's etcd-server (see .ci/run)")
-        self._binary = binary
-        self._log_dir = log_dir
-        self.process: subprocess.Popen | None = None
-        # free_port() is check-then-bind: another process may take the port before etcd binds it. A start
-        # whose etcd exited at once is tried again on fresh ports (a restart keeps the ports it has).
-        for attempt in range(5):
-            self.data_dir = tempfile.mkdtemp(prefix="orch-etcd-")
-            self.client_port, self.peer_port = free_port(), free_port()
-            self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
-            try:
-                self.start()
-                return
-            except ProcessFailed:
-                exited = self.process is not None and self.process.poll() is not None
-                self.close()
-                if not exited or attempt == 4:
-                    raise
-
-    def start(self) -> None:
-        self._log = open(Path(self._log_dir) / f"etcd-{self.client_port}.log", "ab")
-        self.process = subprocess.Popen(
-            etcd_command(self._binary, "orch-test", self.data_dir, self.client_port, self.peer_port, self.tls),
-            stdout=self._log, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return
-            except OSError:
-                if self.process.poll() is not None:
-                    break
-                time.sleep(0.05)
-        raise ProcessFailed(f"etcd did not start on {self.url}; see {self._log.name}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._log.close()
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-
-
-class OrchestratorServer:
-    def __init__(self, process: ManagedProcess, url: str):
-        self.process = process
-        self.url = url
-
-
-class OrchestratorServers:
-    def __init__(self, log_dir: Path):
-        self._log_dir = log_dir
-        self.started: list[OrchestratorServer] = []
-
-    def start(self, config: str | Path, *flags: str, timeout: float = 60.0,
-              env: dict | None = None) -> OrchestratorServer:
-        name = f"orchestrator-{len(self.started)}"
-        process = ManagedProcess(name, python_command("serve", "-c", str(config), "--port", "0", *flags),
-                                 log_dir=self._log_dir, env=env)
-        server = OrchestratorServer(process, "")
-        self.started.append(server)
-        server.url = process.wait_ready(timeout)
-        return server
-
-    def close(self) -> None:
-        for server in reversed(self.started):
-            server.process.stop()

@@ -22,6 +22,7 @@ from orchestrator import config as config_module
 from orchestrator.config import Config, ConfigError
 from orchestrator.frontend.descriptors import connection_cap, open_files_limit, raise_open_files_limit
 from orchestrator.frontend.multiprocess import FrontendChildren, FrontendProcess, ParentWatch
+from orchestrator.processes import orchestrator_command
 
 log = logging.getLogger("orchestrator.serve")
 # After the shutdown grace, the requests still running are ended with a 503 or a final SSE error event
@@ -85,7 +86,7 @@ def worker_tls(config: Config):
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
-        from orchestrator.discovery.registration import EtcdTls
+        from orchestrator.discovery.etcd_client import EtcdTls
 
         etcd = config.discovery.etcd
         files = etcd.tls_files(config.base_dir, config.source)
@@ -197,12 +198,9 @@ async def _finish_in_flight(app, grace_s: float) -> None:
 
 async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event, reuse_port: bool = False,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The HTTP server `http.server` names, serving `app` until `shutdown`; started with its URL.
-    `reuse_port`: the port is shared with the other frontend processes (SO_REUSEPORT)."""
+    """The HTTP server (orchestrator/frontend/http_server.py), serving `app` until `shutdown`; started with its
+    URL. `reuse_port`: the port is shared with the other frontend processes (SO_REUSEPORT)."""
     http = config.http
-    if http.server == "hypercorn":
-        await _serve_hypercorn(app, config, host, port, shutdown, task_status)
-        return
     from orchestrator.frontend.http_server import ServerLimits, open_listener
     from orchestrator.frontend.http_server import serve_http as serve_native
 
@@ -219,36 +217,6 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
     listener = await open_listener(host, port, backlog=http.backlog, reuse_port=reuse_port)
     await serve_native(app, listener, limits=limits, shutdown=shutdown, ssl_context=ssl_context,
                        task_status=task_status)
-
-
-async def _serve_hypercorn(app, config: Config, host: str, port: int, shutdown: trio.Event, task_status) -> None:
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from orchestrator.frontend import hypercorn_fix
-
-    hypercorn_fix.install()  # a connection the client closed is closed at once, not after keep-alive
-    http = config.http
-    hc = HypercornConfig()
-    hc.bind = [f"{host}:{port}"]
-    hc.backlog = http.backlog  # hypercorn's default of 100 resets a burst of connections
-    hc.graceful_timeout = config.limits.shutdown_grace_s + LAST_WORDS_S
-    # Headers are bounded; an idle keep-alive connection is closed. (Not hypercorn's read_timeout: it would
-    # also cut a long SSE stream whose client rightly sends nothing; the body deadline is the app's.)
-    hc.keep_alive_timeout = http.keep_alive_s
-    hc.h11_max_incomplete_size = http.max_header_bytes
-    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
-        hc.certfile = str(config.base_dir / http.tls_cert_file)
-        hc.keyfile = str(config.base_dir / http.tls_key_file)
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-
-    async def started(task_status=trio.TASK_STATUS_IGNORED):
-        await hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait, task_status=task_status)
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started)
-        task_status.started(binds[0])
 
 
 async def _on_signal(app, shutdown: trio.Event, startup: trio.CancelScope) -> None:
@@ -299,9 +267,9 @@ def run(args: argparse.Namespace) -> int:
     def child_argv(index: int, bound_port: int) -> list[str]:
         overrides = [a for w in args.worker for a in ("--worker", w)]
         overrides += [a for e in args.etcd_endpoint for a in ("--etcd-endpoint", e)]
-        return [sys.executable, "-m", "orchestrator", "--log-level", args.log_level, "serve", "-c",
-                str(args.config), "--host", host, "--port", str(bound_port), "--frontend-index", str(index),
-                "--frontend-parent", str(os.getpid()), *overrides]
+        return orchestrator_command("--log-level", args.log_level, "serve", "-c", str(args.config), "--host", host,
+                                    "--port", str(bound_port), "--frontend-index", str(index),
+                                    "--frontend-parent", str(os.getpid()), *overrides)
 
     try:
         trio.run(partial(serve, config, host=host, port=port, frontend=frontend, child_argv=child_argv))
@@ -327,7 +295,7 @@ def busy_port_message(host: str, port: int, error: OSError, flag: str, config_pa
 
 
 def _address_in_use(exc: BaseException) -> OSError | None:
-    """The EADDRINUSE inside what hypercorn's bind raised (possibly wrapped in exception groups)."""
+    """The EADDRINUSE inside what the listener's bind raised (possibly wrapped in exception groups)."""
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return exc
     if isinstance(exc, BaseExceptionGroup):

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from orchestrator.testkit.plugin import python_command
+from orchestrator.testkit.plugin import orchestrator_command
 
 pytest.importorskip("matplotlib")
 METRICS = ["ttft_s", "tpot_s", "itl_s", "e2e_s", "request_throughput", "output_tokens_per_s",
@@ -27,7 +27,7 @@ workload: {input_len: "200:400", output_len: "12", requests: 6, warmup: 1, image
 slo: {ttft_s: 1.0, tpot_s: 0.05}
 """)
     out = tmp_path / "report"
-    result = subprocess.run(python_command("bench", "compare", str(spec), "--out", str(out)),
+    result = subprocess.run(orchestrator_command("bench", "compare", str(spec), "--out", str(out)),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((out / "results.json").read_text())
@@ -53,6 +53,6 @@ slo: {ttft_s: 1.0, tpot_s: 0.05}
 def test_compare_refuses_a_spec_without_topologies(tmp_path):
     spec = tmp_path / "empty.yaml"
     spec.write_text("workload: {concurrency: [1]}\n")
-    result = subprocess.run(python_command("bench", "compare", str(spec), "--out", str(tmp_path / "o")),
+    result = subprocess.run(orchestrator_command("bench", "compare", str(spec), "--out", str(tmp_path / "o")),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "topologies: expected at least one topology" in result.stderr

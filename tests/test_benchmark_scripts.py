@@ -25,7 +25,7 @@ def run(script: str, *args: str, scratch: Path | None = None) -> str:
 
 def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each_variant():
     out = run("cpu_cost.py", "--requests", "16", "--concurrency", "4", "--max-tokens", "1", "8",
-              "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
+              "--modes", "aggregated", "--processes", "1", "--stream-transports", "h2",
               "grpcio", "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
               "--idle-seconds", "0.5", "--fit-rounds", "2")
     rows = {m.group(1): m for m in re.finditer(
@@ -42,7 +42,7 @@ def test_cpu_cost_prints_a_b_events_per_token_and_the_retained_fraction_for_each
 
 def test_cpu_cost_splits_the_c64_cpu_among_workers_serve_and_client_and_prints_what_0_9_leaves_serve(tmp_path):
     out = run("cpu_cost.py", "--requests", "8", "--concurrency", "4", "--max-tokens", "1", "4",
-              "--modes", "aggregated", "--servers", "native", "--processes", "1", "--stream-transports", "h2",
+              "--modes", "aggregated", "--processes", "1", "--stream-transports", "h2",
               "--retained-max-tokens", "4", "--retained-per-slot", "1", "--retained-rounds", "1",
               "--idle-seconds", "0.2", "--fit-rounds", "1", scratch=tmp_path)
     direct = re.search(r"direct: workers (\d+) \+ our client (\d+) = (\d+) us, ([\d.]+) cores busy", out)

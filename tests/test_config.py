@@ -10,14 +10,14 @@ import yaml
 from orchestrator import config as config_module
 from orchestrator.config import ConfigError
 from orchestrator.launch import check_sim_workers
-from orchestrator.testkit.plugin import python_command
+from orchestrator.testkit.plugin import orchestrator_command
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_passes_check_config(path):
-    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(orchestrator_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("ok:"), result.stdout + result.stderr
 
 
@@ -41,7 +41,7 @@ def write(tmp_path, text):
 
 def test_check_config_names_a_typoed_key(tmp_path):
     path = write(tmp_path, "mode: aggregated\nrouting:\n  decdoe: round_robin\n")
-    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(orchestrator_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"{path}: routing.decdoe: expected one of the known keys" in result.stdout
 
@@ -56,17 +56,18 @@ def test_check_config_names_a_typoed_key(tmp_path):
 ])
 def test_check_config_refuses_configs_that_cannot_serve(tmp_path, text, words):
     path = write(tmp_path, text)
-    result = subprocess.run(python_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(orchestrator_command("check-config", str(path)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and f"error: {path}: {words}" in result.stdout, result.stdout
 
 
 def test_log_levels_are_case_insensitive_and_their_choices_are_in_the_help():
-    ok = subprocess.run(python_command("--log-level", "debug", "check-config", "configs/agg.yaml"), capture_output=True,
-                        text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    ok = subprocess.run(orchestrator_command("--log-level", "debug", "check-config", "configs/agg.yaml"),
+                        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run(python_command("--log-level", "loud", "--help"), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(orchestrator_command("--log-level", "loud", "--help"), capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
-    assert "{DEBUG,INFO,WARNING,ERROR,CRITICAL}" in subprocess.run(python_command("--help"), capture_output=True,
+    assert "{DEBUG,INFO,WARNING,ERROR,CRITICAL}" in subprocess.run(orchestrator_command("--help"), capture_output=True,
                                                                    text=True, timeout=60).stdout
 
 
@@ -78,8 +79,8 @@ def test_a_busy_port_is_one_clear_line_naming_the_port_and_the_flag(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         config = write(tmp_path, "mode: aggregated\ndiscovery:\n  static: {aggregated: [grpc://127.0.0.1:9]}\n")
-        result = subprocess.run(python_command("serve", "-c", str(config), "--port", str(port)), capture_output=True,
-                                text=True, timeout=60)
+        result = subprocess.run(orchestrator_command("serve", "-c", str(config), "--port", str(port)),
+                                capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     # lines logged at ERROR, or a traceback (a worker's WARNING may name an ERROR_CODE_...: not an error line)
     errors = [line for line in result.stderr.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
@@ -113,7 +114,6 @@ def test_check_config_names_a_missing_model_directory(tmp_path):
     ("keepalive:\n  interval_s: 0\n", "keepalive.interval_s", "> 0"),
     ("keepalive:\n  timeout_s: ten\n", "keepalive.timeout_s", "a number"),
     ("keepalive:\n  time_s: 30\n", "keepalive.time_s", "interval_s, timeout_s"),
-    ("http:\n  processes: 2\n  server: hypercorn\n", "http.processes", "need http.server native"),
     ("- a list\n", "(top level)", "a mapping"),
     ("mode: [unclosed\n", "(syntax)", "valid YAML"),
 ])
@@ -122,6 +122,18 @@ def test_config_errors_name_file_key_and_expectation(tmp_path, text, key, words)
     with pytest.raises(ConfigError) as info:
         check_sim_workers(config_module.load(path), str(path))  # what `check-config` and `launch` run
     assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
+
+
+def test_http_server_is_retired_native_still_loads_and_hypercorn_is_refused_by_name(tmp_path):
+    """An upgraded deployment whose config spelled out the default keeps loading; one that asked for the removed
+    hypercorn server learns it at load, with the file, the key and what to write instead."""
+    assert config_module.load(write(tmp_path, "http:\n  server: native\n  processes: 2\n")).http.processes == 2
+    path = write(tmp_path, "http:\n  server: hypercorn\n")
+    with pytest.raises(ConfigError) as info:
+        config_module.load(path)
+    assert info.value.key == "http.server" and str(path) in str(info.value)
+    assert "native, the only HTTP server since hypercorn was removed" in str(info.value)
+    assert "got 'hypercorn'" in str(info.value)
 
 
 def test_a_missing_file_is_a_config_error():

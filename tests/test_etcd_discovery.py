@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.registry import WorkerSpec
-from orchestrator.testkit.plugin import EtcdServer, python_command, write_config
+from orchestrator.discovery.snapshots import WorkerSpec
+from orchestrator.testkit.plugin import EtcdServer, orchestrator_command, write_config
 
 pytestmark = pytest.mark.etcd
 FAST = ("--time-scale", "0.02")
@@ -162,8 +162,8 @@ def test_register_refuses_a_role_mismatch(etcd_server, sim_workers):
     """A revision-3 worker declares its role; a revision-1 TensorRT-LLM worker (ENGINE_ROLE_UNSPECIFIED)
     registers under any role, as the sidecar test below does."""
     worker = sim_workers.start("prefill", *FAST, "--schema-revision", "3")
-    result = subprocess.run(python_command("register", "--etcd", etcd_server.url, "--worker", worker.address,
-                                           "--role", "decode", "--namespace", "test-mismatch"),
+    result = subprocess.run(orchestrator_command("register", "--etcd", etcd_server.url, "--worker", worker.address,
+                                                 "--role", "decode", "--namespace", "test-mismatch"),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "refusing to register" in result.stderr and "engine_role is prefill" in result.stderr
@@ -175,7 +175,7 @@ async def test_register_sidecar_announces_withdraws_and_revokes(tmp_path, etcd_s
 
     server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated"))
     worker = sim_workers.start("aggregated", *FAST)
-    sidecar = ManagedProcess("register", python_command(
+    sidecar = ManagedProcess("register", orchestrator_command(
         "register", "--etcd", etcd_server.url, "--worker", worker.address, "--role", "aggregated",
         "--namespace", "test", "--ttl", str(TTL)), log_dir=tmp_path)
     try:
@@ -199,7 +199,7 @@ async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_
     server = orchestrator_servers.start(etcd_config(tmp_path, etcd_server, mode="aggregated", name="rm.yaml"))
     leaving = sim_workers.start("aggregated", "--time-scale", "1")  # ~6 ms per token: a long stream
     staying = sim_workers.start("aggregated", *sim_flags(etcd_server))
-    sidecar = ManagedProcess("register-leaving", python_command(
+    sidecar = ManagedProcess("register-leaving", orchestrator_command(
         "register", "--etcd", etcd_server.url, "--worker", leaving.address, "--role", "aggregated",
         "--namespace", "test", "--ttl", str(TTL)), log_dir=tmp_path)
     try:
@@ -237,12 +237,13 @@ async def test_a_removed_worker_finishes_its_in_flight_requests_and_gets_no_new_
 async def test_a_registration_keeps_its_lease_through_an_etcd_restart(tmp_path):
     """After a restart etcd restores leases with a fresh TTL; the registration must refresh its own lease
     (not write a new one), or the restored lease expires and deletes a live worker's key."""
-    from orchestrator.discovery.registration import Registration, new_client
+    from orchestrator.discovery.etcd_client import new_client
+    from orchestrator.discovery.lease_keeper import LeaseKeeper
     from orchestrator.engine import LoopThread
 
     etcd = EtcdServer(tmp_path)
     try:
-        registration = Registration(etcd.url, "test/workers/m/decode/keep", b'{"x": 1}', ttl=TTL)
+        registration = LeaseKeeper(etcd.url, "test/workers/m/decode/keep", b'{"x": 1}', ttl=TTL)
         async with LoopThread.open() as loop_thread:
             async def key_lease():
                 client = new_client(etcd.url)
@@ -284,7 +285,7 @@ async def test_a_frozen_etcd_makes_health_degraded_keeps_serving_and_the_pool_co
         failures = 0
         async with httpx.AsyncClient(timeout=30) as http:
             await wait_until(lambda: _with(http, server.url, worker.address), timeout=10)
-            etcd.process.send_signal(signal.SIGSTOP)
+            etcd.process.signal(signal.SIGSTOP)
             try:
                 async def degraded():
                     return (await http.get(server.url + "/health")).json()["status"] == "degraded"
@@ -295,7 +296,7 @@ async def test_a_frozen_etcd_makes_health_degraded_keeps_serving_and_the_pool_co
                     failures += response.status_code != 200
                 await trio.sleep(max(0.0, TTL + 1 - frozen_for))  # longer than the lease
             finally:
-                etcd.process.send_signal(signal.SIGCONT)
+                etcd.process.signal(signal.SIGCONT)
 
             async def ready_with_the_worker():
                 health = (await http.get(server.url + "/health")).json()

@@ -4,13 +4,12 @@ import base64
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from orchestrator.testkit.plugin import ManagedProcess, ProcessFailed, python_command
+from orchestrator.testkit.plugin import ManagedProcess, ProcessFailed, orchestrator_command
 from sim_helpers import png_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -52,7 +51,8 @@ def requests(url: str) -> list[str]:
 
 def run_topology(tmp_path, config: str) -> list[str]:
     launcher = ManagedProcess(f"launch-{Path(config).stem}",
-                              python_command("launch", str(CONFIGS / config), "--http-port", "0"), log_dir=tmp_path)
+                              orchestrator_command("launch", str(CONFIGS / config), "--http-port", "0"),
+                              log_dir=tmp_path)
     try:
         url = launcher.wait_ready(120)
         pids = child_pids(launcher)
@@ -87,7 +87,7 @@ def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_
         "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, schema_revision: 3}",
         "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, schema_revision: 3, "
         "args: [--crash-after-tokens, lots]}"))
-    launcher = ManagedProcess("launch-broken", python_command("launch", str(config), "--http-port", "0"),
+    launcher = ManagedProcess("launch-broken", orchestrator_command("launch", str(config), "--http-port", "0"),
                               log_dir=tmp_path)
     with pytest.raises(ProcessFailed):
         launcher.wait_ready(60)
@@ -114,7 +114,7 @@ def test_each_launched_worker_gets_its_own_env_as_the_trtllm_example_gives_each_
     shipped = config_module.load(CONFIGS / "trtllm" / "disagg.yaml", check_paths=False)
     gpus = {w.role: w.env["CUDA_VISIBLE_DEVICES"] for w in shipped.launch.workers}
     assert gpus == {"prefill": "0", "decode": "1"}  # each worker on its own GPU, as the file's comment says
-    worker = [sys.executable, "-m", "orchestrator", "sim-worker", "--port", "{port}", "--time-scale", "0"]
+    worker = orchestrator_command("sim-worker", "--port", "{port}", "--time-scale", "0")
     config = tmp_path / "envs.yaml"
     config.write_text(yaml.safe_dump({
         "mode": "disaggregated", "discovery": {"static": {"prefill": [], "decode": []}},
@@ -123,7 +123,7 @@ def test_each_launched_worker_gets_its_own_env_as_the_trtllm_example_gives_each_
             {"role": "prefill", "env": {"CUDA_VISIBLE_DEVICES": "0"}, "command": [*worker, "--role", "prefill"]},
             {"role": "decode", "env": {"CUDA_VISIBLE_DEVICES": "1"},
              "sim": {"profile": "llama3-8b-h100", "time_scale": 0}}]}}))
-    launcher = ManagedProcess("launch-env", python_command("launch", str(config), "--http-port", "0"),
+    launcher = ManagedProcess("launch-env", orchestrator_command("launch", str(config), "--http-port", "0"),
                               log_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "7"})
     try:
         url = launcher.wait_ready(60)
@@ -148,7 +148,7 @@ def test_a_busy_port_names_the_launch_flag(tmp_path, taken):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        argv = python_command("launch", str(CONFIGS / "agg.yaml"), "--http-port", str(port))
+        argv = orchestrator_command("launch", str(CONFIGS / "agg.yaml"), "--http-port", str(port))
         if taken == "meanwhile":  # launch's own check passed; the port is taken by the time serve binds it
             from orchestrator import config as config_module
             from orchestrator.launch import Launcher

@@ -12,6 +12,9 @@ PACKAGE = Path(orchestrator.__file__).parent
 # scheduler on a virtual clock) and the testkit may import it; the orchestrator itself talks to every worker
 # over gRPC.
 MAY_IMPORT_SIM = {"launch.py", "bench/plan.py", "bench/reuse.py", "testkit/plugin.py"}
+# `orchestrator check-config` runs the launcher's own checks; nothing else calls into the launcher (the frontend
+# starts its other processes with the supervisor of orchestrator/processes.py, as the launcher does).
+MAY_IMPORT_LAUNCH = {"config_check.py"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -32,6 +35,18 @@ def test_nothing_outside_the_simulator_imports_it_but_the_launcher_the_benches_a
             continue
         if any(name == "orchestrator.sim" or name.startswith("orchestrator.sim.") for name in _imports(path)):
             offenders.append(relative)
+    assert offenders == []
+
+
+def test_nothing_imports_the_testkit_and_only_check_config_imports_the_launcher():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        for name in _imports(path):
+            if name.startswith("orchestrator.testkit") and not relative.startswith("testkit/"):
+                offenders.append(f"{relative} imports {name}")
+            if name == "orchestrator.launch" and relative not in MAY_IMPORT_LAUNCH:
+                offenders.append(f"{relative} imports {name}")
     assert offenders == []
 
 

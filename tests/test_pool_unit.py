@@ -3,7 +3,7 @@
 import trio
 
 from orchestrator.config import RoutingConfig
-from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import LoopThread
 from orchestrator.metrics import Metrics
 from orchestrator.workers.pool import WorkerPool

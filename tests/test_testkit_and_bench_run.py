@@ -6,7 +6,7 @@ import subprocess
 import httpx
 import pytest
 
-from orchestrator.testkit.plugin import python_command, wait_for_load, write_config
+from orchestrator.testkit.plugin import orchestrator_command, wait_for_load, write_config
 
 
 async def test_orchestrator_runs_in_process_on_the_tests_trio_loop(tmp_path, sim_workers, orchestrator_in_process,
@@ -58,9 +58,9 @@ def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_work
     server = orchestrator_servers.start(write_config(tmp_path / "b.yaml", "aggregated",
                                                      {"aggregated": [worker.address]}))
     out = tmp_path / "run.json"
-    result = subprocess.run(python_command("bench", "run", "--url", server.url, "--rate", "20", "--requests", "10",
-                                           "--input-len", "50:80", "--output-len", "6", "--image-share", "0.5",
-                                           "--slo-ttft", "5", "--out", str(out)),
+    result = subprocess.run(orchestrator_command("bench", "run", "--url", server.url, "--rate", "20", "--requests",
+                                                 "10", "--input-len", "50:80", "--output-len", "6", "--image-share",
+                                                 "0.5", "--slo-ttft", "5", "--out", str(out)),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     (point,) = json.loads(out.read_text())["points"]
@@ -81,9 +81,9 @@ def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_s
     server = orchestrator_servers.start(write_config(tmp_path / "c.yaml", "aggregated",
                                                      {"aggregated": [worker.address]}))
     out = tmp_path / "closed.json"
-    result = subprocess.run(python_command("bench", "run", "--url", server.url, "--concurrency", "2", "--requests",
-                                           "12", "--warmup", "1", "--input-len", "500", "--output-len", "20",
-                                           "--time-scale", time_scale, "--out", str(out)),
+    result = subprocess.run(orchestrator_command("bench", "run", "--url", server.url, "--concurrency", "2",
+                                                 "--requests", "12", "--warmup", "1", "--input-len", "500",
+                                                 "--output-len", "20", "--time-scale", time_scale, "--out", str(out)),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     (point,) = json.loads(out.read_text())["points"]
@@ -95,7 +95,7 @@ def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_s
 def test_bench_run_help_shows_every_default_and_what_input_lengths_count():
     import os
 
-    result = subprocess.run(python_command("bench", "run", "--help"), capture_output=True, text=True, timeout=60,
+    result = subprocess.run(orchestrator_command("bench", "run", "--help"), capture_output=True, text=True, timeout=60,
                             env={**os.environ, "COLUMNS": "300"})  # one line per option
     text = " ".join(result.stdout.split("options:", 1)[1].split())
     for option, default in (("--model MODEL", "(default: tiny-chat)"), ("--warmup WARMUP", "(default: 2)"),
@@ -112,9 +112,10 @@ def test_bench_run_prints_the_servers_error_not_nan_figures_and_no_carriage_retu
     worker = sim_workers.start("aggregated", "--time-scale", "0")
     server = orchestrator_servers.start(write_config(tmp_path / "e.yaml", "aggregated",
                                                      {"aggregated": [worker.address]}))
-    result = subprocess.run(python_command("bench", "run", "--url", server.url, "--model", "no-such-model",
-                                           "--concurrency", "2", "--requests", "4", "--warmup", "0", "--input-len", "8",
-                                           "--output-len", "2"), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(orchestrator_command("bench", "run", "--url", server.url, "--model", "no-such-model",
+                                                 "--concurrency", "2", "--requests", "4", "--warmup", "0",
+                                                 "--input-len", "8", "--output-len", "2"),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "nan" not in result.stdout, result.stdout
     assert "no request completed" in result.stdout

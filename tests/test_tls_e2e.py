@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from orchestrator.processes import ProcessFailed
-from orchestrator.testkit.plugin import EtcdServer, ManagedProcess, python_command, write_config
+from orchestrator.testkit.plugin import EtcdServer, ManagedProcess, orchestrator_command, write_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 FAST = ("--time-scale", "0")
@@ -88,7 +88,7 @@ async def test_discovery_through_an_etcd_that_requires_client_certificates(tmp_p
         assert etcd.url.startswith("https://")
         worker = sim_workers.start("aggregated", *FAST)
         # Without a client certificate etcd refuses the TLS handshake: that sidecar never registers.
-        refused = ManagedProcess("register-refused", python_command(
+        refused = ManagedProcess("register-refused", orchestrator_command(
             "register", "--etcd", etcd.url, "--worker", worker.address, "--role", "aggregated", "--namespace", "tls",
             "--etcd-ca", str(pki / "ca.pem")), log_dir=tmp_path)
         try:
@@ -96,7 +96,7 @@ async def test_discovery_through_an_etcd_that_requires_client_certificates(tmp_p
                 refused.wait_ready(4)
         finally:
             refused.stop()
-        sidecar = ManagedProcess("register", python_command(
+        sidecar = ManagedProcess("register", orchestrator_command(
             "register", "--etcd", etcd.url, "--worker", worker.address, "--role", "aggregated", "--namespace", "tls",
             "--etcd-ca", str(pki / "ca.pem"), "--etcd-cert", str(pki / "client.pem"),
             "--etcd-key", str(pki / "client.key")), log_dir=tmp_path)

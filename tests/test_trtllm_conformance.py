@@ -42,7 +42,7 @@ from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_p
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg, prefill_outcome
 from orchestrator.sim.persona import Persona
-from orchestrator.testkit.plugin import free_port, python_command, wait_for_load, write_config
+from orchestrator.testkit.plugin import free_port, orchestrator_command, wait_for_load, write_config
 from serve_helpers import chat_body, sse_events
 
 FAST = ("--time-scale", "0.02")
@@ -525,7 +525,7 @@ def test_serve_obeys_sigterm_while_it_waits_for_workers(tmp_path):
                           limits={"worker_startup_timeout_s": 300})
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(python_command("serve", "-c", str(config), "--port", "0"), stdout=log,
+        process = subprocess.Popen(orchestrator_command("serve", "-c", str(config), "--port", "0"), stdout=log,
                                    stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

@@ -94,20 +94,21 @@ def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
 
 
 def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> dict:
-    from orchestrator.processes import ManagedProcess, python_command
+    from orchestrator.processes import ManagedProcess, orchestrator_command
 
     config_path = workdir / f"{_slug(topology.name)}.yaml"
     config_path.write_text(yaml.safe_dump(launch_config(spec, topology), sort_keys=False))
-    launcher = ManagedProcess(f"launch-{_slug(topology.name)}", python_command("launch", str(config_path)),
+    launcher = ManagedProcess(f"launch-{_slug(topology.name)}", orchestrator_command("launch", str(config_path)),
                               log_dir=workdir, env={"ORCH_LOG_LEVEL": "WARNING"})
     try:
         url = launcher.wait_ready(300)
         out = workdir / f"{_slug(topology.name)}.json"
         w = spec.workload
-        argv = python_command("bench", "run", "--url", url, "--model", spec.model, "--input-len", w.input_len,
-                              "--output-len", w.output_len, "--requests", str(w.requests), "--warmup", str(w.warmup),
-                              "--image-share", repr(w.image_share), "--seed", str(w.seed), "--gpus", str(topology.gpus),
-                              "--time-scale", repr(spec.time_scale), "--label", topology.name, "--out", str(out))
+        argv = orchestrator_command("bench", "run", "--url", url, "--model", spec.model, "--input-len", w.input_len,
+                                    "--output-len", w.output_len, "--requests", str(w.requests), "--warmup",
+                                    str(w.warmup), "--image-share", repr(w.image_share), "--seed", str(w.seed),
+                                    "--gpus", str(topology.gpus), "--time-scale", repr(spec.time_scale),
+                                    "--label", topology.name, "--out", str(out))
         if w.concurrency:
             argv += ["--concurrency", *map(str, w.concurrency)]
         if w.rates:

@@ -17,8 +17,8 @@ import logging
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.registration import EtcdTls, new_client
-from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.etcd_client import EtcdTls, new_client
+from orchestrator.discovery.snapshots import Publish, Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.transport.loop_thread import LoopThread
 

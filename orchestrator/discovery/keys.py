@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from orchestrator.discovery.registry import WorkerSpec
+from orchestrator.discovery.snapshots import WorkerSpec
 from orchestrator.workers.roles import ROLES
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from orchestrator.discovery.registry import Publish, Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.snapshots import Publish, Snapshot, WorkerRegistry, WorkerSpec
 
 
 class StaticRegistry(WorkerRegistry):

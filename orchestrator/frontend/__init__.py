@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API, on our own HTTP/1.1 server (httptools on trio; hypercorn selectable).
+"""The OpenAI-compatible HTTP API, on our own HTTP/1.1 server (httptools on trio).
 
 - app: the ASGI application (routing, request lifecycle, streaming, disconnects)
 - http_server, http_wire: the native server (connections, keep-alive, drain) and its pure framing rules

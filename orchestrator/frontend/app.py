@@ -2,7 +2,7 @@
 
 Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
 before any byte of the response) -> execute in the request's nursery, which is cancelled when the
-client disconnects (the native server calls back; under plain ASGI a watcher task waits in receive()).
+client disconnects (our server calls back: frontend/server_extensions.py).
 A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
 after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
 response, also when the shutdown grace ends before it does (`cut_in_flight`: a 503 with Retry-After, or
@@ -189,9 +189,8 @@ class App:
         route = "chat" if kind == "chat" else "completions"
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set("orchestrator.request_id", request_id)
-        server = ServerExtensions.of(scope)  # None under another ASGI server
-        response = _Response(send, [(b"x-request-id", request_id.encode())],
-                             server.send_now if server is not None else None)
+        server = ServerExtensions.of(scope)
+        response = _Response(send, [(b"x-request-id", request_id.encode())], server.send_now)
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
@@ -211,7 +210,7 @@ class App:
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
-    async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions | None, request_id: str,
+    async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions, request_id: str,
                                 response: _Response, receive: Receive, account: KeyAccount | None) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         admitted = False
@@ -227,8 +226,7 @@ class App:
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
-            on_disconnect = server.on_disconnect if server is not None else None
-            return await self._run(kind, request_id, api, plan, response, receive, on_disconnect)
+            return await self._run(kind, request_id, api, plan, response, server.on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
         # keeps every frame of the traceback, the request body among their locals, until a full GC pass.
@@ -239,7 +237,7 @@ class App:
                                                     f"{self.config.http.body_timeout_s:g} s",
                                                code="request_timeout"), request_id, response)
         except ClientGone:
-            why = server.bad_body() if server is not None else None
+            why = server.bad_body()
             if why is None:
                 return "disconnected"
             return await self._refuse(ApiError(400, f"the request body is malformed: {why}", code="bad_request"),
@@ -260,7 +258,7 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions | None, receive: Receive):
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive):
         """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
         it announces more than limits.max_request_bytes."""
         if self.draining:
@@ -269,7 +267,7 @@ class App:
         announced = _header(scope, b"content-length")
         if announced is not None and announced.isdigit() and int(announced) > limit:
             raise _too_large(limit)
-        if server is not None and server.body_arrived:  # our server has all of it: nothing to wait for
+        if server.body_arrived:  # our server has all of it: nothing to wait for
             body = await read_json(receive, limit, on_size=self._body_read)
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
@@ -279,8 +277,8 @@ class App:
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: _Response, receive: Receive,
-                   on_disconnect: Callable[[Callable[[], None]], None] | None) -> str:
+    async def _run(self, kind: str, request_id: str, api, plan, response: _Response,
+                   on_disconnect: Callable[[Callable[[], None]], None]) -> str:
         model = api.model
         created = int(time.time())
         disconnected = False
@@ -291,10 +289,7 @@ class App:
                 disconnected = True
                 request.cancel_scope.cancel()
 
-            if on_disconnect is not None:
-                on_disconnect(gone)  # the native server's reader calls it: no task to watch receive()
-            else:
-                request.start_soon(_call_on_disconnect, receive, gone)
+            on_disconnect(gone)  # our server's reader task calls it: no task watches receive()
 
         token_text = self.coordinator.tokenizer.token_text
         sink: _StreamingSink | _CollectingSink
@@ -322,13 +317,6 @@ class App:
             await send_json(response.send, 200, sink.response(request_id, model, created), response.headers)
             response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
-
-
-async def _call_on_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
-    """The ASGI way (hypercorn): wait in receive() until it says the client disconnected."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone()
 
 
 # ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------

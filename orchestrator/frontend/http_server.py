@@ -1,8 +1,8 @@
 """The native HTTP/1.1 server: trio sockets, httptools' C parser, the ASGI application on top.
 
-Why not hypercorn (still selectable with `http.server: hypercorn`): its per-event machinery cost about
-0.3 ms per response write and most of a millisecond per request (benchmarks/cpu_cost.py measures both
-servers side by side). This server does only what the OpenAI API needs from HTTP/1.1:
+Why our own server rather than an ASGI server such as hypercorn (which this project ran until it was
+removed): hypercorn's per-event machinery cost about 0.3 ms per response write and most of a millisecond
+per request on this project's benchmarks. This server does only what the OpenAI API needs from HTTP/1.1:
 
 - keep-alive, with `http.keep_alive_s` as the idle limit and as the deadline for a whole request head
   (checked every min(1 s, a quarter of it): a connection goes within that much after the limit);
@@ -27,7 +27,7 @@ servers side by side). This server does only what the OpenAI API needs from HTTP
 - TLS (trio.SSLStream), TCP_NODELAY (trio's default for TCP streams), a listen backlog, SO_REUSEPORT
   for several frontend processes on one port.
 
-The application sees ASGI 3 `http` scopes, so the same App runs under hypercorn too.
+The application sees ASGI 3 `http` scopes.
 """
 
 from __future__ import annotations

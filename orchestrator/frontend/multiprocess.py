@@ -7,12 +7,13 @@ sockets. Each process has its own trio loop, HTTP server, coordinator and pool, 
 workers itself: least-loaded routing scores workers by what they report (GetLoad) plus what this
 process sent since, so the processes share the workers' own view of their load.
 
-Frontend 0 owns its children (a nursery task per child):
+Frontend 0 owns its children (a nursery task per child, each child an orchestrator.processes.ManagedProcess
+whose output goes to frontend 0's stderr after its name):
 - it prints its `ready` line once every child has printed its own;
 - a child that exits while we are not stopping is restarted after a pause (1 s, doubling up to 30 s
   while it keeps dying within a minute of its start);
 - SIGTERM/SIGINT (or a cancelled scope) sends SIGTERM to every child, which drains like frontend 0
-  does, and waits for them;
+  does, and waits for them (SIGKILL after the stop timeout);
 - a child whose parent is gone (frontend 0 was killed) drains and exits by itself (ParentWatch).
 Metrics are summed across the processes (orchestrator/metrics.py, prometheus multiprocess mode).
 """
@@ -23,13 +24,12 @@ import fcntl
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Callable
 
 import attrs
 import trio
 
-from orchestrator.launch import Child
+from orchestrator.processes import ManagedProcess, ProcessFailed
 
 log = logging.getLogger("orchestrator.frontend")
 
@@ -63,15 +63,14 @@ class FrontendChildren:
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.on_exit = on_exit  # called with the pid of every child that exited (its metrics are dead)
-        self.current: dict[int, Child] = {}
+        self.current: dict[int, ManagedProcess] = {}
         self.restarts = 0
         self.stopped = trio.Event()  # set once every child has stopped after shutdown
         self._stopping = False
-        self._signalled: set[int] = set()  # pids sent SIGTERM once (a second one would kill a draining child)
 
     async def run(self, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start every child; started once each has printed `ready` (or the ready timeout passed);
-        returns after `shutdown` once every child has stopped."""
+        returns after `shutdown` (or a cancellation) once every child has stopped."""
         first_ready = {index: trio.Event() for index in range(1, self.count)}
         try:
             async with trio.open_nursery() as nursery:
@@ -86,62 +85,46 @@ class FrontendChildren:
                               late, self.ready_timeout)
                 task_status.started()
                 await shutdown.wait()
-                await self._stop_all()
-                nursery.cancel_scope.cancel()
+                self._stopping = True
+                nursery.cancel_scope.cancel()  # each _keep stops its child, all at the same time
         finally:
-            with trio.CancelScope(shield=True):
-                await self._stop_all()
+            self._stopping = True
             self.stopped.set()
 
     async def _keep(self, index: int, first_ready: trio.Event) -> None:
         pause = _RESTART_PAUSE_S[0]
         while not self._stopping:
-            child = Child(f"frontend-{index}", self.argv_for(index))
+            child = ManagedProcess(f"frontend-{index}", self.argv_for(index))
             self.current[index] = child
             started_at = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                await nursery.start(child.run)
-                nursery.start_soon(_set_when_ready, child, first_ready)
-            pid = child.process.pid if child.process is not None else None
-            if pid is not None:
-                self.on_exit(pid)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_set_when_ready, child, first_ready)
+                    await child.wait_async()
+                    nursery.cancel_scope.cancel()
+            finally:
+                # Cancelled (shutdown, or our caller's scope): the child drains on SIGTERM, is killed after the
+                # stop timeout, and its exit is reported all the same.
+                with trio.CancelScope(shield=True):
+                    await child.stop_async(self.stop_timeout)
+                self.on_exit(child.pid)
             if self._stopping:
                 return
             if trio.current_time() - started_at >= _HEALTHY_AFTER_S:
                 pause = _RESTART_PAUSE_S[0]
-            log.error("frontend process %d (pid %s) exited with code %s; restarting it in %.0f s\n%s", index, pid,
-                      child.returncode, pause, child.describe_failure())
+            log.error("frontend process %d (pid %d) exited; restarting it in %.0f s\n%s", index, child.pid, pause,
+                      child.describe_failure())
             await trio.sleep(pause)
             pause = min(pause * 2, _RESTART_PAUSE_S[1])
             self.restarts += 1
 
-    async def _stop_all(self) -> None:
-        self._stopping = True
-        async with trio.open_nursery() as nursery:
-            for index, child in self.current.items():
-                nursery.start_soon(self._stop, index, child)
 
-    async def _stop(self, index: int, child: Child) -> None:
-        # Waits on the process itself: after a cancellation Child.run is gone and cannot tell us it ended.
-        process = child.process
-        if process is None or process.returncode is not None:
-            return
-        if process.pid not in self._signalled:
-            self._signalled.add(process.pid)
-            process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(self.stop_timeout):
-            await process.wait()
-            return
-        log.warning("frontend process %d (pid %d) did not stop within %.0f s; killing it", index, process.pid,
-                    self.stop_timeout)
-        process.kill()
-        await process.wait()
-
-
-async def _set_when_ready(child: Child, event: trio.Event) -> None:
-    await child.ready.wait()  # also set when the child exits
-    if child.ready_url is not None:
-        event.set()
+async def _set_when_ready(child: ManagedProcess, event: trio.Event) -> None:
+    try:
+        await child.wait_ready_async()
+    except ProcessFailed:
+        return  # it exited first; _keep restarts it
+    event.set()
 
 
 def leave_metrics_dir(directory: str) -> None:

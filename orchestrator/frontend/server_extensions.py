@@ -20,7 +20,7 @@ them directly, as one `ServerExtensions` in every `http` scope (`ServerExtension
   RuntimeError). It is how direct delivery (orchestrator/decode/direct.py) writes a token from the engine
   connection's reader task while the request's task waits.
 
-Any other ASGI server gives none of this (`of` returns None) and the app falls back to plain ASGI.
+The application runs only under our server (the hypercorn mode is gone), so every scope has them.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ class ServerExtensions:
     send_now: Callable[[bytes], bool] | None = None
 
     @staticmethod
-    def of(scope: dict[str, Any]) -> ServerExtensions | None:
-        """The extensions of an `http` scope our server made; None under any other server."""
-        extensions = scope.get("extensions")
-        return extensions.get(KEY) if extensions else None
+    def of(scope: dict[str, Any]) -> ServerExtensions:
+        """The extensions of an `http` scope our server made."""
+        extensions = scope.get("extensions") or {}
+        if KEY not in extensions:
+            raise RuntimeError("the application runs under orchestrator.frontend.http_server only: this scope "
+                               "has no ServerExtensions")
+        return extensions[KEY]
 
     def put_in(self, scope: dict[str, Any]) -> None:
         scope.setdefault("extensions", {})[KEY] = self

@@ -1,8 +1,13 @@
 """A scripted fake engine client and pool, for unit tests of the stages that need no process and no gRPC.
 
-    client = FakeEngineClient("prefill-0", caps, script=lambda request: [
+    prefill = FakeEngineClient("prefill-0", capabilities("prefill"), script=lambda request: [
         Wait(0.05), Send(Tokens((42,))), Wait(0.01), Send(PrefillReady(session))])
-    pool = FakePool([Worker.fake("prefill", client), Worker.fake("decode", other)])
+    decode = FakeEngineClient("decode-0", capabilities("decode"), script=lambda request: [
+        Send(Tokens((7,)), Finished(FinishReason.FINISH_REASON_LENGTH))])
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", decode)])
+
+(`Tokens`, `PrefillReady`, `Finished` and `FinishReason` from orchestrator.engine.events; `session`: a
+kv_pb2.KvSessionRef.)
 
 A script maps each Generate request to steps: `Wait(seconds)` (on trio's clock, so `autojump_clock`
 makes it instant), `Send(*events)`, `Fail(error)` (the RPC raises), `Hang()` (nothing more, ever). The
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import trio
 
-from orchestrator.discovery.registry import WorkerSpec
+from orchestrator.discovery.snapshots import WorkerSpec
 from orchestrator.engine import EngineError
 from orchestrator.engine.capabilities import FeatureSupport, WorkerCapabilities
 from orchestrator.engine.events import Event, Failed, Finished, PrefillReady

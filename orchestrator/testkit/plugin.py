@@ -1,17 +1,22 @@
 """pytest plugin (entry point `orchestrator`): real processes on free loopback ports, torn down after.
 
 Fixtures
-- `sim_workers`: a factory; `sim_workers.start("prefill", "--time-scale", "0.01")` -> a handle with
-  `.address` (grpc://127.0.0.1:PORT) and `.process`. Every worker is stopped at the end of the test.
-- `etcd_server`: a real etcd (Debian's etcd-server) on free ports with a temporary data dir; `.url`.
-- `orchestrator_servers`: a factory; `.start(config_path)` -> a handle with `.url` (http://...).
+- `sim_workers`: a SimWorkers factory; `sim_workers.start("prefill", "--time-scale", "0.01")` -> a
+  SimWorkerProcess with `.address` (grpc://127.0.0.1:PORT), `.target` (HOST:PORT), `.role` and `.process`
+  (its ManagedProcess). Every worker is stopped at the end of the test.
+- `etcd_server` (session): an EtcdServer, a real etcd (Debian's etcd-server) on free ports with a temporary
+  data dir; `.url`.
+- `orchestrator_servers`: an OrchestratorServers factory; `.start(config_path, *flags)` -> an
+  OrchestratorServer with `.url` (http://...) and `.process`. Every server is stopped at the end of the test.
 - `orchestrator_in_process`: `async with orchestrator_in_process(config_path) as url:` runs the
   orchestrator on the test's own trio loop (no process), cancelled when the block ends.
 - `engine_client`: a factory usable from trio tests: `async with engine_client(addr) as client`.
 
-Helpers: `ManagedProcess` (start a command, wait for its `ready ...` line, stop it, tail its log),
-`free_port()`, `wait_for_load(...)`; for unit tests without processes, the scripted `FakeEngineClient`,
-`FakePool` and `fake_worker` (orchestrator.testkit.fakes), run under pytest-trio's `autojump_clock`.
+Helpers: `ManagedProcess` (the one supervisor, orchestrator/processes.py: start a command, wait for its
+`ready ...` line, stop it, tail its log), `orchestrator_command(...)` (`python -m orchestrator ...`),
+`free_port()`, `write_config(...)`, `wait_for_load(...)`; the process groups themselves are in
+orchestrator/testkit/processes.py. For unit tests without processes, the scripted `FakeEngineClient`,
+`FakePool` and `fake_worker` (orchestrator/testkit/fakes.py), run under pytest-trio's `autojump_clock`.
 
 A five-line test:
 
@@ -31,15 +36,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.processes import (  # noqa: F401 - re-exported for tests that use the testkit
-    EtcdServer,
     ManagedProcess,
-    OrchestratorServer,
-    OrchestratorServers,
     ProcessFailed,
-    SimWorker,
-    SimWorkers,
     free_port,
-    python_command,
+    orchestrator_command,
 )
 from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the scripted fakes of the unit layer
     Fail,
@@ -49,6 +49,13 @@ from orchestrator.testkit.fakes import (  # noqa: F401 - re-exported: the script
     Send,
     Wait,
     fake_worker,
+)
+from orchestrator.testkit.processes import (  # noqa: F401 - re-exported for tests that use the testkit
+    EtcdServer,
+    OrchestratorServer,
+    OrchestratorServers,
+    SimWorkerProcess,
+    SimWorkers,
 )
 
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import trio
 
-from orchestrator.discovery.registry import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable

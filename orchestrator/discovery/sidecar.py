@@ -5,8 +5,8 @@
 It waits for the worker (connect-until-ready), refuses a worker whose ServerInfo role (or model)
 differs from what it was told, then keeps it registered under a lease while its health is READY or
 DEGRADED, withdraws it at once when it turns unhealthy (NOT_READY: also how a draining worker says it),
-and revokes the lease on SIGTERM.
-Prints `ready KEY` once registered.
+and revokes the lease on SIGTERM (the lease rules are discovery/lease_keeper.py's). Prints `ready KEY`
+once registered.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from functools import partial
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.registration import Registration
-from orchestrator.discovery.registry import WorkerSpec
+from orchestrator.discovery.lease_keeper import LeaseKeeper
+from orchestrator.discovery.snapshots import WorkerSpec
 
 log = logging.getLogger("orchestrator.register")
 HEALTH_POLL_S = 0.25
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def etcd_tls(args: argparse.Namespace):
     """TLS to etcd from the --etcd-* flags (None: plaintext, unless --etcd says https://)."""
-    from orchestrator.discovery.registration import EtcdTls
+    from orchestrator.discovery.etcd_client import EtcdTls
 
     if args.etcd_ca is None and args.etcd_cert is None and args.etcd_key is None:
         return None
@@ -56,10 +56,6 @@ def etcd_tls(args: argparse.Namespace):
         return EtcdTls.from_files(args.etcd_ca, args.etcd_cert, args.etcd_key)
     except OSError as exc:
         raise SystemExit(f"orchestrator register: cannot read {exc.filename}: {exc.strerror}") from exc
-
-
-class RegistrationError(Exception):
-    pass
 
 
 async def register(args: argparse.Namespace) -> int:
@@ -85,8 +81,8 @@ async def register(args: argparse.Namespace) -> int:
         spec = WorkerSpec(address=args.advertise or args.worker, role=args.role, model=model, instance_id=instance_id)
         key = keys.worker_key(args.namespace, model, args.role, instance_id)
         healthy = {"now": True}
-        registration = Registration(args.etcd, key, keys.worker_value(spec, schema_revision=caps.schema_revision),
-                                    ttl=args.ttl, is_healthy=lambda: healthy["now"], tls=etcd_tls(args))
+        registration = LeaseKeeper(args.etcd, key, keys.worker_value(spec, schema_revision=caps.schema_revision),
+                                   ttl=args.ttl, is_healthy=lambda: healthy["now"], tls=etcd_tls(args))
 
         async def watch_health() -> None:
             while True:
