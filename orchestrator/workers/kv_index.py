@@ -1,0 +1,500 @@
+"""Which worker (and attention-DP rank) holds which prefix of a prompt in its KV cache: a pure index.
+
+No I/O and no clock of its own: kv_events.py feeds it the engines' KV events, the router (routing.py) asks
+it how many leading blocks of a prompt each (worker, rank) holds, and records where it sent a prompt for the
+workers whose events say nothing (approximate mode, entries expire after a TTL).
+
+Keys are ours, not the engine's: a block's key is computed from its token ids (and the identities of the
+images it covers), chained on its parent's key, so both a prompt and an engine's BlockStored event (which
+carries each stored block's token ids) yield the same key without reproducing the engine's hash (its salt,
+LoRA scope and hash algorithm differ per engine and revision). Removals carry only the engine's hashes, so
+each (worker, rank) keeps a map engine hash -> our key.
+
+Key function: Python's hash of a tuple of ints (chained key, block tokens) -- deterministic across
+processes of one Python version (only ints are hashed; str hashing is randomized, so an image identity
+is turned into an int with sha256 first). Keys never leave the process: every orchestrator replica computes
+both sides itself, so replicas fed by the same events agree. A 64-bit collision costs a wrong routing
+guess, never a wrong answer (the engine checks its own keys).
+
+The lowest bit of a key says "this block or an earlier one in its chain covers an image": a worker whose
+events carry no image keys (revision 3 fails closed on image blocks, see sim/kv_events.py) is answered
+from the approximate entries from its first image block on.
+
+Images (as the simulated worker and TensorRT-LLM's KV cache manager V2 key them, sim/prefix_cache.py): an
+image expands into `length` prompt positions; its first is the image's 32-byte digest and the rest are
+synthetic ids (id_offset + position in the image); BlockStored events carry them as a hex string and ints,
+plus `mm_keys` per block: (digest hex, start offset in the image) per image segment in the block. We key an
+image position by (image digest, offset in the image), so the same image at the same place after the same
+prefix hits, whichever text tokens the caller's prompt has at those positions.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Iterable, Mapping, Sequence
+
+import attrs
+
+WorkerRank = tuple[str, int]  # (worker address as in WorkerSpec/pool, attention-DP rank)
+
+ROOT_KEY = 0
+IMAGE_BIT = 1  # set on a block covering an image, and on every block after it in the chain
+_TEXT = ~IMAGE_BIT
+_IMAGE_POSITION = -1  # what an image position contributes to the block's token tuple (segments say which)
+MODES = ("events", "approximate")
+
+
+# ---- keys -----------------------------------------------------------------------------------------------
+
+@attrs.frozen
+class PromptImage:
+    """One image in the prompt, in prompt order."""
+
+    identity: str  # caller UUID, else "sha256:<hex>" of its bytes (data URI), else sha256 of the URL
+    start: int  # index in the (engine-side) token sequence where its tokens start
+    length: int  # how many token positions it covers
+
+
+def image_identity(*, uuid: str | None = None, data: bytes | None = None, url: str | None = None) -> str:
+    """An image's identity as the engine's media hash names it (sim/media.py): the caller's uuid, else the
+    sha256 of its bytes as "sha256:<hex>"; for a URL we cannot read, the sha256 of the URL itself (it then
+    matches only our own approximate entries, not an engine's events, which hash the fetched bytes)."""
+    if uuid:
+        return uuid
+    if data is not None:
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+    if url is not None:
+        return "url-sha256:" + hashlib.sha256(url.encode()).hexdigest()
+    raise ValueError("an image needs a uuid, its bytes or its URL")
+
+
+def image_digest(identity: str) -> bytes:
+    """The 32-byte digest an image identity stands for, as the engine keys the image (sim/prefix_cache.py
+    image_digest): a "sha256:<hex>" identity is its own digest, anything else is hashed."""
+    if identity.startswith("sha256:") and len(identity) == 7 + 64:
+        try:
+            return bytes.fromhex(identity[7:])
+        except ValueError:
+            pass
+    return hashlib.sha256(identity.encode()).digest()
+
+
+def _digest_int(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _chain(parent: int, block: tuple, segments: tuple | None) -> int:
+    if segments is None:
+        return (hash((parent, block)) & _TEXT) | (parent & IMAGE_BIT)
+    return hash((parent, block, segments)) | IMAGE_BIT
+
+
+def prompt_block_keys(token_ids: Sequence[int], block_size: int,
+                      images: Sequence[PromptImage] = ()) -> list[int]:
+    """Chained keys of the prompt's FULL blocks: key(block i) = H(key(block i-1), token ids of block i,
+    identities of images covering block i). Our own hash, not the engine's.
+
+    `token_ids` is the sequence as the engine caches it (images already expanded to their positions);
+    the ids at image positions do not matter. A trailing partial block has no key (engines cache only full
+    blocks). Images must not overlap and must lie inside the sequence."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+    full = len(tokens) // block_size
+    keys: list[int] = []
+    parent = ROOT_KEY
+    if not images:
+        for start in range(0, full * block_size, block_size):
+            parent = (hash((parent, tokens[start:start + block_size])) & _TEXT) | (parent & IMAGE_BIT)
+            keys.append(parent)
+        return keys
+    spans = _image_spans(images, len(tokens))
+    pending = 0  # first span that may still cover the current block
+    for index in range(full):
+        low, high = index * block_size, (index + 1) * block_size
+        while pending < len(spans) and spans[pending][1] <= low:
+            pending += 1
+        segments = []
+        block = None
+        probe = pending
+        while probe < len(spans) and spans[probe][0] < high:
+            start, end, value = spans[probe]
+            first, last = max(start, low), min(end, high)
+            if block is None:
+                block = list(tokens[low:high])
+            block[first - low:last - low] = [_IMAGE_POSITION] * (last - first)
+            segments.append((first - low, last - first, value, first - start))
+            probe += 1
+        if block is None:
+            parent = _chain(parent, tokens[low:high], None)
+        else:
+            parent = _chain(parent, tuple(block), tuple(segments))
+        keys.append(parent)
+    return keys
+
+
+def _image_spans(images: Sequence[PromptImage], total: int) -> list[tuple[int, int, int]]:
+    spans = sorted((image.start, image.start + image.length, _digest_int(image_digest(image.identity)))
+                   for image in images if image.length > 0)
+    end = 0
+    for start, stop, _ in spans:
+        if start < end or start < 0 or stop > total:
+            raise ValueError("images must not overlap and must lie inside the token sequence")
+        end = stop
+    return spans
+
+
+# ---- engine events -> our keys ----------------------------------------------------------------------------
+
+@attrs.frozen
+class MmSegment:
+    """One image segment in a stored block, as an event's mm_keys carries it."""
+
+    digest_hex: str
+    start_offset: int  # offset in the image where the segment starts
+
+
+class EventBlockError(ValueError):
+    """A BlockStored event this index cannot key (the feed logs it and drops the blocks)."""
+
+
+def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size: int,
+                     mm_keys: Sequence[Sequence[MmSegment]] | None = None) -> list[int]:
+    """Our keys for the blocks of one BlockStored event (its token ids, block after block), chained on
+    `parent_key`. Image positions are read as the engine writes them: a digest (hex text) where an image
+    starts, then consecutive synthetic ids; a block starting inside an image has an mm_key with its offset.
+    Raises EventBlockError for a partial block or an image position without mm_keys."""
+    if block_size < 1 or len(token_ids) % block_size:
+        raise EventBlockError(f"{len(token_ids)} token ids are not whole blocks of {block_size}")
+    count = len(token_ids) // block_size
+    if mm_keys is not None and len(mm_keys) not in (0, count):
+        raise EventBlockError(f"{len(mm_keys)} mm_keys entries for {count} blocks")
+    keys = []
+    parent = parent_key
+    for index in range(count):
+        block = token_ids[index * block_size:(index + 1) * block_size]
+        segments = mm_keys[index] if mm_keys else ()
+        if not segments:
+            if not all(type(t) is int for t in block):
+                raise EventBlockError("a stored block has image positions but no mm_keys")
+            parent = _chain(parent, tuple(block), None)
+        else:
+            tokens, found = _event_image_block(block, segments)
+            parent = _chain(parent, tokens, found)
+        keys.append(parent)
+    return keys
+
+
+def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]) -> tuple[tuple, tuple]:
+    tokens = list(block)
+    found = []
+    for segment in segments:
+        value = _digest_int(bytes.fromhex(segment.digest_hex))
+        if segment.start_offset == 0:
+            try:
+                first = tokens.index(segment.digest_hex)
+            except ValueError:
+                raise EventBlockError(f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token")
+            last = first + 1
+            previous = tokens[last] - 1 if last < len(tokens) and type(tokens[last]) is int else None
+        else:
+            first, last = 0, 0  # a block starting inside an image: the segment starts at its first position
+            previous = tokens[0] - 1 if type(tokens[0]) is int else None
+        # The synthetic ids run on one by one (id_offset + position in the image) to the image's end.
+        while last < len(tokens) and previous is not None and type(tokens[last]) is int \
+                and tokens[last] == previous + 1:
+            previous = tokens[last]
+            last += 1
+        tokens[first:last] = [_IMAGE_POSITION] * (last - first)
+        found.append((first, last - first, value, segment.start_offset))
+    if any(type(t) is not int for t in tokens):
+        raise EventBlockError("a digest token without its mm_key")
+    found.sort()
+    return tuple(tokens), tuple(found)
+
+
+# ---- the index -------------------------------------------------------------------------------------------
+
+class _RankState:
+    __slots__ = ("bit", "by_engine", "extra_refs")
+
+    def __init__(self, bit: int):
+        self.bit = bit
+        self.by_engine: dict[int, int] = {}  # engine hash -> our key (events); our key -> our key (stored())
+        self.extra_refs: dict[int, int] = {}  # our key -> further engine hashes mapping to it (rare: LoRA, salt)
+
+
+class KvIndex:
+    """Who holds which block: event-fed entries per (worker, rank), and approximate entries (where we routed)
+    that expire `ttl_s` after their last routing.
+
+    `overlap()` walks a prompt's keys from the first and answers, per (worker, rank), how many LEADING blocks
+    it holds; a worker counts its event entries, and its approximate entries where its mode is approximate
+    (or, for a worker whose events carry no image keys, from the prompt's first image block on)."""
+
+    def __init__(self, ttl_s: float = 120.0, max_approximate: int = 1_000_000):
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+        self.ttl_s = ttl_s
+        self.max_approximate = max_approximate
+        self._ranks: dict[WorkerRank, _RankState] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+        self._names: dict[int, WorkerRank] = {}  # bit -> (worker, rank)
+        self._held: dict[int, int] = {}  # key -> mask of (worker, rank) bits holding it per events
+        self._modes: dict[str, str] = {}
+        self._without_image_keys: set[str] = set()
+        self._approx_mask = 0  # bits of workers in approximate mode
+        self._no_image_mask = 0  # bits of events-mode workers whose events carry no image keys
+        self._routed: dict[int, dict[int, float]] = {}  # key -> {bit: expires at}
+        self._expiry: collections.deque[tuple[float, int, int]] = collections.deque()  # (expires, key, bit)
+        self.events_applied = 0
+
+    # ---- who is there -------------------------------------------------------------------------------
+    def _state(self, where: WorkerRank) -> _RankState:
+        state = self._ranks.get(where)
+        if state is None:
+            bit = self._free_bits.pop() if self._free_bits else self._take_bit()
+            state = self._ranks[where] = _RankState(bit)
+            self._names[bit] = where
+            self._refresh_masks()
+        return state
+
+    def _take_bit(self) -> int:
+        bit = self._next_bit << 1  # bit 0 is never used: masks and IMAGE_BIT stay apart in reading
+        self._next_bit = bit
+        return bit
+
+    def _refresh_masks(self) -> None:
+        approx = no_image = 0
+        for (worker, _), state in self._ranks.items():
+            mode = self._modes.get(worker, "approximate")
+            if mode == "approximate":
+                approx |= state.bit
+            elif worker in self._without_image_keys:
+                no_image |= state.bit
+        self._approx_mask, self._no_image_mask = approx, no_image
+
+    def set_mode(self, worker: str, mode: str, *, image_keys: bool = True) -> None:
+        """How `worker`'s entries are known: "events" (its engines' events; `image_keys` False when they
+        carry none, so its image blocks are answered approximately) or "approximate" (where we routed)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}")
+        self._modes[worker] = mode
+        if image_keys:
+            self._without_image_keys.discard(worker)
+        else:
+            self._without_image_keys.add(worker)
+        self._refresh_masks()
+
+    def mode(self, worker: str) -> str:
+        """"events" | "approximate" (the default: a worker nobody fed events for)."""
+        return self._modes.get(worker, "approximate")
+
+    def image_keys(self, worker: str) -> bool:
+        """Whether `worker`'s image blocks come from its events (else from approximate entries)."""
+        return self.mode(worker) == "events" and worker not in self._without_image_keys
+
+    def forget(self, worker: str) -> None:
+        """The worker left the pool: every entry and its mode go at once."""
+        self.cleared(worker)
+        self.cleared_routed(worker)
+        for where in [w for w in self._ranks if w[0] == worker]:
+            state = self._ranks.pop(where)
+            del self._names[state.bit]
+            self._free_bits.append(state.bit)
+        self._modes.pop(worker, None)
+        self._without_image_keys.discard(worker)
+        self._refresh_masks()
+
+    # ---- event-fed entries --------------------------------------------------------------------------
+    def stored(self, where: WorkerRank, keys: Sequence[int]) -> None:
+        """`where` holds these blocks (our keys; each is also its own engine hash for a later removed())."""
+        self._store(self._state(where), keys, keys)
+
+    def removed(self, where: WorkerRank, keys: Sequence[int]) -> None:
+        """`where` no longer holds these blocks (our keys, as given to stored())."""
+        state = self._ranks.get(where)
+        if state is not None:
+            self._remove(state, keys)
+
+    def stored_engine(self, where: WorkerRank, engine_hashes: Sequence[int], parent_hash: int | None,
+                      token_ids: Sequence[int | str], block_size: int,
+                      mm_keys: Sequence[Sequence[MmSegment]] | None = None) -> bool:
+        """A BlockStored event: keys its blocks chained on the parent's (None: a root block). Returns False,
+        storing nothing, when the parent is unknown here (stored before we listened, or cleared since):
+        its descendants cannot be keyed until the engine stores the chain again."""
+        state = self._state(where)
+        if parent_hash is None:
+            parent = ROOT_KEY
+        else:
+            parent = state.by_engine.get(parent_hash)
+            if parent is None:
+                return False
+        keys = event_block_keys(parent, token_ids, block_size, mm_keys)
+        if len(keys) != len(engine_hashes):
+            raise EventBlockError(f"{len(engine_hashes)} block hashes for {len(keys)} blocks of token ids")
+        self._store(state, engine_hashes, keys)
+        return True
+
+    def removed_engine(self, where: WorkerRank, engine_hashes: Sequence[int]) -> None:
+        """A BlockRemoved event."""
+        self.removed(where, engine_hashes)
+
+    def _store(self, state: _RankState, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
+        held, by_engine, bit = self._held, state.by_engine, state.bit
+        for engine_hash, key in zip(engine_hashes, keys):
+            self.events_applied += 1
+            old = by_engine.get(engine_hash)
+            if old == key:
+                continue
+            if old is not None:
+                self._drop(state, old)
+            by_engine[engine_hash] = key
+            mask = held.get(key, 0)
+            if mask & bit:
+                state.extra_refs[key] = state.extra_refs.get(key, 0) + 1
+            else:
+                held[key] = mask | bit
+
+    def _remove(self, state: _RankState, engine_hashes: Iterable[int]) -> None:
+        by_engine = state.by_engine
+        for engine_hash in engine_hashes:
+            self.events_applied += 1
+            key = by_engine.pop(engine_hash, None)
+            if key is not None:
+                self._drop(state, key)
+
+    def _drop(self, state: _RankState, key: int) -> None:
+        extra = state.extra_refs.get(key)
+        if extra:
+            if extra == 1:
+                del state.extra_refs[key]
+            else:
+                state.extra_refs[key] = extra - 1
+            return
+        mask = self._held.get(key, 0) & ~state.bit
+        if mask:
+            self._held[key] = mask
+        else:
+            self._held.pop(key, None)
+
+    def cleared(self, worker: str, rank: int | None = None) -> None:
+        """Forget `worker`'s event entries (one rank, or all): a sequence gap, a reconnect, AllBlocksCleared,
+        or removal. They are rebuilt from the events that follow."""
+        for where, state in self._ranks.items():
+            if where[0] != worker or (rank is not None and where[1] != rank):
+                continue
+            held, clear = self._held, ~state.bit
+            for key in state.by_engine.values():
+                mask = held.get(key, 0) & clear
+                if mask:
+                    held[key] = mask
+                else:
+                    held.pop(key, None)
+            state.by_engine = {}
+            state.extra_refs = {}
+
+    # ---- approximate entries --------------------------------------------------------------------------
+    def routed(self, where: WorkerRank, keys: Sequence[int], now: float) -> None:
+        """We sent a prompt with these keys to `where`: it will hold them for a while (until `now + ttl_s`).
+        Call it for every routing decision: the entries answer for approximate workers, and for image
+        blocks of workers whose events carry no image keys."""
+        bit = self._state(where).bit
+        expires = now + self.ttl_s
+        routed, expiry = self._routed, self._expiry
+        for key in keys:
+            entry = routed.get(key)
+            if entry is None:
+                routed[key] = {bit: expires}
+            else:
+                entry[bit] = expires
+            expiry.append((expires, key, bit))
+        self.expire(now)
+        while len(expiry) > self.max_approximate:  # memory bound: the oldest routings go first
+            self._expire_one(float("inf"))
+
+    def expire(self, now: float) -> None:
+        """Drop approximate entries whose TTL passed (routed() and overlap() call it; cheap when none did)."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            self._expire_one(now)
+
+    def _expire_one(self, now: float) -> None:
+        expires, key, bit = self._expiry.popleft()
+        entry = self._routed.get(key)
+        if entry is not None and entry.get(bit) == expires:  # else refreshed since: a later item expires it
+            del entry[bit]
+            if not entry:
+                del self._routed[key]
+
+    def cleared_routed(self, worker: str) -> None:
+        """Forget where we routed to `worker` (it restarted: its cache is empty)."""
+        bits = {state.bit for where, state in self._ranks.items() if where[0] == worker}
+        if not bits:
+            return
+        for key in [k for k, entry in self._routed.items() if bits & entry.keys()]:
+            entry = self._routed[key]
+            for bit in bits:
+                entry.pop(bit, None)
+            if not entry:
+                del self._routed[key]
+
+    # ---- questions -----------------------------------------------------------------------------------
+    def overlap(self, keys: Sequence[int], now: float) -> dict[WorkerRank, int]:
+        """How many LEADING blocks of `keys` each (worker, rank) holds; only those holding at least one."""
+        self.expire(now)
+        result: dict[WorkerRank, int] = {}
+        if not keys:
+            return result
+        held, routed, names = self._held, self._routed, self._names
+        approx, no_image = self._approx_mask, self._no_image_mask
+        alive = -1  # every bit: who still holds every block so far
+        depth = 0
+        for key in keys:
+            mask = held.get(key, 0)
+            guess = approx | no_image if key & IMAGE_BIT else approx
+            if guess and routed:
+                entry = routed.get(key)
+                if entry:
+                    for bit in entry:  # expire() ran: every entry left is fresh
+                        if bit & guess:
+                            mask |= bit
+            if depth == 0:
+                alive = mask
+            else:
+                lost = alive & ~mask
+                if lost:
+                    _record(result, names, lost, depth)
+                    alive &= mask
+            if not alive:
+                return result
+            depth += 1
+        _record(result, names, alive, depth)
+        return result
+
+    # ---- sizes (metrics, /health) -------------------------------------------------------------------
+    def blocks(self, worker: str | None = None) -> int:
+        """Event-fed entries (block x rank), of one worker or all."""
+        return sum(len(s.by_engine) for w, s in self._ranks.items() if worker is None or w[0] == worker)
+
+    def routed_entries(self) -> int:
+        return sum(len(entry) for entry in self._routed.values())
+
+    def keys_indexed(self) -> int:
+        return len(self._held)
+
+    def workers(self) -> Mapping[str, str]:
+        """Every worker the index knows, with its mode."""
+        known = {where[0] for where in self._ranks} | set(self._modes)
+        return {worker: self.mode(worker) for worker in sorted(known)}
+
+
+def _record(result: dict[WorkerRank, int], names: dict[int, WorkerRank], mask: int, depth: int) -> None:
+    while mask:
+        low = mask & -mask
+        where = names.get(low)
+        if where is not None:
+            result[where] = depth
+        mask ^= low
