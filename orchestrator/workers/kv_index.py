@@ -100,38 +100,51 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     blocks). Images must not overlap and must lie inside the sequence."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
-    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+    tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     full = len(tokens) // block_size
     keys: list[int] = []
     parent = ROOT_KEY
-    if not images:
-        for start in range(0, full * block_size, block_size):
-            parent = (hash((parent, tokens[start:start + block_size])) & _TEXT) | (parent & IMAGE_BIT)
-            keys.append(parent)
-        return keys
-    spans = _image_spans(images, len(tokens))
-    pending = 0  # first span that may still cover the current block
-    for index in range(full):
-        low, high = index * block_size, (index + 1) * block_size
-        while pending < len(spans) and spans[pending][1] <= low:
-            pending += 1
-        segments = []
-        block = None
-        probe = pending
-        while probe < len(spans) and spans[probe][0] < high:
-            start, end, value = spans[probe]
-            first, last = max(start, low), min(end, high)
-            if block is None:
-                block = list(tokens[low:high])
-            block[first - low:last - low] = [_IMAGE_POSITION] * (last - first)
-            segments.append((first - low, last - first, value, first - start))
-            probe += 1
-        if block is None:
-            parent = _chain(parent, tokens[low:high], None)
-        else:
+    spans = _image_spans(images, len(tokens)) if images else []
+    low = 0
+    for start, end, value in spans:
+        text_end = min(start // block_size, full) * block_size
+        if low < text_end:
+            parent = _text_keys(tokens, low, text_end, block_size, parent, keys)
+            low = text_end
+        # blocks this image covers (one of them may hold the end of an earlier image: spans sort by start)
+        whole = (_IMAGE_POSITION,) * block_size
+        while low < full * block_size and low < end:
+            high = low + block_size
+            if start <= low and high <= end:
+                # inside this image only (the common case for a large image): no text, one segment
+                # (an earlier image cannot reach in: images do not overlap and this one covers the block)
+                parent = _chain(parent, whole, ((0, block_size, value, low - start),))
+                keys.append(parent)
+                low = high
+                continue
+            block = list(tokens[low:high])
+            segments = []
+            for other_start, other_end, other in spans:
+                if other_start < high and other_end > low:
+                    first, last = max(other_start, low), min(other_end, high)
+                    block[first - low:last - low] = [_IMAGE_POSITION] * (last - first)
+                    segments.append((first - low, last - first, other, first - other_start))
             parent = _chain(parent, tuple(block), tuple(segments))
-        keys.append(parent)
+            keys.append(parent)
+            low = high
+    _text_keys(tokens, low, full * block_size, block_size, parent, keys)
     return keys
+
+
+def _text_keys(tokens: tuple, low: int, high: int, block_size: int, parent: int, keys: list[int]) -> int:
+    """Append the keys of the text blocks in tokens[low:high] chained on `parent`; returns the last. The hot
+    loop: one tuple hash per block (the image bit, once set in a chain, stays set)."""
+    image = parent & IMAGE_BIT
+    append = keys.append
+    for start in range(low, high, block_size):
+        parent = (hash((parent, tokens[start:start + block_size])) & _TEXT) | image
+        append(parent)
+    return parent
 
 
 def _image_spans(images: Sequence[PromptImage], total: int) -> list[tuple[int, int, int]]:
@@ -164,24 +177,26 @@ def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size
     """Our keys for the blocks of one BlockStored event (its token ids, block after block), chained on
     `parent_key`. Image positions are read as the engine writes them: a digest (hex text) where an image
     starts, then consecutive synthetic ids; a block starting inside an image has an mm_key with its offset.
-    Raises EventBlockError for a partial block or an image position without mm_keys."""
+    A block with image positions but no mm_keys gets a key no prompt has (harmless: it never matches).
+    Raises EventBlockError for a partial block or mm_keys that do not fit the blocks."""
     if block_size < 1 or len(token_ids) % block_size:
         raise EventBlockError(f"{len(token_ids)} token ids are not whole blocks of {block_size}")
-    count = len(token_ids) // block_size
-    if mm_keys is not None and len(mm_keys) not in (0, count):
-        raise EventBlockError(f"{len(mm_keys)} mm_keys entries for {count} blocks")
-    keys = []
+    tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
+    count = len(tokens) // block_size
+    keys: list[int] = []
     parent = parent_key
+    if not mm_keys:  # the hot path: text blocks
+        _text_keys(tokens, 0, count * block_size, block_size, parent, keys)
+        return keys
+    if len(mm_keys) != count:
+        raise EventBlockError(f"{len(mm_keys)} mm_keys entries for {count} blocks")
     for index in range(count):
-        block = token_ids[index * block_size:(index + 1) * block_size]
-        segments = mm_keys[index] if mm_keys else ()
-        if not segments:
-            if not all(type(t) is int for t in block):
-                raise EventBlockError("a stored block has image positions but no mm_keys")
-            parent = _chain(parent, tuple(block), None)
+        block = tokens[index * block_size:(index + 1) * block_size]
+        segments = mm_keys[index]
+        if segments:
+            parent = _chain(parent, *_event_image_block(block, segments))
         else:
-            tokens, found = _event_image_block(block, segments)
-            parent = _chain(parent, tokens, found)
+            parent = _chain(parent, block, None)
         keys.append(parent)
     return keys
 
@@ -208,8 +223,6 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
             last += 1
         tokens[first:last] = [_IMAGE_POSITION] * (last - first)
         found.append((first, last - first, value, segment.start_offset))
-    if any(type(t) is not int for t in tokens):
-        raise EventBlockError("a digest token without its mm_key")
     found.sort()
     return tuple(tokens), tuple(found)
 
@@ -217,10 +230,11 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
 # ---- the index -------------------------------------------------------------------------------------------
 
 class _RankState:
-    __slots__ = ("bit", "by_engine", "extra_refs")
+    __slots__ = ("index", "bit", "by_engine", "extra_refs")
 
-    def __init__(self, bit: int):
-        self.bit = bit
+    def __init__(self, index: int):
+        self.index = index  # 1..255: this (worker, rank)'s bit in the masks
+        self.bit = 1 << index
         self.by_engine: dict[int, int] = {}  # engine hash -> our key (events); our key -> our key (stored())
         self.extra_refs: dict[int, int] = {}  # our key -> further engine hashes mapping to it (rare: LoRA, salt)
 
@@ -239,32 +253,37 @@ class KvIndex:
         self.ttl_s = ttl_s
         self.max_approximate = max_approximate
         self._ranks: dict[WorkerRank, _RankState] = {}
-        self._free_bits: list[int] = []
-        self._next_bit = 1
+        self._free_bits: list[int] = []  # indexes of (worker, rank)s forgotten
+        self._next_index = 1
         self._names: dict[int, WorkerRank] = {}  # bit -> (worker, rank)
         self._held: dict[int, int] = {}  # key -> mask of (worker, rank) bits holding it per events
         self._modes: dict[str, str] = {}
         self._without_image_keys: set[str] = set()
         self._approx_mask = 0  # bits of workers in approximate mode
         self._no_image_mask = 0  # bits of events-mode workers whose events carry no image keys
-        self._routed: dict[int, dict[int, float]] = {}  # key -> {bit: expires at}
-        self._expiry: collections.deque[tuple[float, int, int]] = collections.deque()  # (expires, key, bit)
+        # Approximate entries: key -> mask of bits routed it, and (key << 8 | bit index) -> until when; the
+        # expiry queue holds one item per routed() call, in expiry order (one TTL for all).
+        self._routed: dict[int, int] = {}
+        self._routed_until: dict[int, float] = {}
+        self._routed_count = 0
+        self._expiry: collections.deque[tuple[float, tuple[int, ...], int, int]] = collections.deque()
         self.events_applied = 0
 
     # ---- who is there -------------------------------------------------------------------------------
     def _state(self, where: WorkerRank) -> _RankState:
         state = self._ranks.get(where)
         if state is None:
-            bit = self._free_bits.pop() if self._free_bits else self._take_bit()
-            state = self._ranks[where] = _RankState(bit)
-            self._names[bit] = where
+            if self._free_bits:
+                index = self._free_bits.pop()
+            elif self._next_index < 256:
+                index = self._next_index  # bit 0 is never used: a mask never reads as IMAGE_BIT
+                self._next_index += 1
+            else:
+                raise ValueError("the KV index tracks at most 255 (worker, rank) pairs")
+            state = self._ranks[where] = _RankState(index)
+            self._names[state.bit] = where
             self._refresh_masks()
         return state
-
-    def _take_bit(self) -> int:
-        bit = self._next_bit << 1  # bit 0 is never used: masks and IMAGE_BIT stay apart in reading
-        self._next_bit = bit
-        return bit
 
     def _refresh_masks(self) -> None:
         approx = no_image = 0
@@ -303,7 +322,7 @@ class KvIndex:
         for where in [w for w in self._ranks if w[0] == worker]:
             state = self._ranks.pop(where)
             del self._names[state.bit]
-            self._free_bits.append(state.bit)
+            self._free_bits.append(state.index)
         self._modes.pop(worker, None)
         self._without_image_keys.discard(worker)
         self._refresh_masks()
@@ -399,47 +418,70 @@ class KvIndex:
     # ---- approximate entries --------------------------------------------------------------------------
     def routed(self, where: WorkerRank, keys: Sequence[int], now: float) -> None:
         """We sent a prompt with these keys to `where`: it will hold them for a while (until `now + ttl_s`).
-        Call it for every routing decision: the entries answer for approximate workers, and for image
-        blocks of workers whose events carry no image keys."""
-        bit = self._state(where).bit
-        expires = now + self.ttl_s
-        routed, expiry = self._routed, self._expiry
-        for key in keys:
-            entry = routed.get(key)
-            if entry is None:
-                routed[key] = {bit: expires}
-            else:
-                entry[bit] = expires
-            expiry.append((expires, key, bit))
+        Call it for every routing decision; it keeps only what may answer: everything for a worker in
+        approximate mode, the image blocks (IMAGE_BIT) of one whose events carry no image keys, nothing for
+        one whose events say it all."""
+        state = self._state(where)
+        bit = state.bit
+        if not (bit & (self._approx_mask | self._no_image_mask)):
+            return
+        if not (bit & self._approx_mask):
+            keys = [key for key in keys if key & IMAGE_BIT]
         self.expire(now)
-        while len(expiry) > self.max_approximate:  # memory bound: the oldest routings go first
-            self._expire_one(float("inf"))
+        expires = now + self.ttl_s
+        routed, stamps, shift = self._routed, self._routed_until, state.index
+        fresh = 0
+        for key in keys:
+            stamp = (key << 8) | shift
+            if stamp not in stamps:
+                fresh += 1
+            stamps[stamp] = expires
+            routed[key] = routed.get(key, 0) | bit
+        if keys:
+            self._expiry.append((expires, tuple(keys), bit, shift))
+            self._routed_count += fresh
+        while self._routed_count > self.max_approximate and self._expiry:  # memory bound: oldest go first
+            self._expire_oldest(float("inf"))
 
     def expire(self, now: float) -> None:
         """Drop approximate entries whose TTL passed (routed() and overlap() call it; cheap when none did)."""
         expiry = self._expiry
         while expiry and expiry[0][0] <= now:
-            self._expire_one(now)
+            self._expire_oldest(now)
 
-    def _expire_one(self, now: float) -> None:
-        expires, key, bit = self._expiry.popleft()
-        entry = self._routed.get(key)
-        if entry is not None and entry.get(bit) == expires:  # else refreshed since: a later item expires it
-            del entry[bit]
-            if not entry:
-                del self._routed[key]
+    def _expire_oldest(self, now: float) -> None:
+        expires, keys, bit, shift = self._expiry.popleft()
+        routed, stamps = self._routed, self._routed_until
+        for key in keys:
+            stamp = (key << 8) | shift
+            if stamps.get(stamp) == expires:  # else routed there again since: a later item expires it
+                del stamps[stamp]
+                self._routed_count -= 1
+                mask = routed.get(key, 0) & ~bit
+                if mask:
+                    routed[key] = mask
+                else:
+                    routed.pop(key, None)
 
     def cleared_routed(self, worker: str) -> None:
-        """Forget where we routed to `worker` (it restarted: its cache is empty)."""
-        bits = {state.bit for where, state in self._ranks.items() if where[0] == worker}
-        if not bits:
+        """Forget where we routed to `worker` (it restarted, or left: its cache is empty)."""
+        states = [state for where, state in self._ranks.items() if where[0] == worker]
+        if not states:
             return
-        for key in [k for k, entry in self._routed.items() if bits & entry.keys()]:
-            entry = self._routed[key]
-            for bit in bits:
-                entry.pop(bit, None)
-            if not entry:
+        bits = 0
+        for state in states:
+            bits |= state.bit
+        shifts = {state.index for state in states}
+        for stamp in [stamp for stamp in self._routed_until if stamp & 0xFF in shifts]:
+            del self._routed_until[stamp]
+            self._routed_count -= 1
+        for key in [key for key, mask in self._routed.items() if mask & bits]:
+            mask = self._routed[key] & ~bits
+            if mask:
+                self._routed[key] = mask
+            else:
                 del self._routed[key]
+        # their deque items stay until due; expiring them finds no stamp and does nothing
 
     # ---- questions -----------------------------------------------------------------------------------
     def overlap(self, keys: Sequence[int], now: float) -> dict[WorkerRank, int]:
@@ -448,29 +490,35 @@ class KvIndex:
         result: dict[WorkerRank, int] = {}
         if not keys:
             return result
-        held, routed, names = self._held, self._routed, self._names
+        held, names = self._held, self._names
         approx, no_image = self._approx_mask, self._no_image_mask
-        alive = -1  # every bit: who still holds every block so far
+        routed = self._routed if approx | no_image else None
+        alive = 0
         depth = 0
-        for key in keys:
-            mask = held.get(key, 0)
-            guess = approx | no_image if key & IMAGE_BIT else approx
-            if guess and routed:
-                entry = routed.get(key)
-                if entry:
-                    for bit in entry:  # expire() ran: every entry left is fresh
-                        if bit & guess:
-                            mask |= bit
-            if depth == 0:
-                alive = mask
-            else:
-                lost = alive & ~mask
-                if lost:
-                    _record(result, names, lost, depth)
+        if routed:
+            for key in keys:
+                mask = held.get(key, 0) | (routed.get(key, 0) & (approx | no_image if key & IMAGE_BIT else approx))
+                if depth == 0:
+                    alive = mask
+                elif alive & ~mask:
+                    _record(result, names, alive & ~mask, depth)
                     alive &= mask
+                if not alive:
+                    return result
+                depth += 1
+        else:  # events only: one lookup per block
+            get = held.get
+            alive = get(keys[0], 0)
             if not alive:
                 return result
-            depth += 1
+            for key in keys:
+                mask = get(key, 0)
+                if alive & ~mask:
+                    _record(result, names, alive & ~mask, depth)
+                    alive &= mask
+                    if not alive:
+                        return result
+                depth += 1
         _record(result, names, alive, depth)
         return result
 
@@ -480,7 +528,8 @@ class KvIndex:
         return sum(len(s.by_engine) for w, s in self._ranks.items() if worker is None or w[0] == worker)
 
     def routed_entries(self) -> int:
-        return sum(len(entry) for entry in self._routed.values())
+        """Approximate entries (block x rank) alive or due to expire."""
+        return self._routed_count
 
     def keys_indexed(self) -> int:
         return len(self._held)
