@@ -79,21 +79,28 @@ class Coordinator:
             path, roles = "disaggregated", ("prefill", "decode")
         # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, once,
         # only where a role routes kv_aware; conditional mode may prefill on a decode worker holding the prefix.
-        keys = self._prompt_keys(api, prompt_ids, roles[0] if mode != "conditional" else "prefill")
+        kv_roles = self.config.routing.kv_aware_roles
+        keys = self._prompt_keys(api, prompt_ids, roles[0] if mode != "conditional" else "prefill") if kv_roles \
+            else []
         holder = None
         if keys and mode == "conditional" and path == "disaggregated" and not api.images:
             holder = self.pool.holding("decode", keys, len(prompt_ids),
                                        self.config.conditional.max_local_prefill_length)
             if holder is not None:
                 path, roles = "local", ("decode",)
-        kv_roles = self.config.routing.kv_aware_roles
-        workers = tuple(self.pool.pick(role, prompt=keys if role in kv_roles else (),
-                                       accepts=None if holder is None else holder.__eq__) for role in roles)
+
+        def pick(role: str) -> Worker:
+            if not keys:
+                return self.pool.pick(role)
+            return self.pool.pick(role, prompt=keys if role in kv_roles else (),
+                                  accepts=holder.__eq__ if holder is not None and role == "decode" else None)
+
+        workers = tuple(pick(role) for role in roles)
         # -- end KV-aware routing
         caps = tuple([await self._capabilities(w) for w in workers])
         if path == "local" and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
-            path, workers = "disaggregated", (self.pool.pick("prefill", prompt=keys), *workers)
+            path, workers = "disaggregated", (pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
         check_worker_media(api, touched, disaggregated=path == "disaggregated")

@@ -98,7 +98,8 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2", keepalive=None):
+                 tls=None, stream_transport: str = "h2", keepalive=None, kv_index: KvIndex | None = None,
+                 kv_feed=None, kv_follow_roles: tuple[str, ...] | None = None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -114,7 +115,14 @@ class WorkerPool:
         # The KV index exists only when a role routes kv_aware (its event feeds and key computation cost nothing
         # otherwise); every kv_aware role shares it.
         kv = routing.kv_aware
-        self.kv_index: KvIndex | None = KvIndex(ttl_s=kv.approximate_ttl_s) if routing.kv_aware_roles else None
+        if kv_index is None and routing.kv_aware_roles:
+            kv_index = KvIndex(ttl_s=kv.approximate_ttl_s)
+        self.kv_index: KvIndex | None = kv_index if routing.kv_aware_roles else None
+        # The KV event feed (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)` for as long as
+        # the worker is in the pool, `forget(address)`), for the workers of these roles: the kv_aware ones, and
+        # decode in conditional mode (a prompt may prefill where its prefix is). No feed: every worker approximate.
+        self.kv_feed = kv_feed if self.kv_index is not None else None
+        self.kv_follow_roles = routing.kv_aware_roles if kv_follow_roles is None else kv_follow_roles
         knobs = KvAwareKnobs(overlap_weight=kv.overlap_weight, max_imbalance=kv.max_imbalance,
                              max_kv_usage=kv.max_kv_usage)
         self._policies = {role: make_policy(name, self.staleness_s, index=self.kv_index, knobs=knobs)
@@ -161,6 +169,8 @@ class WorkerPool:
             self._on(worker, WorkerEvent.REMOVED, "")
             if self.kv_index is not None:  # it gets no more requests: its cache no longer counts, at once
                 self.kv_index.forget(worker.address)
+                if self.kv_feed is not None:
+                    self.kv_feed.forget(worker.address)
             self.retiring.add(worker)
             self._nursery.start_soon(self._retire, worker)
         self._notify()
@@ -183,6 +193,8 @@ class WorkerPool:
                     async with trio.open_nursery() as nursery:
                         if self._polls_load(worker):
                             nursery.start_soon(self._poll_load, worker)
+                        if self.kv_feed is not None and worker.role in self.kv_follow_roles:
+                            nursery.start_soon(self.kv_feed.follow, worker.address, client)
                         await self._monitor(worker)
         finally:
             self.retiring.discard(worker)
