@@ -93,6 +93,9 @@ class ReuseSpec:
     topologies: tuple[ReuseTopology, ...] = (ReuseTopology(),)
     workloads: tuple[ReuseWorkload, ...] = ()
     kv_aware: KvAwareKnobs = KvAwareKnobs()  # kv_aware's and the oracle's knobs (routing.kv_aware)
+    # How long a worker's KV events take to reach the index (publication, transport, decoding): kv_aware routes
+    # on what it knew that long ago; the oracle reads the caches as they are.
+    event_delay_ms: float = 10.0
 
 
 def load_reuse_spec(path: Path) -> ReuseSpec:
@@ -205,11 +208,17 @@ class _EventFeed:
     (a digest token as its hex text, mm_keys as segments; the index keys the blocks and keeps the engine
     hash -> our key map for removals)."""
 
-    def __init__(self, index: KvIndex, address: str):
-        self.index, self.address = index, address
+    def __init__(self, index: KvIndex, address: str, clock: VirtualClock | None = None, delay_s: float = 0.0):
+        self.index, self.address, self.clock, self.delay_s = index, address, clock, delay_s
         index.set_mode(address, "events")
 
     def __call__(self, rank: int, events: list) -> None:
+        if self.clock is not None and self.delay_s > 0:
+            self.clock._at(self.clock.now + self.delay_s, self.apply, rank, events)
+        else:
+            self.apply(rank, events)
+
+    def apply(self, rank: int, events: list) -> None:
         where = (self.address, rank)
         for event in events:
             if isinstance(event, BlockStored):
@@ -265,7 +274,7 @@ class TurnRecord:
 
 class ReuseCluster(VirtualClock):
     def __init__(self, topology: ReuseTopology, policy: str, profile: Profile,
-                 knobs: KvAwareKnobs = KvAwareKnobs()):
+                 knobs: KvAwareKnobs = KvAwareKnobs(), event_delay_s: float = 0.0):
         super().__init__()
         self.topology, self.profile, self.policy = topology, profile, policy
         # image tokens after the first are ids above the vocabulary, as in the worker (prefix_cache.py)
@@ -284,7 +293,7 @@ class ReuseCluster(VirtualClock):
             if name == "kv_aware":
                 self.index = KvIndex()
                 for worker in self.workers[role]:
-                    worker.scheduler.on_kv_events = _EventFeed(self.index, worker.address)
+                    worker.scheduler.on_kv_events = _EventFeed(self.index, worker.address, self, event_delay_s)
                 self.policies[role] = make_policy("kv_aware", 1.0, index=self.index, knobs=knobs)
             elif name == "oracle":
                 self.policies[role] = make_policy("kv_aware", 1.0, index=_OracleIndex(self.workers[role]),
@@ -432,7 +441,7 @@ def reuse(spec: ReuseSpec) -> dict:
         sessions = draw_sessions(workload, profile)
         for topology in spec.topologies:
             for policy in spec.policies:
-                cluster = ReuseCluster(topology, policy, profile, spec.kv_aware)
+                cluster = ReuseCluster(topology, policy, profile, spec.kv_aware, spec.event_delay_ms / 1000.0)
                 records = cluster.run(sessions, workload.concurrency)
                 results.append({"workload": workload.name, "topology": topology.name, "policy": policy,
                                 **summarize(records), "utilization": cluster.utilization(cluster.prefill_role),
@@ -440,7 +449,7 @@ def reuse(spec: ReuseSpec) -> dict:
                                 "reasons": dict(sorted(cluster.reasons.items())),
                                 "index_blocks": cluster.index.blocks() if cluster.index is not None else None})
     return {"profile": spec.profile, "workloads": [attrs.asdict(w) for w in spec.workloads],
-            "kv_aware": attrs.asdict(spec.kv_aware), "results": results}
+            "kv_aware": attrs.asdict(spec.kv_aware), "event_delay_ms": spec.event_delay_ms, "results": results}
 
 
 def comparison(document: dict) -> list[dict]:
@@ -465,7 +474,14 @@ def render_markdown(document: dict) -> str:
     lines = ["# Prefix-cache hit rates and TTFT by routing policy", "",
              f"Command: `{document['command']}`. Machine: {document['machine']}.", "",
              f"Profile `{document['profile']}`, virtual clock (the simulated worker's scheduler, prefix cache and "
-             "cost model; figures in simulated GPU time). Hit rate = cached prompt tokens / prompt tokens.", ""]
+             "cost model; figures in simulated GPU time). Hit rate = cached prompt tokens / prompt tokens. Load = "
+             "the share of the workers' time spent in engine steps (P prefill, D decode). Throughput = output "
+             "tokens / the run's simulated duration.", ""]
+    if any(r["policy"] in ("kv_aware", "oracle") for r in document["results"]):
+        knobs = ", ".join(f"{k} {v:g}" for k, v in document["kv_aware"].items())
+        lines += [f"kv_aware: {knobs}; its index is fed by the simulated workers' own KV events, applied "
+                  f"{document['event_delay_ms']:g} ms after the step that caused them. oracle: the same cost over "
+                  "every worker's cache as it is at the decision. Decode legs of both go least loaded.", ""]
     for workload in document["workloads"]:
         rows = [r for r in document["results"] if r["workload"] == workload["name"]]
         shape = (f"{workload['sessions']} conversations of {workload['turns']} turns" if workload["kind"] ==
@@ -483,7 +499,7 @@ def render_markdown(document: dict) -> str:
             lines.append(f"| {r['topology']} | {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | "
                          f"{_fmt(r['ttft_p50_s'] * 1e3)} | {_fmt(r['ttft_p90_s'] * 1e3)} | "
                          f"{_fmt(r['ttft_p99_s'] * 1e3)} | {_fmt(r['throughput_tok_s'])} | "
-                         f"{r['utilization']:.0%} | {turns} |")
+                         f"{_load(r)} | {turns} |")
         lines.append("")
         ratios = [c for c in comparison(document) if c["workload"] == workload["name"]]
         if any(c["policy"] in ("kv_aware", "oracle") for c in ratios):
@@ -498,6 +514,14 @@ def render_markdown(document: dict) -> str:
                              f"{c['hit_rate_vs_oracle']:.2f} | {reasons} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def _load(result: dict) -> str:
+    """Busy share of the workers' time, per role (P prefill, D decode) where there are two."""
+    roles = result.get("utilization_by_role") or {"": result["utilization"]}
+    if len(roles) == 1:
+        return f"{next(iter(roles.values())):.0%}"
+    return " / ".join(f"{role[0].upper()} {share:.0%}" for role, share in roles.items())
 
 
 def main_reuse(path: Path, out_dir: Path | None) -> int:

@@ -44,6 +44,8 @@ class Plan:
     prompt_tokens: int  # text tokens; images add more engine-side
     workers: tuple[Worker, ...]  # (aggregated,) | (prefill, decode) | (decode,)
     caps: tuple[WorkerCapabilities, ...]
+    # KV-aware routing: the attention-DP rank to ask of a worker that holds the prefix there (prefill or whole legs)
+    target_ranks: dict = attrs.field(factory=dict)
 
 
 class Coordinator:
@@ -89,11 +91,16 @@ class Coordinator:
             if holder is not None:
                 path, roles = "local", ("decode",)
 
+        target_ranks: dict[Worker, int] = {}
+
         def pick(role: str) -> Worker:
             if not keys:
                 return self.pool.pick(role)
-            return self.pool.pick(role, prompt=keys if role in kv_roles else (),
-                                  accepts=holder.__eq__ if holder is not None and role == "decode" else None)
+            decision = self.pool.route(role, prompt=keys if role in kv_roles else (),
+                                       accepts=holder.__eq__ if holder is not None and role == "decode" else None)
+            if decision.rank is not None:
+                target_ranks[decision.worker] = decision.rank
+            return decision.worker
 
         workers = tuple(pick(role) for role in roles)
         # -- end KV-aware routing
@@ -112,7 +119,7 @@ class Coordinator:
                                 max_output_tokens=min(outputs) if outputs else None)
         full = full_leg(api, request_id=request_id, model=caps[-1].model_id or api.model, prompt_ids=prompt_ids,
                         limits=limits)
-        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps)
+        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, target_ranks)
 
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], role: str) -> list[int]:
         """The prompt's KV block keys for a kv_aware `role` (else none: no cost for other policies)."""

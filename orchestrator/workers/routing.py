@@ -66,6 +66,16 @@ class Decision:
 # Why a worker was chosen: policy order (round robin / least loaded), its prefix cached there (kv aware), the
 # least cost with nothing cached anywhere, the hot-prefix guard overruling the prefix's holder, a sole candidate.
 REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")
+# gRPC metadata of a leg that asks an attention-DP worker for one rank (TensorRT-LLM's OpenEngine servicer reads
+# it where ServerInfo.extra says trtllm_supports_dp_rank_targeting); its value is the rank in decimal.
+TARGET_DP_RANK = "openengine-target-dp-rank"
+
+
+def with_target_rank(metadata: tuple[tuple[str, str], ...], rank: int | None,
+                     planned: bool) -> tuple[tuple[str, str], ...]:
+    """A leg's gRPC metadata, asking for `rank` when the leg runs on the worker it was planned for (`planned`;
+    a retry elsewhere has no rank to ask for)."""
+    return metadata if rank is None or not planned else (*metadata, (TARGET_DP_RANK, str(rank)))
 
 
 class RoundRobin:
@@ -202,6 +212,10 @@ class KvAware:
             reason = "load"
         chosen = candidates[best]
         rank = ranks[best] if held else None
+        if rank is None and blocks and getattr(chosen, "targets_dp_rank", False):
+            # Nothing cached there: a rank chosen by the prompt's first block, so that a prefix seen first now
+            # has one home rank (and our routing history knows which), and distinct prefixes spread over ranks.
+            rank = prompt[0] % max(getattr(chosen, "dp_size", 1), 1)
         if blocks:
             # What we sent where: all the index knows of a worker without events (approximate mode), and of
             # the image blocks of one whose events carry no image keys; it ignores them for the rest.
