@@ -76,7 +76,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2", keepalive=None):
+                 tls=None, stream_transport: str = "h2", keepalive=None, kv_feed=None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -86,6 +86,8 @@ class WorkerPool:
         self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
         self.stream_transport = stream_transport  # how Generate streams travel (EngineClient.open)
         self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
+        # workers.kv_events.KvEventFeed, or None: follows each worker's KV events in that worker's own nursery
+        self.kv_feed = kv_feed
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
@@ -128,6 +130,8 @@ class WorkerPool:
             worker = self.workers.pop(spec)
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
+            if self.kv_feed is not None and not any(s.address == spec.address for s in snapshot.workers):
+                self.kv_feed.forget(spec.address)  # out of the KV index at once, not when its requests are done
             self.retiring.add(worker)
             self._nursery.start_soon(self._retire, worker)
         self._notify()
@@ -150,6 +154,8 @@ class WorkerPool:
                     async with trio.open_nursery() as nursery:
                         if self._policy_names[worker.role] == "least_loaded":
                             nursery.start_soon(self._poll_load, worker)
+                        if self.kv_feed is not None:
+                            nursery.start_soon(self.kv_feed.follow, worker.address, client)
                         await self._monitor(worker)
         finally:
             self.retiring.discard(worker)
