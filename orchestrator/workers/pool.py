@@ -115,14 +115,16 @@ class WorkerPool:
         # The KV index exists only when a role routes kv_aware (its event feeds and key computation cost nothing
         # otherwise); every kv_aware role shares it.
         kv = routing.kv_aware
-        if kv_index is None and routing.kv_aware_roles:
-            kv_index = KvIndex(ttl_s=kv.approximate_ttl_s)
-        self.kv_index: KvIndex | None = kv_index if routing.kv_aware_roles else None
-        # The KV event feed (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)` for as long as
-        # the worker is in the pool, `forget(address)`), for the workers of these roles: the kv_aware ones, and
-        # decode in conditional mode (a prompt may prefill where its prefix is). No feed: every worker approximate.
-        self.kv_feed = kv_feed if self.kv_index is not None else None
-        self.kv_follow_roles = routing.kv_aware_roles if kv_follow_roles is None else kv_follow_roles
+        if kv_index is None:
+            kv_index = kv_feed.index if kv_feed is not None else \
+                KvIndex(ttl_s=kv.approximate_ttl_s) if routing.kv_aware_roles else None
+        self.kv_index: KvIndex | None = kv_index
+        # The KV event feed into that index (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)`
+        # for as long as the worker is in the pool, `forget(address)`), for the workers of these roles: the
+        # kv_aware ones, and decode in conditional mode (a prompt may prefill where its prefix is); every role when
+        # none routes kv_aware. No feed: every worker approximate.
+        self.kv_feed = kv_feed
+        self.kv_follow_roles = kv_follow_roles if kv_follow_roles is not None else routing.kv_aware_roles or ROLES
         knobs = KvAwareKnobs(overlap_weight=kv.overlap_weight, max_imbalance=kv.max_imbalance,
                              max_kv_usage=kv.max_kv_usage)
         self._policies = {role: make_policy(name, self.staleness_s, index=self.kv_index, knobs=knobs)
@@ -167,10 +169,11 @@ class WorkerPool:
             worker = self.workers.pop(spec)
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
-            if self.kv_index is not None:  # it gets no more requests: its cache no longer counts, at once
-                self.kv_index.forget(worker.address)
+            if self.kv_index is not None and not any(s.address == spec.address for s in snapshot.workers):
+                # out of the KV index at once, not when its requests are done: it gets no more of them
+                self.kv_index.forget(spec.address)
                 if self.kv_feed is not None:
-                    self.kv_feed.forget(worker.address)
+                    self.kv_feed.forget(spec.address)
             self.retiring.add(worker)
             self._nursery.start_soon(self._retire, worker)
         self._notify()
