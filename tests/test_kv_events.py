@@ -97,22 +97,34 @@ async def test_events_from_each_persona_reach_the_index_per_rank(sim_workers, en
         nursery.cancel_scope.cancel()
 
 
+async def settle(fed: Fed, client) -> tuple[int, ...]:
+    """Probe requests (one event batch each) until one reaches the index: the subscription has taken (a ZMQ
+    subscriber misses what was published before it joined). Returns the probe that arrived."""
+    for attempt in range(50):
+        probe = prompt(100 + attempt, 40)
+        await run(client, probe, f"probe{attempt}")
+        with trio.move_on_after(0.5):
+            await wait_for(lambda: fed.blocks(probe) == 1)
+            return probe
+    raise AssertionError("no probe reached the index")
+
+
 @pytest.mark.parametrize("revision", [REVISION_1, REVISION_3], ids=["zmq", "grpc"])
 async def test_a_sequence_gap_clears_the_worker_until_rebuilt(sim_workers, engine_client, revision):
-    # every 2nd batch (zmq) or event (grpc, one per batch) is lost: the first request's store arrives, the
-    # second's is lost, the third's arrives after the gap, which must clear what the first stored
+    # every 2nd batch (zmq) or event (grpc, one event per batch) is lost. A probe that arrived was a kept one,
+    # so the next request's store is lost and the one after it arrives after the gap, which must clear what
+    # was known before (the probe).
     worker = sim_workers.start("aggregated", *FAST, *revision, "--drop-kv-events", "2")
     async with trio.open_nursery() as nursery:
         fed, client = await follow(nursery, engine_client, worker.address)
         await wait_for(lambda: fed.index.mode(worker.address) == "events")
-        first, second, third = (prompt(i, 40) for i in (1, 2, 3))  # one full block each: one event per request
-        await run(client, first, "g1")
-        await wait_for(lambda: fed.blocks(first) == 1)
-        await run(client, second, "g2")
-        await run(client, third, "g3")
-        await wait_for(lambda: fed.blocks(third) == 1)
-        assert fed.blocks(first) == 0, "the gap must clear what was known before it"
-        assert fed.blocks(second) == 0
+        probe = await settle(fed, client)
+        lost, after = prompt(1, 40), prompt(2, 40)  # one full block each: one event per request
+        await run(client, lost, "lost")
+        await run(client, after, "after")
+        await wait_for(lambda: fed.blocks(after) == 1)
+        assert fed.blocks(probe) == 0, "the gap must clear what was known before it"
+        assert fed.blocks(lost) == 0
         assert fed.feed.stats.gaps >= 1 and fed.feed.stats.clears >= 1
         nursery.cancel_scope.cancel()
 
@@ -210,9 +222,10 @@ async def test_a_worker_without_events_is_approximate(sim_workers, engine_client
 
 
 async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(sim_workers, engine_client):
-    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--multimodal")
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--multimodal", "--kv-events-replay-port", "0")
     image = png_bytes(3, 3)
-    text = (*prompt(1, 50), IMAGE_TOKEN_ID, *prompt(2, 60))
+    # text ids stay below tiny-chat's vocabulary: the engine reads ids above it as an image's synthetic ids
+    text = (*range(100, 150), IMAGE_TOKEN_ID, *range(200, 260))
     # the engine's sequence: the image's positions follow its placeholder
     engine_ids = (*text[:51], *([0] * IMAGE_TOKENS), *text[51:])
     by_bytes = [PromptImage(image_identity(data=image), 51, IMAGE_TOKENS)]

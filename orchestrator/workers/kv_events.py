@@ -152,6 +152,13 @@ def _routable_tcp(endpoint: str) -> bool:
 def apply_wire_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> bool:
     """One revision-1 batch's events (msgpack maps tagged by "type"). Returns False when a stored block had
     image positions without mm_keys (the worker's image blocks are then not keyed from its events)."""
+    try:
+        return _apply_wire_events(index, where, events)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a map without the fields of its type
+        raise KvStreamBroken(f"a malformed KV event: {exc!r}") from exc
+
+
+def _apply_wire_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> bool:
     image_keys = True
     for event in events:
         if not isinstance(event, dict):
@@ -168,7 +175,7 @@ def apply_wire_events(index: KvIndex, where: tuple[str, int], events: Sequence[A
             try:
                 index.stored_engine(where, event["block_hashes"], event.get("parent_block_hash"), event["token_ids"],
                                     event["block_size"], segments)
-            except EventBlockError as exc:
+            except EventBlockError as exc:  # a ValueError: named here, before the generic catch above
                 raise KvStreamBroken(f"a BlockStored event cannot be keyed: {exc}") from exc
         elif kind == "BlockRemoved":
             index.removed_engine(where, event["block_hashes"])
@@ -281,6 +288,7 @@ class _Follower:
     worker: str
     log: RateLimitedLog
     active: bool = True
+    image_keys: bool = True  # its events key image blocks (revision 1 with mm_keys)
 
 
 class KvEventFeed:
@@ -359,27 +367,35 @@ class KvEventFeed:
         if not valid:
             self.detail[worker] = "the worker publishes no KV events"
             return info.instance_id
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_identity, client, info.instance_id, nursery.cancel_scope)
-                if isinstance(valid[0], GrpcSource):
-                    await self._follow_grpc(follower, client, [s.rank for s in valid])
-                else:
-                    async with trio.open_nursery() as ranks:
-                        for source in valid:
-                            ranks.start_soon(self._follow_zmq, follower, source)
-                        self._events_mode(follower, image_keys=True)
-                nursery.cancel_scope.cancel()
-        except (EngineError, KvStreamBroken, zmq.ZMQError) as exc:
-            if follower.active:
-                self.detail[worker] = f"KV event stream lost: {cause_chain(exc)}"
-                follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
-                             cause_chain(exc))
-                self._clear(worker)
+        failures: list[BaseException] = []
+
+        async def guarded(subscribe, *args) -> None:
+            # A stream's failure ends the whole subscription: recorded here, not raised into the nursery
+            # (which would wrap it in an ExceptionGroup).
+            try:
+                await subscribe(follower, *args)
+            except (EngineError, KvStreamBroken, zmq.ZMQError) as exc:
+                failures.append(exc)
+            subscription.cancel()
+
+        async with trio.open_nursery() as nursery:
+            subscription = nursery.cancel_scope
+            nursery.start_soon(self._watch_identity, client, info.instance_id, subscription)
+            if isinstance(valid[0], GrpcSource):
+                nursery.start_soon(guarded, self._follow_grpc, client, [s.rank for s in valid])
+            else:
+                for source in valid:
+                    nursery.start_soon(guarded, self._follow_zmq, source)
+        if not follower.active:
             return None
-        if follower.active:  # the identity watch ended it: the worker restarted, its cache is empty
+        self._clear(worker)
+        if failures:
+            exc = failures[0]
+            self.detail[worker] = f"KV event stream lost: {cause_chain(exc)}"
+            follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
+                         cause_chain(exc))
+        else:  # the identity watch ended it: the worker restarted, its cache is empty
             self.detail[worker] = "the worker restarted"
-            self._clear(worker)
             self.index.cleared_routed(worker)
         return None
 
@@ -462,6 +478,9 @@ class KvEventFeed:
             if source.replay_endpoint:
                 # What the publisher sent before this subscription took: its replay buffer from the start.
                 applied = await self._replay(follower, source, 0, applied)
+            # Fed by events from here on (a batch published before the subscription took is lost unseen when
+            # the worker offers no replay: ZMQ's late joiner; the blocks it stored stay unknown here).
+            self._events_mode(follower, image_keys=follower.image_keys)
             while True:
                 frames = await sub.recv_multipart()
                 if not follower.active:
@@ -490,7 +509,8 @@ class KvEventFeed:
     def _apply_zmq(self, follower: _Follower, where: tuple[str, int], payload: bytes) -> None:
         image_keys = apply_wire_events(self.index, where, decode_batch(payload))
         self.stats.batches += 1
-        if not image_keys and self.index.image_keys(follower.worker):
+        if not image_keys and follower.image_keys:
+            follower.image_keys = False
             self._events_mode(follower, image_keys=False)
 
     async def _gap(self, follower: _Follower, source: ZmqSource, applied: int, sequence: int) -> int:

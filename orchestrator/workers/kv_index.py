@@ -173,10 +173,14 @@ class EventBlockError(ValueError):
 
 
 def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size: int,
-                     mm_keys: Sequence[Sequence[MmSegment]] | None = None) -> list[int]:
+                     mm_keys: Sequence[Sequence[MmSegment]] | None = None, *, id_offset: int | None = None
+                     ) -> list[int]:
     """Our keys for the blocks of one BlockStored event (its token ids, block after block), chained on
     `parent_key`. Image positions are read as the engine writes them: a digest (hex text) where an image
-    starts, then consecutive synthetic ids; a block starting inside an image has an mm_key with its offset.
+    starts, then its synthetic ids, id_offset + position in the image; a block starting inside an image has
+    an mm_key with its offset. With `id_offset` known (learn_id_offset) an image's end is exact; without, its
+    run of consecutive ids is taken (text ids lie below id_offset, so only an image of ONE position followed
+    by text is misread: that block then never matches, a cache miss).
     A block with image positions but no mm_keys gets a key no prompt has (harmless: it never matches).
     Raises EventBlockError for a partial block or mm_keys that do not fit the blocks."""
     if block_size < 1 or len(token_ids) % block_size:
@@ -194,14 +198,29 @@ def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size
         block = tokens[index * block_size:(index + 1) * block_size]
         segments = mm_keys[index]
         if segments:
-            parent = _chain(parent, *_event_image_block(block, segments))
+            parent = _chain(parent, *_event_image_block(block, segments, id_offset))
         else:
             parent = _chain(parent, block, None)
         keys.append(parent)
     return keys
 
 
-def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]) -> tuple[tuple, tuple]:
+def learn_id_offset(token_ids: Sequence[int | str], block_size: int,
+                    mm_keys: Sequence[Sequence[MmSegment]] | None) -> int | None:
+    """The engine's id_offset, where an event shows it exactly: a block that starts inside an image has its
+    synthetic id id_offset + start_offset at its first position."""
+    if not mm_keys:
+        return None
+    for index, segments in enumerate(mm_keys):
+        for segment in segments:
+            first = token_ids[index * block_size] if index * block_size < len(token_ids) else None
+            if segment.start_offset > 0 and type(first) is int:
+                return first - segment.start_offset
+    return None
+
+
+def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment],
+                       id_offset: int | None) -> tuple[tuple, tuple]:
     tokens = list(block)
     found = []
     for segment in segments:
@@ -212,10 +231,16 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
             except ValueError:
                 raise EventBlockError(f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token")
             last = first + 1
-            previous = tokens[last] - 1 if last < len(tokens) and type(tokens[last]) is int else None
+            if id_offset is not None:
+                previous = id_offset
+            else:
+                previous = tokens[last] - 1 if last < len(tokens) and type(tokens[last]) is int else None
         else:
             first, last = 0, 0  # a block starting inside an image: the segment starts at its first position
-            previous = tokens[0] - 1 if type(tokens[0]) is int else None
+            if id_offset is not None:
+                previous = id_offset + segment.start_offset - 1
+            else:
+                previous = tokens[0] - 1 if type(tokens[0]) is int else None
         # The synthetic ids run on one by one (id_offset + position in the image) to the image's end.
         while last < len(tokens) and previous is not None and type(tokens[last]) is int \
                 and tokens[last] == previous + 1:
@@ -258,6 +283,7 @@ class KvIndex:
         self._names: dict[int, WorkerRank] = {}  # bit -> (worker, rank)
         self._held: dict[int, int] = {}  # key -> mask of (worker, rank) bits holding it per events
         self._modes: dict[str, str] = {}
+        self._id_offsets: dict[str, int] = {}  # worker -> its engine's image id_offset, once an event showed it
         self._without_image_keys: set[str] = set()
         self._approx_mask = 0  # bits of workers in approximate mode
         self._no_image_mask = 0  # bits of events-mode workers whose events carry no image keys
@@ -324,6 +350,7 @@ class KvIndex:
             del self._names[state.bit]
             self._free_bits.append(state.index)
         self._modes.pop(worker, None)
+        self._id_offsets.pop(worker, None)
         self._without_image_keys.discard(worker)
         self._refresh_masks()
 
@@ -351,7 +378,15 @@ class KvIndex:
             parent = state.by_engine.get(parent_hash)
             if parent is None:
                 return False
-        keys = event_block_keys(parent, token_ids, block_size, mm_keys)
+        id_offset = None
+        if mm_keys:
+            worker = where[0]
+            id_offset = self._id_offsets.get(worker)
+            if id_offset is None:
+                id_offset = learn_id_offset(token_ids, block_size, mm_keys)
+                if id_offset is not None:
+                    self._id_offsets[worker] = id_offset
+        keys = event_block_keys(parent, token_ids, block_size, mm_keys, id_offset=id_offset)
         if len(keys) != len(engine_hashes):
             raise EventBlockError(f"{len(engine_hashes)} block hashes for {len(keys)} blocks of token ids")
         self._store(state, engine_hashes, keys)
