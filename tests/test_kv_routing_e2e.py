@@ -60,9 +60,13 @@ async def test_requests_sharing_a_prefix_land_on_one_worker_routed_approximately
     config = kv_config(tmp_path, "families", workers)
     async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         for round_ in range(4):
-            hits = [cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], f"question {round_}",
-                                                                            image=image if name == "gamma" else None)))
-                    for name in ("alpha", "beta", "gamma")]
+            hits = []
+            for name in ("alpha", "beta", "gamma"):
+                # the load each worker reports is fresh (a GetLoad with every 0.2 s health check): a stale "1
+                # running" would outweigh an 18-block hit (cost in blocks; one request holds ~36)
+                await trio.sleep(0.5)
+                hits.append(cached(await http.post("/v1/chat/completions", json=chat(
+                    SYSTEM[name], f"question {round_}", image=image if name == "gamma" else None))))
             if round_ == 0:
                 assert hits == [0, 0, 0]
             else:  # the system prompt and, for gamma, the image after it: well over 18 blocks each
@@ -119,3 +123,70 @@ async def test_without_kv_aware_no_index_exists_and_health_says_nothing_of_it(
         metrics = (await http.get("/metrics")).text
     assert "kv_index" not in health["workers"][0]
     assert 'orchestrator_routing_decisions_total{reason="single",role="aggregated"} 1.0' in metrics
+
+
+EVENTS = ("--time-scale", "0.02", "--kv-events")  # revision 1: ZMQ publishers, one per attention-DP rank
+
+
+async def health_of(http) -> dict:
+    return {w["address"]: w["kv_index"] for w in (await http.get("/health")).json()["workers"]}
+
+
+async def until(predicate, timeout=15.0):
+    with trio.fail_after(timeout):
+        while not await predicate():
+            await trio.sleep(0.05)
+
+
+async def test_two_replicas_fed_by_the_same_events_route_alike(tmp_path, sim_workers, orchestrator_in_process,
+                                                              engine_client):
+    """Two orchestrators, three workers publishing KV events: a family's first request goes through one
+    replica, every later one through the other alternately, and each finds its prefix cached: the replica that
+    did not route it learned where it is from the worker's events (approximate mode could not: docs)."""
+    workers = [sim_workers.start("aggregated", *EVENTS) for _ in range(3)]
+    configs = [kv_config(tmp_path, f"replica{i}", workers) for i in range(2)]
+    async with orchestrator_in_process(configs[0]) as url_a, orchestrator_in_process(configs[1]) as url_b, \
+            httpx.AsyncClient(base_url=url_a, timeout=30) as a, httpx.AsyncClient(base_url=url_b, timeout=30) as b:
+        for http in (a, b):
+            async def all_events(http=http):
+                return [w["mode"] for w in (await health_of(http)).values()] == ["events"] * 3
+            await until(all_events)
+        for name in ("alpha", "beta", "gamma"):
+            blocks_before = sum(w["blocks"] for w in (await health_of(b)).values())
+            assert cached(await a.post("/v1/chat/completions", json=chat(SYSTEM[name], "first"))) == 0
+
+            async def b_heard_of_it():
+                return sum(w["blocks"] for w in (await health_of(b)).values()) >= blocks_before + 18
+            await until(b_heard_of_it)
+            for i, http in enumerate((b, a, b)):
+                # Each replica reads the workers' load itself: let both see the last request done (a fresh
+                # GetLoad comes with every health check, 0.2 s), or a stale "1 running" there may outweigh the hit.
+                await trio.sleep(0.5)
+                hit = cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], f"next {i}")))
+                assert hit >= 18 * 32, (name, i, hit)
+        metrics_b = (await b.get("/metrics")).text
+    assert 'orchestrator_routing_decisions_total{reason="prefix",role="aggregated"} 6.0' in metrics_b
+    counts = await served(engine_client, workers)
+    assert sum(prompt - hit for prompt, hit in counts) < 3 * 1000 + 9 * 200, counts  # one cold prefill a family
+
+
+async def test_an_attention_dp_worker_is_asked_for_the_rank_holding_the_prefix(
+        tmp_path, sim_workers, orchestrator_in_process, engine_client):
+    """One worker with two attention-DP ranks (a cache each) that accepts openengine-target-dp-rank: each family
+    of prompts gets a home rank, and every later request of it is sent there and hits."""
+    from sim_helpers import recent_requests
+
+    worker = sim_workers.start("aggregated", *EVENTS, "--attention-dp-size", "2")
+    config = kv_config(tmp_path, "dp", [worker])
+    names = ("alpha", "beta", "gamma", "hot", "cold")
+    async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async def events():
+            return (await health_of(http))[worker.address]["mode"] == "events"
+        await until(events)
+        for name in names:
+            assert cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], "first"))) == 0
+        for name in names:
+            assert cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], "again"))) >= 18 * 32
+    ranks = [r["target_dp_rank"] for r in (await recent_requests(engine_client, worker))[-2 * len(names):]]
+    assert ranks[:len(names)] == ranks[len(names):], ranks  # each family's second request on its first's rank
+    assert set(ranks) == {0, 1}, ranks  # the families spread over both ranks

@@ -259,6 +259,7 @@ class AdmissionService:
         media_ids = await self._resolve_media(request, prompt_ids, disaggregated=kind != FULL)
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
+                            "target_dp_rank": rank,
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
                             "logprobs": request.response.return_output_logprobs,

@@ -213,9 +213,10 @@ class KvAware:
         chosen = candidates[best]
         rank = ranks[best] if held else None
         if rank is None and blocks and getattr(chosen, "targets_dp_rank", False):
-            # Nothing cached there: a rank chosen by the prompt's first block, so that a prefix seen first now
-            # has one home rank (and our routing history knows which), and distinct prefixes spread over ranks.
-            rank = prompt[0] % max(getattr(chosen, "dp_size", 1), 1)
+            # Nothing cached there: a rank chosen by the prompt's last full block (prompts share their first
+            # blocks, a chat template's, more often than their last), so that distinct prompts spread over the
+            # ranks and our routing history knows which rank took this one.
+            rank = (prompt[-1] >> 8) % max(getattr(chosen, "dp_size", 1), 1)  # (a key's low bits are flags)
         if blocks:
             # What we sent where: all the index knows of a worker without events (approximate mode), and of
             # the image blocks of one whose events carry no image keys; it ignores them for the rest.
