@@ -184,9 +184,12 @@ class KvAware:
         else:
             loads = [r * max(blocks, 1) for r in requests]
         least = min(requests)
+        by_worker: dict[str, dict[int, int]] = {}
+        for (address, rank), n in overlap.items():
+            by_worker.setdefault(address, {})[rank] = n
         cached, ranks, eligible = [], [], []
         for i, (c, sample, queued) in enumerate(zip(candidates, samples, requests)):
-            held, rank = _held(c, overlap)
+            held, rank = _held(c, by_worker.get(c.address))
             # The guard: a worker this far above the least loaded one (in requests, queued ones included, which
             # blocks in use do not show) or with its KV cache this full takes no request while another does not.
             over = queued - least > self.knobs.max_imbalance or (
@@ -224,9 +227,9 @@ class KvAware:
         return Decision(chosen, reason, rank, held, blocks)
 
 
-def _held(candidate: Candidate, overlap: dict[tuple[str, int], int]) -> tuple[int, int | None]:
-    """The leading blocks `candidate` holds, and the rank to target for them (None: no targeting)."""
-    per_rank = {rank: n for (address, rank), n in overlap.items() if address == candidate.address and n}
+def _held(candidate: Candidate, per_rank: dict[int, int] | None) -> tuple[int, int | None]:
+    """The leading blocks `candidate` holds (`per_rank`: its ranks' overlap), and the rank to target for them
+    (None: no targeting)."""
     if not per_rank:
         return 0, None
     if getattr(candidate, "targets_dp_rank", False) or len(per_rank) == 1 and \
