@@ -97,7 +97,8 @@ class Coordinator:
             if not keys:
                 return self.pool.pick(role)
             decision = self.pool.route(role, prompt=keys if role in kv_roles else (),
-                                       accepts=holder.__eq__ if holder is not None and role == "decode" else None)
+                                       accepts=(lambda w: w is holder) if holder is not None and role == "decode"
+                                       else None)
             if decision.rank is not None:
                 target_ranks[decision.worker] = decision.rank
             return decision.worker

@@ -439,19 +439,22 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         """The operator's view of every worker (/health): state, and what its engine last reported."""
-        return [_describe(w, self.kv_index) for w in self._every_worker()]
+        return [_describe(w, self.kv_index, self.kv_feed) for w in self._every_worker()]
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]
 
 
-def _describe(worker: Worker, kv_index: KvIndex | None = None) -> dict:
+def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> dict:
     view: dict = {"address": worker.address, "role": worker.role, "state": worker.state, "detail": worker.detail,
                   "inflight": worker.inflight}
     if kv_index is not None:
         # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
         view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
                             "blocks": kv_index.blocks(worker.address)}
+        why = kv_feed.detail.get(worker.address) if kv_feed is not None else None
+        if why:  # why its events are not used (no sources, invalid ones, a failing subscription)
+            view["kv_index"]["detail"] = why
     caps = worker.client.cached_capabilities if worker.client is not None else None
     if caps is not None:
         view["engine"] = {"name": caps.engine, "instance_id": caps.instance_id, "role": caps.role,

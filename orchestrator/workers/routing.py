@@ -155,10 +155,10 @@ class KvAware:
     KV usage, else its requests x this prompt's blocks (each request there taken to cost about as much as
     this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a candidate far
     busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a popular prefix
-    spreads over the workers instead of queueing on the one that holds it. On an attention-DP worker that accepts a target rank the
-    cached blocks are the best rank's and that rank is targeted; one that does not (the engine balances its
-    ranks itself) counts the ranks' mean. Every decision is recorded in the index (`KvIndex.routed`): for a
-    worker without KV events (approximate mode) that is all the index learns of it.
+    spreads over the workers instead of queueing on the one that holds it. On an attention-DP worker that
+    accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that does not
+    (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the index
+    (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of it.
     """
 
     def __init__(self, index: PrefixIndex, staleness_s: float, knobs: KvAwareKnobs = KvAwareKnobs()):
