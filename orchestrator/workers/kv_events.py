@@ -69,6 +69,7 @@ class ZmqSource:
     endpoint: str  # tcp://host:port
     topic: bytes
     replay_endpoint: str  # "" when not advertised
+    hwm: int = 100_000  # the publisher's high-water mark (KVEventsConfig.hwm), ours for receiving
 
 
 @attrs.frozen
@@ -133,7 +134,8 @@ def _zmq_source(source: Any, rank: int) -> ZmqSource:
     replay = source.replay_endpoint.strip()
     if replay and not _routable_tcp(replay):
         raise InvalidKvSource(f"not a routable replay endpoint: {replay!r}")
-    return ZmqSource(rank, f"tcp://{_bracketed(host)}:{endpoint.port}", source.topic.encode(), replay)
+    return ZmqSource(rank, f"tcp://{_bracketed(host)}:{endpoint.port}", source.topic.encode(), replay,
+                     source.hwm if source.HasField("hwm") and source.hwm > 0 else 100_000)
 
 
 def _bracketed(host: str) -> str:
@@ -472,7 +474,9 @@ class KvEventFeed:
     # ---- revision 1: ZMQ per rank --------------------------------------------------------------------
     async def _follow_zmq(self, follower: _Follower, source: ZmqSource) -> None:
         where = (follower.worker, source.rank)
-        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=0) as sub:
+        # A bounded receive queue: a feed that falls behind loses messages, which shows as a gap (cleared), rather
+        # than holding an unbounded backlog in memory.
+        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=source.hwm) as sub:
             applied = -1  # the last sequence number applied
             floor = 0  # the first sequence number this subscription applied (or asked a replay for)
             if source.replay_endpoint:

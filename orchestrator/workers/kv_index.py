@@ -100,11 +100,13 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     blocks). Images must not overlap and must lie inside the sequence."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
+    if not images:
+        return _chained_blocks(token_ids, block_size, ROOT_KEY)
     tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     full = len(tokens) // block_size
     keys: list[int] = []
     parent = ROOT_KEY
-    spans = _image_spans(images, len(tokens)) if images else []
+    spans = _image_spans(images, len(tokens))
     low = 0
     for start, end, value in spans:
         text_end = min(start // block_size, full) * block_size
@@ -133,6 +135,19 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
             keys.append(parent)
             low = high
     _text_keys(tokens, low, full * block_size, block_size, parent, keys)
+    return keys
+
+
+def _chained_blocks(tokens: Sequence[int], block_size: int, parent: int) -> list[int]:
+    """The keys of every full text block of `tokens` chained on `parent`: the hottest loop. zip over one
+    iterator cuts the blocks as tuples in C (no slicing, no copy of the whole list first); a trailing partial
+    block is dropped by zip itself."""
+    keys: list[int] = []
+    append = keys.append
+    image = parent & IMAGE_BIT
+    for block in zip(*[iter(tokens)] * block_size):
+        parent = (hash((parent, block)) & _TEXT) | image
+        append(parent)
     return keys
 
 
@@ -185,13 +200,12 @@ def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size
     Raises EventBlockError for a partial block or mm_keys that do not fit the blocks."""
     if block_size < 1 or len(token_ids) % block_size:
         raise EventBlockError(f"{len(token_ids)} token ids are not whole blocks of {block_size}")
+    if not mm_keys:  # the hot path: text blocks
+        return _chained_blocks(token_ids, block_size, parent_key)
     tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     count = len(tokens) // block_size
     keys: list[int] = []
     parent = parent_key
-    if not mm_keys:  # the hot path: text blocks
-        _text_keys(tokens, 0, count * block_size, block_size, parent, keys)
-        return keys
     if len(mm_keys) != count:
         raise EventBlockError(f"{len(mm_keys)} mm_keys entries for {count} blocks")
     for index in range(count):
