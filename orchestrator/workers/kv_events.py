@@ -29,7 +29,16 @@ pyzmq runs on trio without a thread: each socket is non-blocking, and a task wai
 only says "look at ZMQ_EVENTS again").
 
 Who runs it: the pool starts `follow(worker, client)` in that worker's own nursery (pool.py), so a feed
-task never outlives its worker; serve.py owns the KvEventFeed next to the pool and closes it after.
+task never outlives its worker; serve.py owns the KvEventFeed next to the pool and closes it after:
+
+    index = KvIndex(ttl_s=...)
+    feed = KvEventFeed(index)
+    pool = WorkerPool(..., kv_feed=feed)   # follows every worker it runs, forgets every worker it drops
+    ... pool.run(...) ...
+    feed.close()                           # after the pool's nursery exited
+
+`index.mode(worker)` says "events" or "approximate"; `feed.detail[worker]` says why a worker is approximate
+("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears and invalid sources.
 """
 
 from __future__ import annotations
@@ -425,8 +434,9 @@ class KvEventFeed:
                 return
 
     def _events_mode(self, follower: _Follower, *, image_keys: bool) -> None:
-        if follower.active and (self.index.mode(follower.worker) != "events"
-                                or self.index.image_keys(follower.worker) != image_keys):
+        if not follower.active:
+            return
+        if self.index.mode(follower.worker) != "events" or self.index.image_keys(follower.worker) != image_keys:
             log.info("worker %s: routing on its KV events%s", follower.worker,
                      "" if image_keys else " (image blocks approximately: its events carry no image keys)")
             self.index.set_mode(follower.worker, "events", image_keys=image_keys)
