@@ -44,7 +44,6 @@ task never outlives its worker; serve.py owns the KvEventFeed next to the pool a
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
