@@ -242,6 +242,20 @@ async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(si
         nursery.cancel_scope.cancel()
 
 
+async def test_two_replicas_following_the_same_worker_agree(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--kv-events-replay-port", "0",
+                               "--attention-dp-size", "2")
+    async with trio.open_nursery() as nursery:
+        one, client = await follow(nursery, engine_client, worker.address)
+        two, _ = await follow(nursery, engine_client, worker.address)
+        prompts = [prompt(i, 70 + 30 * i) for i in range(1, 5)]
+        for i, ids_ in enumerate(prompts):
+            await run(client, ids_, f"r{i}")
+        await wait_for(lambda: all(one.blocks(p) == len(p) // BLOCK == two.blocks(p) for p in prompts))
+        assert [one.held(p) for p in prompts] == [two.held(p) for p in prompts]
+        nursery.cancel_scope.cancel()
+
+
 # ---- the pool's hook ---------------------------------------------------------------------------------------
 
 class StaticRegistry:
