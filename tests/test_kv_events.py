@@ -239,6 +239,8 @@ async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(si
         await wait_for(lambda: fed.blocks(engine_ids, by_bytes) == full)
         assert fed.blocks(engine_ids, other) == 51 // BLOCK  # another image: only the text before it
         assert fed.index.image_keys(worker.address)
+        # how many positions the engine gave the image, learned from its events: what a prompt's layout needs
+        assert fed.index.image_length(image_identity(data=image)) == IMAGE_TOKENS
         nursery.cancel_scope.cancel()
 
 
