@@ -48,11 +48,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import attrs
+import grpc
 import msgpack
 import trio
 import zmq
 
 from orchestrator.engine import EngineError
+from orchestrator.engine.errors import ErrorCode
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.workers.kv_index import EventBlockError, KvIndex, MmSegment
 
@@ -218,6 +220,15 @@ def apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[
             index.removed_engine(where, [_proto_hash(h) for h in event.block_removed.block_hashes])
         elif kind == "all_blocks_cleared":
             index.cleared(*where)
+
+
+def _permanent(exc: BaseException) -> bool:
+    """A failure that trying again cannot fix: the call is not served (UNIMPLEMENTED, events off), or our
+    transport cannot stream it."""
+    if not isinstance(exc, EngineError):
+        return False
+    return exc.code == ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE or exc.grpc_status in (
+        grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 # ---- pyzmq on trio -------------------------------------------------------------------------------------------
@@ -401,6 +412,11 @@ class KvEventFeed:
         self._clear(worker)
         if failures:
             exc = failures[0]
+            if _permanent(exc):  # this client or worker cannot stream them: nothing changes until a restart
+                self.detail[worker] = f"KV events cannot be followed: {cause_chain(exc)}"
+                follower.log("worker %s: KV events cannot be followed, routing it approximately: %s", worker,
+                             cause_chain(exc))
+                return info.instance_id
             self.detail[worker] = f"KV event stream lost: {cause_chain(exc)}"
             follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
                          cause_chain(exc))
