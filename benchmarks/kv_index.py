@@ -10,7 +10,8 @@ Printed:
   against an index where every worker holds a part of the prefix (the worst case walks every block);
   target <= 100 us together.
 - memory per indexed block (tracemalloc, event-fed entries, one rank).
-Timings are process CPU time (time.process_time), best of a few rounds.
+Timings are process CPU time (time.process_time), best of a few rounds. The first line times a fixed
+pure-Python loop, so that figures from a loaded or slower machine can be scaled.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0)
     args = parser.parse_args()
 
+    calibration = _best(20, lambda: sum(range(1_000_000)))
+    print(f"calibration: sum(range(1_000_000)) takes {calibration * 1e3:.1f} ms of CPU here")
     stored, removed = events_per_second(args.block_size, args.seconds)
     print(f"block events applied: stored {stored / 1e3:,.0f}k blocks/s, removed {removed / 1e3:,.0f}k blocks/s "
           f"(block size {args.block_size}; target >= 500k/s)")

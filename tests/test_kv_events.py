@@ -221,6 +221,21 @@ async def test_a_worker_without_events_is_approximate(sim_workers, engine_client
         nursery.cancel_scope.cancel()
 
 
+async def test_a_stream_this_client_cannot_follow_leaves_the_worker_approximate_until_it_restarts(
+        sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_3)
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.05, identity_check_s=0.2)
+    async with engine_client(worker.address, stream_transport="grpcio") as client, trio.open_nursery() as nursery:
+        await client.wait_until_ready(deadline=20)
+        nursery.start_soon(feed.follow, worker.address, client)
+        await wait_for(lambda: "cannot be followed" in feed.detail.get(worker.address, ""))
+        clears = feed.stats.clears
+        await trio.sleep(0.5)  # not tried again every retry_s: only a restart can change it
+        assert index.mode(worker.address) == "approximate" and feed.stats.clears == clears
+        nursery.cancel_scope.cancel()
+
+
 async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--multimodal", "--kv-events-replay-port", "0")
     image = png_bytes(3, 3)
@@ -239,6 +254,22 @@ async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(si
         await wait_for(lambda: fed.blocks(engine_ids, by_bytes) == full)
         assert fed.blocks(engine_ids, other) == 51 // BLOCK  # another image: only the text before it
         assert fed.index.image_keys(worker.address)
+        # how many positions the engine gave the image, learned from its events: what a prompt's layout needs
+        assert fed.index.image_length(image_identity(data=image)) == IMAGE_TOKENS
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_replicas_following_the_same_worker_agree(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--kv-events-replay-port", "0",
+                               "--attention-dp-size", "2")
+    async with trio.open_nursery() as nursery:
+        one, client = await follow(nursery, engine_client, worker.address)
+        two, _ = await follow(nursery, engine_client, worker.address)
+        prompts = [prompt(i, 70 + 30 * i) for i in range(1, 5)]
+        for i, ids_ in enumerate(prompts):
+            await run(client, ids_, f"r{i}")
+        await wait_for(lambda: all(one.blocks(p) == len(p) // BLOCK == two.blocks(p) for p in prompts))
+        assert [one.held(p) for p in prompts] == [two.held(p) for p in prompts]
         nursery.cancel_scope.cancel()
 
 

@@ -24,6 +24,7 @@ from orchestrator.workers.kv_index import (
     KvIndex,
     MmSegment,
     PromptImage,
+    engine_layout,
     event_block_keys,
     image_digest,
     image_identity,
@@ -177,6 +178,23 @@ def test_a_one_position_image_is_exact_once_the_workers_id_offset_is_known():
     index = events_index("w")
     apply_wire_events(index, ("w", 0), events)
     assert index.overlap(keys, 0.0) == {("w", 0): 2}
+
+
+def test_the_index_learns_how_many_positions_an_image_expanded_into_and_lays_prompts_out_alike():
+    # the first image ends inside a block; the second at a block's end, shown by the next block not continuing it
+    text = [5, 6, 999, 7, 8, 999, 9, 10, 11, 12, 13]
+    identities = ["u1", image_identity(data=b"png")]
+    index, sequence = sim_events_index(text, identities, block_size=4, image_tokens=7, id_offset=1000,
+                                       placeholder=999)
+    assert [index.image_length(identity) for identity in identities] == [7, 7]
+    assert index.image_length("never-seen") is None
+    engine_ids, images = engine_layout(text, [(i, index.image_length(i)) for i in identities], 999)
+    assert len(engine_ids) == len(sequence)
+    assert images == [PromptImage("u1", 3, 7), PromptImage(identities[1], 13, 7)]
+    keys = prompt_block_keys(engine_ids, 4, images)
+    assert index.overlap(keys, 0.0) == {("w", 0): len(keys)}
+    # no placeholder in the model: images go ahead of the text
+    assert engine_layout([1, 2], [("u1", 2)], None) == ([0, 0, 1, 2], [PromptImage("u1", 0, 2)])
 
 
 def test_event_blocks_must_be_whole_and_their_mm_keys_must_fit():

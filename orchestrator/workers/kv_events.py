@@ -29,22 +29,32 @@ pyzmq runs on trio without a thread: each socket is non-blocking, and a task wai
 only says "look at ZMQ_EVENTS again").
 
 Who runs it: the pool starts `follow(worker, client)` in that worker's own nursery (pool.py), so a feed
-task never outlives its worker; serve.py owns the KvEventFeed next to the pool and closes it after.
+task never outlives its worker; serve.py owns the KvEventFeed next to the pool and closes it after:
+
+    index = KvIndex(ttl_s=...)
+    feed = KvEventFeed(index)
+    pool = WorkerPool(..., kv_feed=feed)   # follows every worker it runs, forgets every worker it drops
+    ... pool.run(...) ...
+    feed.close()                           # after the pool's nursery exited
+
+`index.mode(worker)` says "events" or "approximate"; `feed.detail[worker]` says why a worker is approximate
+("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears and invalid sources.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import attrs
+import grpc
 import msgpack
 import trio
 import zmq
 
 from orchestrator.engine import EngineError
+from orchestrator.engine.errors import ErrorCode
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.workers.kv_index import EventBlockError, KvIndex, MmSegment
 
@@ -69,6 +79,7 @@ class ZmqSource:
     endpoint: str  # tcp://host:port
     topic: bytes
     replay_endpoint: str  # "" when not advertised
+    hwm: int = 100_000  # the publisher's high-water mark (KVEventsConfig.hwm), ours for receiving
 
 
 @attrs.frozen
@@ -133,7 +144,8 @@ def _zmq_source(source: Any, rank: int) -> ZmqSource:
     replay = source.replay_endpoint.strip()
     if replay and not _routable_tcp(replay):
         raise InvalidKvSource(f"not a routable replay endpoint: {replay!r}")
-    return ZmqSource(rank, f"tcp://{_bracketed(host)}:{endpoint.port}", source.topic.encode(), replay)
+    return ZmqSource(rank, f"tcp://{_bracketed(host)}:{endpoint.port}", source.topic.encode(), replay,
+                     source.hwm if source.HasField("hwm") and source.hwm > 0 else 100_000)
 
 
 def _bracketed(host: str) -> str:
@@ -208,6 +220,15 @@ def apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[
             index.removed_engine(where, [_proto_hash(h) for h in event.block_removed.block_hashes])
         elif kind == "all_blocks_cleared":
             index.cleared(*where)
+
+
+def _permanent(exc: BaseException) -> bool:
+    """A failure that trying again cannot fix: the call is not served (UNIMPLEMENTED, events off), or our
+    transport cannot stream it."""
+    if not isinstance(exc, EngineError):
+        return False
+    return exc.code == ErrorCode.ERROR_CODE_UNSUPPORTED_FEATURE or exc.grpc_status in (
+        grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 # ---- pyzmq on trio -------------------------------------------------------------------------------------------
@@ -391,6 +412,11 @@ class KvEventFeed:
         self._clear(worker)
         if failures:
             exc = failures[0]
+            if _permanent(exc):  # this client or worker cannot stream them: nothing changes until a restart
+                self.detail[worker] = f"KV events cannot be followed: {cause_chain(exc)}"
+                follower.log("worker %s: KV events cannot be followed, routing it approximately: %s", worker,
+                             cause_chain(exc))
+                return info.instance_id
             self.detail[worker] = f"KV event stream lost: {cause_chain(exc)}"
             follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
                          cause_chain(exc))
@@ -423,8 +449,9 @@ class KvEventFeed:
                 return
 
     def _events_mode(self, follower: _Follower, *, image_keys: bool) -> None:
-        if follower.active and (self.index.mode(follower.worker) != "events"
-                                or self.index.image_keys(follower.worker) != image_keys):
+        if not follower.active:
+            return
+        if self.index.mode(follower.worker) != "events" or self.index.image_keys(follower.worker) != image_keys:
             log.info("worker %s: routing on its KV events%s", follower.worker,
                      "" if image_keys else " (image blocks approximately: its events carry no image keys)")
             self.index.set_mode(follower.worker, "events", image_keys=image_keys)
@@ -472,7 +499,9 @@ class KvEventFeed:
     # ---- revision 1: ZMQ per rank --------------------------------------------------------------------
     async def _follow_zmq(self, follower: _Follower, source: ZmqSource) -> None:
         where = (follower.worker, source.rank)
-        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=0) as sub:
+        # A bounded receive queue: a feed that falls behind loses messages, which shows as a gap (cleared), rather
+        # than holding an unbounded backlog in memory.
+        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=source.hwm) as sub:
             applied = -1  # the last sequence number applied
             floor = 0  # the first sequence number this subscription applied (or asked a replay for)
             if source.replay_endpoint:

@@ -43,6 +43,7 @@ IMAGE_BIT = 1  # set on a block covering an image, and on every block after it i
 _TEXT = ~IMAGE_BIT
 _IMAGE_POSITION = -1  # what an image position contributes to the block's token tuple (segments say which)
 MODES = ("events", "approximate")
+_MAX_IMAGE_LENGTHS = 100_000
 
 
 # ---- keys -----------------------------------------------------------------------------------------------
@@ -100,11 +101,13 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     blocks). Images must not overlap and must lie inside the sequence."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
+    if not images:
+        return _chained_blocks(token_ids, block_size, ROOT_KEY)
     tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     full = len(tokens) // block_size
     keys: list[int] = []
     parent = ROOT_KEY
-    spans = _image_spans(images, len(tokens)) if images else []
+    spans = _image_spans(images, len(tokens))
     low = 0
     for start, end, value in spans:
         text_end = min(start // block_size, full) * block_size
@@ -136,6 +139,19 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     return keys
 
 
+def _chained_blocks(tokens: Sequence[int], block_size: int, parent: int) -> list[int]:
+    """The keys of every full text block of `tokens` chained on `parent`: the hottest loop. zip over one
+    iterator cuts the blocks as tuples in C (no slicing, no copy of the whole list first); a trailing partial
+    block is dropped by zip itself."""
+    keys: list[int] = []
+    append = keys.append
+    image = parent & IMAGE_BIT
+    for block in zip(*[iter(tokens)] * block_size):
+        parent = (hash((parent, block)) & _TEXT) | image
+        append(parent)
+    return keys
+
+
 def _text_keys(tokens: tuple, low: int, high: int, block_size: int, parent: int, keys: list[int]) -> int:
     """Append the keys of the text blocks in tokens[low:high] chained on `parent`; returns the last. The hot
     loop: one tuple hash per block (the image bit, once set in a chain, stays set)."""
@@ -145,6 +161,34 @@ def _text_keys(tokens: tuple, low: int, high: int, block_size: int, parent: int,
         parent = (hash((parent, tokens[start:start + block_size])) & _TEXT) | image
         append(parent)
     return parent
+
+
+def engine_layout(token_ids: Sequence[int], images: Sequence[tuple[str, int]], placeholder: int | None
+                  ) -> tuple[list[int], list[PromptImage]]:
+    """The prompt as the engine caches it, for prompt_block_keys: each image (identity, positions it expands
+    into) right after its placeholder token, in order, or ahead of the text when the model has none (the
+    simulated worker's layout, sim/prefix_cache.py prompt_tokens). Image positions hold 0 (their ids do not
+    matter to the keys)."""
+    result: list[int] = []
+    placed: list[PromptImage] = []
+    pending = iter(images)
+    if placeholder is None:
+        for identity, length in pending:
+            placed.append(PromptImage(identity, len(result), length))
+            result.extend([0] * length)
+        result.extend(token_ids)
+        return result, placed
+    for token in token_ids:
+        result.append(token)
+        if token == placeholder:
+            image = next(pending, None)
+            if image is not None:
+                placed.append(PromptImage(image[0], len(result), image[1]))
+                result.extend([0] * image[1])
+    for identity, length in pending:  # more images than placeholders: the engine refuses it; kept total
+        placed.append(PromptImage(identity, len(result), length))
+        result.extend([0] * length)
+    return result, placed
 
 
 def _image_spans(images: Sequence[PromptImage], total: int) -> list[tuple[int, int, int]]:
@@ -173,8 +217,8 @@ class EventBlockError(ValueError):
 
 
 def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size: int,
-                     mm_keys: Sequence[Sequence[MmSegment]] | None = None, *, id_offset: int | None = None
-                     ) -> list[int]:
+                     mm_keys: Sequence[Sequence[MmSegment]] | None = None, *, id_offset: int | None = None,
+                     image_lengths: dict[int, int] | None = None) -> list[int]:
     """Our keys for the blocks of one BlockStored event (its token ids, block after block), chained on
     `parent_key`. Image positions are read as the engine writes them: a digest (hex text) where an image
     starts, then its synthetic ids, id_offset + position in the image; a block starting inside an image has
@@ -182,27 +226,46 @@ def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size
     run of consecutive ids is taken (text ids lie below id_offset, so only an image of ONE position followed
     by text is misread: that block then never matches, a cache miss).
     A block with image positions but no mm_keys gets a key no prompt has (harmless: it never matches).
+    `image_lengths` (image digest value -> positions) learns how many positions each image whose end this
+    event shows expanded into: a prompt needs that to lay its images out as the engine did.
     Raises EventBlockError for a partial block or mm_keys that do not fit the blocks."""
     if block_size < 1 or len(token_ids) % block_size:
         raise EventBlockError(f"{len(token_ids)} token ids are not whole blocks of {block_size}")
+    if not mm_keys:  # the hot path: text blocks
+        return _chained_blocks(token_ids, block_size, parent_key)
     tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     count = len(tokens) // block_size
     keys: list[int] = []
     parent = parent_key
-    if not mm_keys:  # the hot path: text blocks
-        _text_keys(tokens, 0, count * block_size, block_size, parent, keys)
-        return keys
     if len(mm_keys) != count:
         raise EventBlockError(f"{len(mm_keys)} mm_keys entries for {count} blocks")
     for index in range(count):
         block = tokens[index * block_size:(index + 1) * block_size]
         segments = mm_keys[index]
         if segments:
-            parent = _chain(parent, *_event_image_block(block, segments, id_offset))
+            block_tokens, found = _event_image_block(block, segments, id_offset)
+            parent = _chain(parent, block_tokens, found)
+            if image_lengths is not None:
+                following = mm_keys[index + 1] if index + 1 < count else None
+                _learn_lengths(found, block_size, following, image_lengths)
         else:
             parent = _chain(parent, block, None)
         keys.append(parent)
     return keys
+
+
+def _learn_lengths(found: tuple, block_size: int, following: Sequence[MmSegment] | None,
+                   lengths: dict[int, int]) -> None:
+    """An image whose run ends inside this block, or at its end with the next block (of the same event) not
+    continuing it, has its length shown: its start offset here plus the positions it covers here."""
+    for first, count, value, offset in found:
+        end = offset + count
+        if first + count < block_size:
+            lengths[value] = end
+        elif following is not None and not any(s.start_offset == end for s in following):
+            lengths[value] = end
+    while len(lengths) > _MAX_IMAGE_LENGTHS:  # bounded: the oldest learned go first
+        del lengths[next(iter(lengths))]
 
 
 def learn_id_offset(token_ids: Sequence[int | str], block_size: int,
@@ -284,6 +347,7 @@ class KvIndex:
         self._held: dict[int, int] = {}  # key -> mask of (worker, rank) bits holding it per events
         self._modes: dict[str, str] = {}
         self._id_offsets: dict[str, int] = {}  # worker -> its engine's image id_offset, once an event showed it
+        self._image_lengths: dict[int, int] = {}  # image digest value -> positions it expanded into (events)
         self._without_image_keys: set[str] = set()
         self._approx_mask = 0  # bits of workers in approximate mode
         self._no_image_mask = 0  # bits of events-mode workers whose events carry no image keys
@@ -386,7 +450,8 @@ class KvIndex:
                 id_offset = learn_id_offset(token_ids, block_size, mm_keys)
                 if id_offset is not None:
                     self._id_offsets[worker] = id_offset
-        keys = event_block_keys(parent, token_ids, block_size, mm_keys, id_offset=id_offset)
+        keys = event_block_keys(parent, token_ids, block_size, mm_keys, id_offset=id_offset,
+                                image_lengths=self._image_lengths if mm_keys else None)
         if len(keys) != len(engine_hashes):
             raise EventBlockError(f"{len(engine_hashes)} block hashes for {len(keys)} blocks of token ids")
         self._store(state, engine_hashes, keys)
@@ -556,6 +621,11 @@ class KvIndex:
                 depth += 1
         _record(result, names, alive, depth)
         return result
+
+    def image_length(self, identity: str) -> int | None:
+        """How many token positions the engine expanded this image into, when an event showed its end (the
+        same image expands alike on every worker of one model); None if not seen yet."""
+        return self._image_lengths.get(_digest_int(image_digest(identity)))
 
     # ---- sizes (metrics, /health) -------------------------------------------------------------------
     def blocks(self, worker: str | None = None) -> int:
