@@ -101,8 +101,8 @@ class KvAwareConfig:
     max_imbalance: int = 4  # hot-prefix guard: requests above the least loaded candidate's that void a cache hit
     max_kv_usage: float = 0.9  # load ceiling: KV cache fraction in use above which a hit does not count
     approximate_ttl_s: float = attrs.field(default=120.0, validator=_positive)  # workers without KV events
-    # Prompt positions the engine expands one image into (model-specific); 0: unknown, so blocks after an image
-    # match only our own routing history (approximate entries), not the engines' events.
+    # Prompt positions the engine expands one image into (model-specific), until the KV events show an image's
+    # own length; 0: unknown, so until then blocks after an image match only our own routing history.
     image_tokens: int = 0
 
 

@@ -174,3 +174,29 @@ def test_kv_aware_is_configured_for_the_roles_that_prefill_and_its_knobs_are_che
             config_module.load(path)
         assert error.value.file == str(path) and error.value.key.startswith(key), (text, error.value)
         assert expected in str(error.value), (text, error.value)
+
+
+def test_a_prompts_keys_place_each_image_after_its_placeholder_and_key_it_by_identity():
+    import base64
+    import hashlib
+
+    from orchestrator.convert.media import ImageRef
+    from orchestrator.workers.kv_index import PromptImage
+    from orchestrator.workers.prompt_keys import identity_of, request_block_keys
+
+    png = b"\x89PNG fake bytes"
+    by_bytes = ImageRef(data_uri="data:image/png;base64," + base64.b64encode(png).decode())
+    assert identity_of(by_bytes) == "sha256:" + hashlib.sha256(png).hexdigest()
+    assert identity_of(ImageRef(url="http://x/cat.jpg", uuid="cat-1")) == "cat-1"
+    assert identity_of(ImageRef(url="http://x/cat.jpg")) != identity_of(ImageRef(url="http://x/dog.jpg"))
+    placeholder, text = 7, list(range(1000, 1040))
+    prompt = text[:10] + [placeholder] + text[10:]
+    # the length the events showed for this image wins over the configured one
+    keys = request_block_keys(prompt, BLOCK, [by_bytes], placeholder, image_tokens=3, learned=lambda _: 6)
+    engine = text[:10] + [placeholder] + [0] * 6 + text[10:]
+    assert keys == prompt_block_keys(engine, BLOCK, [PromptImage(identity_of(by_bytes), 11, 6)])
+    assert request_block_keys(prompt, BLOCK, [by_bytes], placeholder, image_tokens=6) == keys
+    # another image: the blocks before it agree, the one covering it and every later one do not
+    other = request_block_keys(prompt, BLOCK, [ImageRef(url="http://x/dog.jpg")], placeholder, image_tokens=6)
+    assert other[:2] == keys[:2] and all(a != b for a, b in zip(other[2:], keys[2:]))
+    assert request_block_keys(text, BLOCK) == prompt_block_keys(text, BLOCK)  # no images: the text's keys

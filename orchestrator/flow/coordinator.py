@@ -128,7 +128,7 @@ class Coordinator:
         if block_size is None:
             return []
         return request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
-                                  self.config.routing.kv_aware.image_tokens)
+                                  self.config.routing.kv_aware.image_tokens, self.pool.kv_index.image_length)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         try:
