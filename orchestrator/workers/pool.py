@@ -358,7 +358,14 @@ class WorkerPool:
              prompt: Sequence[int] = ()) -> Worker:
         """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. `prompt`:
         the prompt's block keys (orchestrator.workers.kv_index.prompt_block_keys), for a kv_aware role."""
-        return self.route(role, exclude, accepts, prompt).worker
+        if prompt and self._policy_names[role] == "kv_aware":
+            return self.route(role, exclude, accepts, prompt).worker
+        candidates = self._candidates(role, exclude, accepts)
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
+        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
+        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
+        chosen.sent_since_load += 1
+        return chosen
 
     def kv_block_size(self, role: str) -> int | None:
         """The KV block size a kv_aware role's prompt keys are cut in: the one its workers report (the first
@@ -393,15 +400,8 @@ class WorkerPool:
     def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
               prompt: Sequence[int] = ()) -> Decision:
         """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
-        prompt's prefix."""
-        candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
-                      and (accepts is None or accepts(w))]
-        if not candidates:
-            states = collections.Counter(str(w.state) for w in self.workers.values() if w.role == role)
-            known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
-            # Which workers and why: the log and /health (operators); the client learns only the counts.
-            raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
-                                    code="no_worker_available", retry_after=1)
+        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
+        candidates = self._candidates(role, exclude, accepts)
         if self._policy_names[role] != "kv_aware":
             prompt = ()
         # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
@@ -418,6 +418,18 @@ class WorkerPool:
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
         decision.worker.sent_since_load += 1
         return decision
+
+    def _candidates(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None
+                    ) -> list[Worker]:
+        candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
+                      and (accepts is None or accepts(w))]
+        if not candidates:
+            states = collections.Counter(str(w.state) for w in self.workers.values() if w.role == role)
+            known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+            # Which workers and why: the log and /health (operators); the client learns only the counts.
+            raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
+                                    code="no_worker_available", retry_after=1)
+        return candidates
 
     @contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:
