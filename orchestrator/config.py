@@ -19,7 +19,9 @@ from orchestrator.models import MODELS_DIR
 from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+# kv_aware chooses where a prompt is prefilled: the roles that run prefills (a decode leg's KV arrives with it)
+KV_AWARE_ROLES = ("aggregated", "prefill")
 
 
 class ConfigError(ValueError):
@@ -92,11 +94,30 @@ class DiscoveryConfig:
 
 
 @attrs.frozen
+class KvAwareConfig:
+    """The kv_aware policy's knobs (docs/kv-routing.md); orchestrator.workers.routing.KvAwareKnobs."""
+
+    overlap_weight: float = attrs.field(default=1.0, validator=_positive)  # one uncached block vs one block of load
+    max_imbalance: int = 4  # hot-prefix guard: requests above the least loaded candidate's that void a cache hit
+    max_kv_usage: float = 0.9  # load ceiling: KV cache fraction in use above which a hit does not count
+    approximate_ttl_s: float = attrs.field(default=120.0, validator=_positive)  # workers without KV events
+    # Prompt positions the engine expands one image into (model-specific), until the KV events show an image's
+    # own length; 0: unknown, so until then blocks after an image match only our own routing history.
+    image_tokens: int = 0
+
+
+@attrs.frozen
 class RoutingConfig:
     aggregated: str = "round_robin"
     prefill: str = "round_robin"
     decode: str = "least_loaded"
     load_staleness_ms: int = attrs.field(default=250, validator=_positive)
+    kv_aware: KvAwareConfig = KvAwareConfig()
+
+    @property
+    def kv_aware_roles(self) -> tuple[str, ...]:
+        """The roles routed kv_aware: a request's prompt block keys are computed only when this is not empty."""
+        return tuple(role for role in KV_AWARE_ROLES if getattr(self, role) == "kv_aware")
 
 
 @attrs.frozen
@@ -394,8 +415,16 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
         raise ConfigError(file, "stream_transport", " or ".join(STREAM_TRANSPORTS), config.stream_transport)
     for role in ROLES:
         policy = getattr(config.routing, role)
-        if policy not in POLICIES:
-            raise ConfigError(file, f"routing.{role}", " or ".join(POLICIES), policy)
+        allowed = POLICIES if role in KV_AWARE_ROLES else tuple(p for p in POLICIES if p != "kv_aware")
+        if policy not in allowed:
+            raise ConfigError(file, f"routing.{role}", " or ".join(allowed), policy)
+    kv_aware = config.routing.kv_aware
+    if kv_aware.max_imbalance < 0:
+        raise ConfigError(file, "routing.kv_aware.max_imbalance", "an integer >= 0", kv_aware.max_imbalance)
+    if kv_aware.image_tokens < 0:
+        raise ConfigError(file, "routing.kv_aware.image_tokens", "an integer >= 0", kv_aware.image_tokens)
+    if not 0.0 < kv_aware.max_kv_usage <= 1.0:
+        raise ConfigError(file, "routing.kv_aware.max_kv_usage", "a number > 0 and <= 1", kv_aware.max_kv_usage)
     model_dir = config.model_dir
     for needed in ("tokenizer.json", "tokenizer_config.json") if check_paths else ():
         if not (model_dir / needed).is_file():

@@ -38,6 +38,7 @@ ROUTES = ("chat", "completions")
 OUTCOMES = ("ok", "error", "client_error", "disconnected")
 KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
 KEY_LIMIT_CODES = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")  # frontend/limits.py
+ROUTING_REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")  # workers/routing.py REASONS
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -85,6 +86,24 @@ class Metrics:
                                    ["way"], registry=r)
         self.migrations = Counter("orchestrator_migrations", "Requests continued on another worker after a worker "
                                   "failed mid-stream (prompt + tokens sent), by mode", ["mode"], registry=r)
+        # KV-aware routing (orchestrator/workers/routing.py KvAware; docs/kv-routing.md). Per worker: the prompt
+        # blocks routed there and how many of them the index said it held (expected hit rate = cached / prompt).
+        self.routing_decisions = Counter("orchestrator_routing_decisions", "Routing decisions by role and reason "
+                                         "(prefix, load, hot_prefix_guard, single, policy)", ["role", "reason"],
+                                         registry=r)
+        self.routing_prompt_blocks = Counter("orchestrator_kv_routing_prompt_blocks", "Full prompt blocks routed "
+                                             "kv_aware, by worker", ["worker"], registry=r)
+        self.routing_cached_blocks = Counter("orchestrator_kv_routing_cached_blocks", "Of those, the leading blocks "
+                                             "the KV index said the worker held, by worker", ["worker"], registry=r)
+        self.kv_index_blocks = Gauge("orchestrator_kv_index_blocks", "Blocks the KV index holds from a worker's KV "
+                                     "events (block x DP rank), by worker", ["worker"], registry=r,
+                                     multiprocess_mode="livemostrecent")
+        self.kv_index_mode = Gauge("orchestrator_kv_index_mode", "1 for the way the KV index knows a worker: events "
+                                   "(its KV events) or approximate (where we routed)", ["worker", "mode"],
+                                   registry=r, multiprocess_mode="livemostrecent")
+        self.kv_index_routed = Gauge("orchestrator_kv_index_routed_entries", "Approximate entries (block x worker "
+                                     "we routed it to) alive in the KV index", registry=r,
+                                     multiprocess_mode="livemostrecent")
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)
@@ -113,6 +132,9 @@ class Metrics:
         self.by_stage = {stage: self.stage.labels(stage) for stage in ("prefill", "kv_handoff", "decode")}
         for role in ROLES:
             self.retries.labels(role)
+        for role in ROLES:
+            for reason in ROUTING_REASONS:
+                self.routing_decisions.labels(role, reason)
         for way in KV_CLEANUP_WAYS:
             self.kv_cleanups.labels(way)
         for code in ErrorCode.keys():

@@ -127,10 +127,12 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     limits = config.limits
     tracer = tracing.from_config(config)
     async with LoopThread.open() as loop_thread, tracer.running():
+        kv_index, kv_feed, kv_follow_roles = kv_routing(config)
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                           health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                           removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
-                          stream_transport=config.stream_transport, keepalive=config.keepalive)
+                          stream_transport=config.stream_transport, keepalive=config.keepalive,
+                          kv_index=kv_index, kv_feed=kv_feed, kv_follow_roles=kv_follow_roles)
         api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
         app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
                   tracer=tracer)
@@ -180,7 +182,24 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             if children is not None:
                 await children.stopped.wait()
             nursery.cancel_scope.cancel()
+        if kv_feed is not None:
+            kv_feed.close()  # the pool, which ran its follow tasks, is done
     log.info("stopped")
+
+
+def kv_routing(config: Config):
+    """KV-aware routing's index and the KV event feed into it (docs/kv-routing.md), and the roles whose
+    workers it follows: the kv_aware ones, and decode in conditional mode (a prompt may prefill on the decode
+    worker holding its prefix). (None, None, ()) when no role routes kv_aware: nothing runs for it."""
+    roles = config.routing.kv_aware_roles
+    if not roles:
+        return None, None, ()
+    from orchestrator.workers.kv_events import KvEventFeed
+    from orchestrator.workers.kv_index import KvIndex
+
+    index = KvIndex(ttl_s=config.routing.kv_aware.approximate_ttl_s)
+    follow = (*roles, "decode") if config.mode == "conditional" and "prefill" in roles else roles
+    return index, KvEventFeed(index), follow
 
 
 async def _finish_in_flight(app, grace_s: float) -> None:

@@ -99,3 +99,28 @@ def test_a_bad_spec_names_the_file_the_key_and_what_was_expected(tmp_path, text,
     with pytest.raises(ConfigError) as error:
         load_reuse_spec(spec)
     assert error.value.key == key and expected in error.value.expected and error.value.file == str(spec)
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "oracle"])
+def test_kv_aware_and_the_oracle_keep_a_conversation_on_the_worker_that_holds_it(policy):
+    one_worker = run(CHAT)
+    records = run(CHAT, ReuseTopology(workers=2), policy)
+    assert [r.cached_tokens for r in records] == [r.cached_tokens for r in one_worker]  # as if it had one worker
+    image = attrs.evolve(CHAT, image_share=1.0)
+    assert [r.cached_tokens > 1000 + PROFILE.image_tokens for r in run(image, ReuseTopology(workers=2), policy)] \
+        == [False, True, True]  # the image is part of the prefix found cached
+    split = run(CHAT, ReuseTopology(mode="disaggregated", workers=2, decode_workers=1), policy)
+    assert [r.cached_tokens for r in split] == [0, 1100 // 32 * 32, 1250 // 32 * 32]
+
+
+def test_the_kv_routing_report_compares_with_least_loaded_and_the_oracle(tmp_path):
+    spec = tmp_path / "kv.yaml"
+    spec.write_text("policies: [least_loaded, kv_aware, oracle]\ntopologies: [{mode: aggregated, workers: 2}]\n"
+                    "event_delay_ms: 5\nkv_aware: {overlap_weight: 2}\n"
+                    "workloads:\n  - {name: chat, sessions: 4, concurrency: 2, system_prompt: '1000', turns: '3', "
+                    "user_len: '100', output_len: '20'}\n")
+    assert main_reuse(spec, tmp_path / "out") == 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "overlap_weight 2" in report and "applied 5 ms after" in report
+    assert "| aggregated 2x | kv_aware | " in report and "hit rate / oracle's" in report
+    assert (tmp_path / "out" / "ttft.png").stat().st_size > 0 and (tmp_path / "out" / "hit_rate.png").exists()

@@ -122,7 +122,48 @@ UPSTREAM = {
     "terminal-status": ("R1 servicer.py @ 06cb2191b0be Generate", "a request is marked terminal (engine_terminal) "
                         "only when the generator resumes after yielding its last response; a stream closed before "
                         "that makes its finally abort the engine request (abort_request('response stream closed'))"),
+    # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/test_kv_events.py, test_kv_index.py)
+    "kv-events-r1-sources": ("R1 control.py @ 06cb2191b0be GetKvEventSources; node.py @ 2361706f3283 _source "
+                             "(merged)", "one source per attention-DP rank: transport zmq, endpoint_addr {host, port, "
+                             "protocol tcp}, topic, replay_endpoint tcp://host:port or '', encoding msgpack, "
+                             "schema_version 1; a wildcard bind host is advertised as the FQDN; SubscribeKvEvents "
+                             "is UNIMPLEMENTED"),
+    "kv-events-r1-wire": ("NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/kv_cache_events.py @ 13599e98c71c "
+                          "(merged)", "frames (topic, 8-byte big-endian seq, msgpack [ts, events, rank]); the seq is "
+                          "reserved when a batch is published, so a lost batch is a gap; the replay ROUTER answers "
+                          "(id, b'', start_seq) with every retained batch from it, then END_SEQ -1; events are maps "
+                          "tagged 'type'; BlockStored.token_ids are int | str and mm_keys, one list per block when "
+                          "multimodal decoding is on, are MultimodalKey(hash, start_offset, uuid?)"),
+    "kv-events-image-keys": ("NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/kv_cache_manager_v2/eventData.cpp "
+                             "@ 3e0a0df65be8 decodeEventBlock; _block_radix_tree.py @ 065ff9e93780",
+                             "an image's first position is its digest (hex on the wire), the others id_offset + "
+                             "position in the image; a block starting inside an image has an mm_key with that "
+                             "start_offset (so our keys read image ends exactly once id_offset is seen)"),
+    "kv-events-r3-stream": ("R3 servicer.py @ 3a8b4f203346 GetKvEventSources / SubscribeKvEvents / _kv_batch; "
+                            "tensorrt_llm/serve/kv_event_fanout.py @ 48f2db0bbf03 (open PRs #16336 and #19440)",
+                            "the gRPC server names itself (transport grpc, encoding protobuf) and streams one event "
+                            "per KvEventBatch, numbered per rank from 1; hashes are decimal_int64 text; a block with "
+                            "an image position cannot be carried and fails closed as AllBlocksCleared"),
+    "kv-events-validation": ("DYN engine.rs @ e419430b8943 validate_kv_sources / validate_kv_source (open PRs "
+                             "#14349, #15087)", "transport zmq with encoding msgpack, schema_version 1, a "
+                             "data_parallel_rank below data_parallel_size, one source per rank and no duplicate, an "
+                             "endpoint_addr with protocol tcp, a host that is not empty, '*', '0.0.0.0' or '::', and "
+                             "a port; events need a positive kv_block_size"),
 }
+
+
+def test_kv_event_sources_are_accepted_and_refused_as_dynamos_sidecar_does():
+    from orchestrator.workers.kv_events import InvalidKvSource, validate_sources
+
+    # UPSTREAM kv-events-r1-sources (what the revision-1 server advertises) and kv-events-validation
+    source = kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host="node-1", port=5557,
+                                  protocol="tcp"), replay_endpoint="tcp://node-1:5560", data_parallel_rank=0,
+                                  encoding="msgpack", schema_version=1, buffer_steps=10_000, hwm=100_000)
+    assert [s.endpoint for s in validate_sources([source], 1, 32)] == ["tcp://node-1:5557"]
+    for host in ("*", "0.0.0.0", "::", ""):
+        source.endpoint_addr.host = host
+        with pytest.raises(InvalidKvSource):
+            validate_sources([source], 1, 32)
 
 
 def test_every_fact_names_its_source():

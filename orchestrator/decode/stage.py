@@ -28,6 +28,7 @@ from orchestrator.kv.lease import KvLease
 from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.workers.retry import with_retries
+from orchestrator.workers.routing import with_target_rank
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class DecodeStage:
 
     async def run(self, worker, leg: g.GenerateRequest, sink: OutputSink, state: StreamState, *, detokenizer,
                   on_chunk: Callable[[int], None], prompt_tokens: int, lease: KvLease | None = None,
-                  migration: int = 0, accepts: Callable[[object], bool] | None = None) -> None:
+                  migration: int = 0, accepts: Callable[[object], bool] | None = None,
+                  target_rank: int | None = None) -> None:
         """Stream `leg` into `sink` until it finishes; `state` tells the caller how far it got. `state` and
         `detokenizer` may carry on from an earlier leg of the same request (a migration: the `migration`th).
         Raises EngineError when it failed before this leg streamed a token (after the retries), else
@@ -62,7 +64,7 @@ class DecodeStage:
             failed_on[0] = chosen
             with tracing.leg_span("decode", chosen.address, leg.request_id, attempts, migration) as span:
                 await self._one_attempt(chosen, leg, sink, state, detokenizer, on_chunk, prompt_tokens, lease,
-                                        streamed_before, span.metadata)
+                                        streamed_before, with_target_rank(span.metadata, target_rank, chosen is worker))
 
         try:
             await with_retries(self.pool, worker, attempt, retries=self.retries, metrics=self.metrics,

@@ -65,8 +65,10 @@ def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
 # The Control service's unary calls and the messages they answer with.
 _CONTROL_RESPONSES: dict[str, type[Message]] = {
     "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
-    "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse}
+    "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse,
+    "GetKvEventSources": kv_pb2.GetKvEventSourcesResponse}
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
+_SUBSCRIBE_KV_EVENTS_PATH = "/openengine.v1.Control/SubscribeKvEvents"
 
 
 _TERMINAL_EVENTS = (ev.Finished, ev.PrefillReady, ev.Failed)
@@ -229,6 +231,25 @@ class EngineClient:
         request = (lifecycle_pb2.AbortRequest(request_id=request_id) if request_id is not None
                    else lifecycle_pb2.AbortRequest(kv_session=kv_session))
         return await self._unary("Abort", request, timeout, metadata)
+
+    # ---- KV events (orchestrator/workers/kv_events.py) --------------------------------------------
+    async def kv_event_sources(self, ranks: tuple[int, ...] = (), *,
+                               timeout: float | None = 10.0) -> list[kv_pb2.KvEventSource]:
+        """Control.GetKvEventSources: where each attention-DP rank publishes its KV events (all ranks: ())."""
+        response = await self._unary("GetKvEventSources",
+                                     kv_pb2.GetKvEventSourcesRequest(data_parallel_ranks=list(ranks)), timeout)
+        return list(response.sources)
+
+    @asynccontextmanager
+    async def subscribe_kv_events(self, ranks: tuple[int, ...] = ()) -> AsyncIterator[Any]:
+        """Control.SubscribeKvEvents, a server stream: read SubscribeKvEventsResponse messages with
+        `get_batch()` ([] once the stream ended; a failed call raises EngineError). Leaving the block cancels
+        it. Either transport streams it (transport/calls.py)."""
+        self._check_open("SubscribeKvEvents")
+        request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=list(ranks))
+        async with self._channel.stream(_SUBSCRIBE_KV_EVENTS_PATH, request.SerializeToString(),
+                                        kv_pb2.SubscribeKvEventsResponse.FromString) as stream:
+            yield stream
 
     # ---- capabilities and readiness ------------------------------------------------------------
     async def _discover(self) -> WorkerCapabilities:

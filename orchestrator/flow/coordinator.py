@@ -36,6 +36,7 @@ from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.tokenizer import ModelTokenizer
 from orchestrator.workers.pool import Worker, WorkerPool
+from orchestrator.workers.prompt_keys import request_block_keys
 
 
 @attrs.frozen
@@ -47,6 +48,8 @@ class Plan:
     prompt_tokens: int  # text tokens; images add more engine-side
     workers: tuple[Worker, ...]  # (aggregated,) | (prefill, decode) | (decode,)
     caps: tuple[WorkerCapabilities, ...]
+    # KV-aware routing: the attention-DP rank to ask of a worker that holds the prefix there (prefill or whole legs)
+    target_ranks: dict = attrs.field(factory=dict)
 
 
 class Coordinator:
@@ -83,11 +86,36 @@ class Coordinator:
             path, roles = "local", ("decode",)
         else:
             path, roles = "disaggregated", ("prefill", "decode")
-        workers = tuple(self.pool.pick(role) for role in roles)
+        # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, once,
+        # only where a role routes kv_aware; conditional mode may prefill on a decode worker holding the prefix.
+        kv_roles = self.config.routing.kv_aware_roles
+        keys = self._prompt_keys(api, prompt_ids, roles[0] if mode != "conditional" else "prefill") if kv_roles \
+            else []
+        holder = None
+        if keys and mode == "conditional" and path == "disaggregated" and not api.images:
+            holder = self.pool.holding("decode", keys, len(prompt_ids),
+                                       self.config.conditional.max_local_prefill_length)
+            if holder is not None:
+                path, roles = "local", ("decode",)
+
+        target_ranks: dict[Worker, int] = {}
+
+        def pick(role: str) -> Worker:
+            if not keys:
+                return self.pool.pick(role)
+            decision = self.pool.route(role, prompt=keys if role in kv_roles else (),
+                                       accepts=(lambda w: w is holder) if holder is not None and role == "decode"
+                                       else None)
+            if decision.rank is not None:
+                target_ranks[decision.worker] = decision.rank
+            return decision.worker
+
+        workers = tuple(pick(role) for role in roles)
+        # -- end KV-aware routing
         caps = tuple([await self._capabilities(w) for w in workers])
         if path == "local" and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
-            path, workers = "disaggregated", (self.pool.pick("prefill"), *workers)
+            path, workers = "disaggregated", (pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
         check_worker_media(api, touched, disaggregated=path == "disaggregated")
@@ -99,7 +127,15 @@ class Coordinator:
                                 max_output_tokens=min(outputs) if outputs else None)
         full = full_leg(api, request_id=request_id, model=caps[-1].model_id or api.model, prompt_ids=prompt_ids,
                         limits=limits)
-        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps)
+        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, target_ranks)
+
+    def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], role: str) -> list[int]:
+        """The prompt's KV block keys for a kv_aware `role` (else none: no cost for other policies)."""
+        block_size = self.pool.kv_block_size(role)
+        if block_size is None:
+            return []
+        return request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
+                                  self.config.routing.kv_aware.image_tokens, self.pool.kv_index.image_length)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         unavailable = f"{worker.role} worker {worker.address} is not available"

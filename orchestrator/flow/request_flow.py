@@ -117,12 +117,13 @@ class RequestFlow:
     async def _whole(self, worker: Worker, leg: g.GenerateRequest) -> None:
         await self.parts.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
                                     on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens,
-                                    migration=self.migrations, accepts=self.accepts)
+                                    migration=self.migrations, accepts=self.accepts,
+                                    target_rank=self.plan.target_ranks.get(worker))
 
     async def _split(self, full: g.GenerateRequest, prefill_worker: Worker, decode_worker: Worker) -> None:
         parts, state = self.parts, self.state
         result = await parts.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
-                                         accepts=self.accepts)
+                                         accepts=self.accepts, target_rank=self.plan.target_ranks.get(prefill_worker))
         prefill_done = trio.current_time()
         parts.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer

@@ -22,6 +22,7 @@ from orchestrator.kv.release import KvReleaser
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.legs import PrefillOutcome, context_only_leg, prefill_outcome
 from orchestrator.workers.retry import with_retries
+from orchestrator.workers.routing import with_target_rank
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class PrefillStage:
         self.retries, self.cleanup_timeout_s = retries, cleanup_timeout_s
 
     async def run(self, first_worker, full: g.GenerateRequest, decode_worker=None, *,
-                  migration: int = 0, accepts=None) -> PrefillResult:
-        """`accepts(worker)`: whether a retry may go there (orchestrator.workers.retry)."""
+                  migration: int = 0, accepts=None, target_rank: int | None = None) -> PrefillResult:
+        """`accepts(worker)`: whether a retry may go there (orchestrator.workers.retry). `target_rank`: the
+        attention-DP rank of `first_worker` that holds the prompt's prefix (KV-aware routing); not for retries."""
         leg = context_only_leg(full)
         attempts = 0
 
@@ -49,7 +51,8 @@ class PrefillStage:
             nonlocal attempts
             attempts += 1
             with tracing.leg_span("prefill", worker.address, leg.request_id, attempts, migration) as span:
-                outcome = await self._one_attempt(worker, leg, full, decode_worker, span.metadata)
+                outcome = await self._one_attempt(worker, leg, full, decode_worker,
+                                                  with_target_rank(span.metadata, target_rank, worker is first_worker))
                 if outcome.session is not None:
                     return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens))
                 if outcome.answer:

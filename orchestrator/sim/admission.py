@@ -68,6 +68,15 @@ def trace_headers(context) -> dict[str, str] | None:
     return headers or None
 
 
+def target_dp_rank(context) -> str | None:
+    """The attention-DP rank a call asks to run on (gRPC metadata `openengine-target-dp-rank`, which revision-1
+    TensorRT-LLM honours where ServerInfo.extra says trtllm_supports_dp_rank_targeting), unparsed."""
+    for item in context.invocation_metadata() or ():
+        if item.key == "openengine-target-dp-rank":
+            return item.value
+    return None
+
+
 class EngineUnavailable(Exception):
     """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
 
@@ -85,7 +94,7 @@ class AdmissionService(SimWorkerState):
         watchdog: asyncio.Task | None = None
         try:
             try:
-                sim_request = await self._admit(request, outbox, trace_headers(context))
+                sim_request = await self._admit(request, outbox, trace_headers(context), target_dp_rank(context))
             except EngineUnavailable as refusal:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
@@ -192,8 +201,15 @@ class AdmissionService(SimWorkerState):
         return kind
 
     async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox,
-                     trace: dict[str, str] | None = None) -> SimRequest:
+                     trace: dict[str, str] | None = None, target_rank: str | None = None) -> SimRequest:
         c, persona = self.config, self.persona
+        rank = None
+        if target_rank is not None and persona.revision_1_trtllm:  # others do not advertise targeting: ignored
+            ranks = len(self.scheduler.ranks)
+            if not target_rank.isdigit() or int(target_rank) >= ranks:
+                raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, f"openengine-target-dp-rank {target_rank!r} is "
+                                    f"not a rank of this worker (0..{ranks - 1})")
+            rank = int(target_rank)
         if self.draining:  # a stopping grpc server refuses new calls UNAVAILABLE; there is no DRAINING code
             raise EngineUnavailable("worker is draining")
         if self.health_state() != HS.HEALTH_STATE_READY:
@@ -246,6 +262,7 @@ class AdmissionService(SimWorkerState):
         media_ids = await self._resolve_media(request, prompt_ids, disaggregated=kind != FULL)
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
+                            "target_dp_rank": rank,
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
                             "logprobs": request.response.return_output_logprobs,
@@ -280,6 +297,7 @@ class AdmissionService(SimWorkerState):
             include_stop=stopping.include_stop_in_output, first_gen_tokens=first_gen,
             tokens=prefix_cache.prompt_tokens(prompt_ids, media_ids, image_tokens=c.profile.image_tokens,
                                               id_offset=self.vocab_size, placeholder=self.image_token_id),
+            target_rank=rank,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
         token_response = self._token_response(rid, want_logprobs, top_n)

@@ -57,6 +57,7 @@ class SimRequest:
     # the prompt as the prefix cache keys it (prefix_cache.prompt_tokens); None: the request takes no part
     tokens: tuple[Token, ...] | None = None
     rank: int = 0  # its attention-DP rank
+    target_rank: int | None = None  # the rank the caller asked for (openengine-target-dp-rank), else balanced
     cached: int = 0  # prompt tokens found in the prefix cache at admission
     lease: PrefixLease | None = None
 
@@ -186,7 +187,9 @@ class Scheduler:
             request.lease = None
         self._wake.set()
 
-    def _choose_rank(self) -> Rank:
+    def _choose_rank(self, request: SimRequest) -> Rank:
+        if request.target_rank is not None:
+            return self.ranks[request.target_rank]
         # TensorRT-LLM's attention-DP scheduler balances ranks by load; a single rank is the usual case
         return min(self.ranks, key=lambda rank: (rank.active, rank.index))
 
@@ -201,7 +204,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.running < self.profile.max_batch_size:
             request = self.waiting[0]
-            rank = self._choose_rank()
+            rank = self._choose_rank(request)
             lease = rank.cache.acquire(request.tokens) if request.tokens is not None else None
             reused = lease.cached_tokens // self.profile.kv_block_size if lease is not None else 0
             need = self.blocks_needed(request) - reused  # cached blocks are shared, not allocated again

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import trio
@@ -30,8 +30,9 @@ from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.roles import ROLES
-from orchestrator.workers.routing import LoadSample, make_policy
+from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,27 @@ class Worker:
         # The pool failed this worker's calls because it stopped answering; until it answers a health check
         # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
         self.unresponsive = False
+        self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
+
+    @property
+    def dp_size(self) -> int:
+        caps = self.client.cached_capabilities if self.client is not None else None
+        return caps.data_parallel_size or 1 if caps is not None else 1
+
+    @property
+    def targets_dp_rank(self) -> bool:
+        """Whether a request may name the attention-DP rank to run on (gRPC metadata openengine-target-dp-rank):
+        the worker has several ranks and says so (ServerInfo.extra trtllm_supports_dp_rank_targeting)."""
+        caps = self.client.cached_capabilities if self.client is not None else None
+        if caps is None:
+            return False
+        seen, answer = self._dp_targeting
+        if seen is not caps:  # read once per capability discovery, not per routing decision
+            extra = dict(caps.extra)
+            answer = caps.data_parallel_size > 1 and json.loads(
+                extra.get("trtllm_supports_dp_rank_targeting", "false")) is True
+            self._dp_targeting = (caps, answer)
+        return answer
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None:
         if self.load_sample is None or now - self.load_sample.at > staleness:
@@ -77,7 +99,8 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2", keepalive=None):
+                 tls=None, stream_transport: str = "h2", keepalive=None, kv_index: KvIndex | None = None,
+                 kv_feed=None, kv_follow_roles: tuple[str, ...] | None = None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -90,7 +113,25 @@ class WorkerPool:
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
         self._policy_names = {role: getattr(routing, role) for role in ROLES}
-        self._policies = {role: make_policy(name, self.staleness_s) for role, name in self._policy_names.items()}
+        # The KV index exists only when a role routes kv_aware (its event feeds and key computation cost nothing
+        # otherwise); every kv_aware role shares it.
+        kv = routing.kv_aware
+        if kv_index is None:
+            kv_index = kv_feed.index if kv_feed is not None else \
+                KvIndex(ttl_s=kv.approximate_ttl_s) if routing.kv_aware_roles else None
+        self.kv_index: KvIndex | None = kv_index
+        # The KV event feed into that index (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)`
+        # for as long as the worker is in the pool, `forget(address)`), for the workers of these roles: the
+        # kv_aware ones, and decode in conditional mode (a prompt may prefill where its prefix is); every role when
+        # none routes kv_aware. No feed: every worker approximate.
+        self.kv_feed = kv_feed
+        self.kv_follow_roles = kv_follow_roles if kv_follow_roles is not None else routing.kv_aware_roles or ROLES
+        knobs = KvAwareKnobs(overlap_weight=kv.overlap_weight, max_imbalance=kv.max_imbalance,
+                             max_kv_usage=kv.max_kv_usage)
+        self._policies = {role: make_policy(name, self.staleness_s, index=self.kv_index, knobs=knobs)
+                          for role, name in self._policy_names.items()}
+        self._decisions = {(role, reason): metrics.routing_decisions.labels(role, reason)
+                           for role in ROLES for reason in REASONS}
         self.workers: dict[WorkerSpec, Worker] = {}
         # Removed workers still finishing their requests. Kept apart, so that a worker that registers again
         # meanwhile (etcd came back, its lease was renewed) is added anew instead of being forgotten.
@@ -127,6 +168,11 @@ class WorkerPool:
             worker = self.workers.pop(spec)
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
+            if self.kv_index is not None and not any(s.address == spec.address for s in snapshot.workers):
+                # out of the KV index at once, not when its requests are done: it gets no more of them
+                self.kv_index.forget(spec.address)
+                if self.kv_feed is not None:
+                    self.kv_feed.forget(spec.address)
             self.retiring.add(worker)
             nursery.start_soon(self._retire, worker)
         self._notify()
@@ -147,8 +193,10 @@ class WorkerPool:
                                              name=worker.address.removeprefix("grpc://")) as client:
                     worker.client = client
                     async with trio.open_nursery() as nursery:
-                        if self._policy_names[worker.role] == "least_loaded":
+                        if self._polls_load(worker):
                             nursery.start_soon(self._poll_load, worker, client)
+                        if self.kv_feed is not None and worker.role in self.kv_follow_roles:
+                            nursery.start_soon(self.kv_feed.follow, worker.address, client)
                         await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -156,7 +204,7 @@ class WorkerPool:
             self._notify()
 
     async def _monitor(self, worker: Worker, client: EngineClient) -> None:
-        polls_load = self._policy_names[worker.role] == "least_loaded"
+        polls_load = self._polls_load(worker)
         while True:
             previous = worker.state
             try:
@@ -183,6 +231,8 @@ class WorkerPool:
                     self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
                 self._notify()
+            if self.kv_index is not None:
+                self._index_metrics(worker)
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
@@ -242,6 +292,17 @@ class WorkerPool:
                 worker.log("worker %s %s still %s: %s", worker.role, worker.address, state, detail)
         worker.state, worker.detail = state, detail
 
+    def _polls_load(self, worker: Worker) -> bool:
+        return self._policy_names[worker.role] in ("least_loaded", "kv_aware")
+
+    def _index_metrics(self, worker: Worker) -> None:
+        index, metrics = self.kv_index, self._metrics
+        mode = index.mode(worker.address)
+        metrics.kv_index_blocks.labels(worker.address).set(index.blocks(worker.address))
+        for each in ("events", "approximate"):
+            metrics.kv_index_mode.labels(worker.address, each).set(1 if each == mode else 0)
+        metrics.kv_index_routed.set(index.routed_entries())
+
     @staticmethod
     def _idle_load(worker: Worker) -> bool:
         """Nothing running there (last sample) and nothing of ours in flight."""
@@ -291,9 +352,73 @@ class WorkerPool:
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 
-    def pick(self, role: str, exclude: tuple[Worker, ...] = (),
-             accepts: Callable[[Worker], bool] | None = None) -> Worker:
-        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes."""
+    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
+             prompt: Sequence[int] = ()) -> Worker:
+        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. `prompt`:
+        the prompt's block keys (orchestrator.workers.kv_index.prompt_block_keys), for a kv_aware role."""
+        if prompt and self._policy_names[role] == "kv_aware":
+            return self.route(role, exclude, accepts, prompt).worker
+        candidates = self._candidates(role, exclude, accepts)
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
+        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
+        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
+        chosen.sent_since_load += 1
+        return chosen
+
+    def kv_block_size(self, role: str) -> int | None:
+        """The KV block size a kv_aware role's prompt keys are cut in: the one its workers report (the first
+        known; workers of one role serve one model), None when the role is not kv_aware or none reported."""
+        if self._policy_names.get(role) != "kv_aware":
+            return None
+        return self._block_size_of(role)
+
+    def _block_size_of(self, role: str) -> int | None:
+        for worker in self.workers.values():
+            caps = worker.client.cached_capabilities if worker.role == role and worker.client is not None else None
+            if caps is not None and caps.kv_block_size:
+                return caps.kv_block_size
+        return None
+
+    def holding(self, role: str, keys: Sequence[int], prompt_tokens: int, max_uncached: int) -> Worker | None:
+        """The routable worker of `role` holding the most of the prompt's prefix, if it leaves at most
+        `max_uncached` prompt tokens to compute (conditional mode: a short remainder prefills on the decode
+        worker itself); None otherwise, or without a KV index."""
+        block_size = self._block_size_of(role)
+        if self.kv_index is None or not keys or block_size is None:
+            return None
+        held: dict[str, int] = {}
+        for (address, _), blocks in self.kv_index.overlap(keys, trio.current_time()).items():
+            held[address] = max(held.get(address, 0), blocks)
+        best = max((w for w in self.workers.values() if w.role == role and w.routable and w.address in held),
+                   key=lambda w: (held[w.address], -w.inflight), default=None)
+        if best is None or prompt_tokens - held[best.address] * block_size > max_uncached:
+            return None
+        return best
+
+    def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
+              prompt: Sequence[int] = ()) -> Decision:
+        """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
+        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
+        candidates = self._candidates(role, exclude, accepts)
+        if self._policy_names[role] != "kv_aware":
+            prompt = ()
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
+        # prompt's keys are to be recorded and its DP rank chosen (kv_aware).
+        if len(candidates) == 1 and not prompt:
+            decision = Decision(candidates[0], "single")
+        else:
+            decision = self._policies[role].decide(candidates, trio.current_time(), prompt)
+            if prompt:
+                address = decision.worker.address
+                self._metrics.routing_prompt_blocks.labels(address).inc(decision.prompt_blocks)
+                self._metrics.routing_cached_blocks.labels(address).inc(decision.cached_blocks)
+        self._decisions[role, decision.reason].inc()
+        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
+        decision.worker.sent_since_load += 1
+        return decision
+
+    def _candidates(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None
+                    ) -> list[Worker]:
         candidates = [w for w in self.workers.values() if w.role == role and w.routable and w not in exclude
                       and (accepts is None or accepts(w))]
         if not candidates:
@@ -302,11 +427,7 @@ class WorkerPool:
             # Which workers and why: the log and /health (operators); the client learns only the counts.
             raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
                                     code="no_worker_available", retry_after=1)
-        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
-        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
-        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
-        chosen.sent_since_load += 1
-        return chosen
+        return candidates
 
     @contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:
@@ -328,15 +449,22 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         """The operator's view of every worker (/health): state, and what its engine last reported."""
-        return [_describe(w) for w in self._every_worker()]
+        return [_describe(w, self.kv_index, self.kv_feed) for w in self._every_worker()]
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]
 
 
-def _describe(worker: Worker) -> dict:
+def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> dict:
     view: dict = {"address": worker.address, "role": worker.role, "state": worker.state, "detail": worker.detail,
                   "inflight": worker.inflight}
+    if kv_index is not None:
+        # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
+        view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
+                            "blocks": kv_index.blocks(worker.address)}
+        why = kv_feed.detail.get(worker.address) if kv_feed is not None else None
+        if why:  # why its events are not used (no sources, invalid ones, a failing subscription)
+            view["kv_index"]["detail"] = why
     caps = worker.client.cached_capabilities if worker.client is not None else None
     if caps is not None:
         view["engine"] = {"name": caps.engine, "instance_id": caps.instance_id, "role": caps.role,

@@ -1,15 +1,21 @@
-"""Worker choice per role: round robin, or least loaded from Control.GetLoad.
+"""Worker choice per role: round robin, least loaded from Control.GetLoad, or KV aware.
 
 Pure policies over candidate lists; the pool keeps the inputs (load samples, local in-flight
 counts) fresh. Least loaded scores a worker by the KV cache it has in use when every candidate's
 engine reports it (TensorRT-LLM fills used/total_kv_blocks when started with load metrics), else by its
 engine-reported running + queued requests; in both, the requests we sent it since that sample count
 too, so a burst does not all land on one stale minimum.
+
+KV aware (`KvAware`) adds what each worker already holds of the prompt (the KV index,
+orchestrator.workers.kv_index, fed by the engines' KV events or, for a worker without events, by our own
+routing history): cost = the prompt blocks it would have to compute x a weight + its load in blocks; a
+hot-prefix guard keeps one popular prefix from piling onto the worker that holds it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -47,12 +53,41 @@ class Candidate(Protocol):
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None: ...
 
 
+@attrs.frozen
+class Decision:
+    """Where a leg goes, and why (a metric label)."""
+
+    worker: Candidate
+    reason: str  # one of REASONS
+    rank: int | None = None  # the attention-DP rank to target (openengine-target-dp-rank), None: the engine's choice
+    cached_blocks: int = 0  # leading prompt blocks the index says that worker (rank) holds
+    prompt_blocks: int = 0
+
+
+# Why a worker was chosen: policy order (round robin / least loaded), its prefix cached there (kv aware), the
+# least cost with nothing cached anywhere, the hot-prefix guard overruling the prefix's holder, a sole candidate.
+REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")
+# gRPC metadata of a leg that asks an attention-DP worker for one rank (TensorRT-LLM's OpenEngine servicer reads
+# it where ServerInfo.extra says trtllm_supports_dp_rank_targeting); its value is the rank in decimal.
+TARGET_DP_RANK = "openengine-target-dp-rank"
+
+
+def with_target_rank(metadata: tuple[tuple[str, str], ...], rank: int | None,
+                     planned: bool) -> tuple[tuple[str, str], ...]:
+    """A leg's gRPC metadata, asking for `rank` when the leg runs on the worker it was planned for (`planned`;
+    a retry elsewhere has no rank to ask for)."""
+    return metadata if rank is None or not planned else (*metadata, (TARGET_DP_RANK, str(rank)))
+
+
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
     def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
         return candidates[next(self._counter) % len(candidates)]
+
+    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+        return Decision(self.choose(candidates, now), "policy")
 
 
 class LeastLoaded:
@@ -86,10 +121,137 @@ class LeastLoaded:
 
         return candidates[min(range(len(candidates)), key=score)]
 
+    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+        return Decision(self.choose(candidates, now), "policy")
 
-def make_policy(name: str, staleness_s: float):
+
+class PrefixIndex(Protocol):
+    """What KvAware reads of the KV index (orchestrator.workers.kv_index.KvIndex)."""
+
+    def overlap(self, keys: Sequence[int], now: float) -> dict[tuple[str, int], int]: ...
+
+    def mode(self, worker: str) -> str: ...
+
+    def routed(self, where: tuple[str, int], keys: Sequence[int], now: float) -> None: ...
+
+
+@attrs.frozen
+class KvAwareKnobs:
+    """routing.kv_aware in the configuration (orchestrator.config.KvAwareConfig holds the same fields)."""
+
+    # What computing one prompt block costs against one block of load: above 1 favours the cache, below the balance.
+    overlap_weight: float = 1.0
+    # Hot-prefix guard: a worker more than this many requests (running + queued + sent since its last load
+    # sample) above the least loaded candidate gets no request, whatever it holds.
+    max_imbalance: int = 4
+    # Load ceiling: nor does a worker whose KV cache is fuller than this fraction (when it reports KV usage),
+    # unless every candidate is.
+    max_kv_usage: float = 0.9
+
+
+class KvAware:
+    """cost(worker) = overlap_weight x (prompt blocks not cached there) + load(worker), in KV blocks.
+
+    load = KV blocks in use (+ the blocks of requests sent since the sample) where every candidate reports
+    KV usage, else its requests x this prompt's blocks (each request there taken to cost about as much as
+    this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a candidate far
+    busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a popular prefix
+    spreads over the workers instead of queueing on the one that holds it. On an attention-DP worker that
+    accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that does not
+    (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the index
+    (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of it.
+    """
+
+    def __init__(self, index: PrefixIndex, staleness_s: float, knobs: KvAwareKnobs = KvAwareKnobs()):
+        self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
+        self._tiebreak = itertools.count()
+
+    def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
+        return self.decide(candidates, now).worker
+
+    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+        turn = next(self._tiebreak)
+        blocks = len(prompt)
+        overlap = self.index.overlap(prompt, now) if blocks else {}
+        samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
+        requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
+                    for c, s in zip(candidates, samples)]
+        by_kv = all(s is not None and s.reports_kv for s in samples)
+        if by_kv:
+            averages = [s.blocks_per_request for s in samples if s.blocks_per_request is not None]
+            fallback = sum(averages) / len(averages) if averages else float(blocks)
+            loads = [(s.used_kv_blocks or 0) + c.sent_since_load * (s.blocks_per_request or fallback)
+                     for c, s in zip(candidates, samples)]
+        else:
+            loads = [r * max(blocks, 1) for r in requests]
+        least = min(requests)
+        by_worker: dict[str, dict[int, int]] = {}
+        for (address, rank), n in overlap.items():
+            by_worker.setdefault(address, {})[rank] = n
+        cached, ranks, eligible = [], [], []
+        for i, (c, sample, queued) in enumerate(zip(candidates, samples, requests)):
+            held, rank = _held(c, by_worker.get(c.address))
+            # The guard: a worker this far above the least loaded one (in requests, queued ones included, which
+            # blocks in use do not show) or with its KV cache this full takes no request while another does not.
+            over = queued - least > self.knobs.max_imbalance or (
+                sample is not None and sample.reports_kv
+                and sample.used_kv_blocks / sample.total_kv_blocks > self.knobs.max_kv_usage)
+            cached.append(-held if over else held)  # negative: held but ruled out by the guard
+            ranks.append(rank)
+            if not over:
+                eligible.append(i)
+        weight = self.knobs.overlap_weight
+
+        def cost(i: int) -> tuple[float, float, int]:
+            uncached = blocks - max(cached[i], 0)
+            return weight * uncached + loads[i], loads[i], (i - turn) % len(candidates)
+
+        best = min(eligible or range(len(candidates)), key=cost)
+        held = max(cached[best], 0)
+        if held:
+            reason = "prefix"
+        elif any(c < 0 for c in cached):
+            reason = "hot_prefix_guard"
+        else:
+            reason = "load"
+        chosen = candidates[best]
+        rank = ranks[best] if held else None
+        if rank is None and blocks and getattr(chosen, "targets_dp_rank", False):
+            # Nothing cached there: a rank chosen by the prompt's last full block (prompts share their first
+            # blocks, a chat template's, more often than their last), so that distinct prompts spread over the
+            # ranks and our routing history knows which rank took this one.
+            rank = (prompt[-1] >> 8) % max(getattr(chosen, "dp_size", 1), 1)  # (a key's low bits are flags)
+        if blocks:
+            # What we sent where: all the index knows of a worker without events (approximate mode), and of
+            # the image blocks of one whose events carry no image keys; it ignores them for the rest.
+            self.index.routed((chosen.address, rank or 0), prompt, now)
+        return Decision(chosen, reason, rank, held, blocks)
+
+
+def _held(candidate: Candidate, per_rank: dict[int, int] | None) -> tuple[int, int | None]:
+    """The leading blocks `candidate` holds (`per_rank`: its ranks' overlap), and the rank to target for them
+    (None: no targeting)."""
+    if not per_rank:
+        return 0, None
+    if getattr(candidate, "targets_dp_rank", False) or (len(per_rank) == 1 and \
+            getattr(candidate, "dp_size", 1) <= 1):
+        rank = max(per_rank, key=lambda r: (per_rank[r], -r))
+        return per_rank[rank], rank if getattr(candidate, "targets_dp_rank", False) else None
+    # The engine places the request on a rank of its choosing: expect the mean over its ranks.
+    return math.floor(sum(per_rank.values()) / max(getattr(candidate, "dp_size", 1), len(per_rank))), None
+
+
+POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")
+
+
+def make_policy(name: str, staleness_s: float, *, index: PrefixIndex | None = None,
+                knobs: KvAwareKnobs = KvAwareKnobs()):
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded(staleness_s)
+    if name == "kv_aware":
+        if index is None:
+            raise ValueError("the kv_aware policy needs a KV index")
+        return KvAware(index, staleness_s, knobs)
     raise ValueError(f"unknown routing policy {name!r}")

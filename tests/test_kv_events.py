@@ -1,0 +1,405 @@
+"""The KV event feed (orchestrator/workers/kv_events.py) against real simulated workers of both personas,
+and its source validation and decoding, pure.
+
+Upstream facts (see tests/test_trtllm_conformance.py UPSTREAM "kv-events-*" for file and commit): revision 1
+publishes over ZMQ per rank with an optional replay ROUTER, revision 3 streams SubscribeKvEvents and fails
+closed on image blocks; sources are validated as Dynamo's TensorRT-LLM sidecar validates them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from orchestrator.discovery.registry import Snapshot, WorkerSpec
+
+from orchestrator.engine import LoopThread
+from orchestrator.metrics import Metrics
+from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.openengine.v1 import kv_pb2
+from orchestrator.processes import free_port
+from orchestrator.workers.kv_events import (
+    InvalidKvSource,
+    KvEventFeed,
+    KvStreamBroken,
+    ZmqSource,
+    apply_wire_events,
+    decode_batch,
+    validate_sources,
+)
+from orchestrator.workers.kv_index import KvIndex, PromptImage, image_identity, prompt_block_keys
+from sim_helpers import IMAGE_TOKEN_ID, collect, data_uri, full_request, png_bytes
+
+FAST = ("--time-scale", "0")
+BLOCK = 32  # the default profile's kv_block_size
+IMAGE_TOKENS = 576  # the default profile's tokens per image
+REVISION_1 = ("--kv-events",)
+REVISION_3 = ("--kv-events", "--schema-revision", "3")
+
+
+def prompt(seed: int, length: int = 100) -> tuple[int, ...]:
+    return tuple(range(seed * 1000, seed * 1000 + length))
+
+
+async def wait_for(predicate, timeout: float = 10.0, what: str = "") -> None:
+    """Poll until `predicate()`; `what` names it in the failure."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+class Fed:
+    """A KvEventFeed following one worker through a real EngineClient."""
+
+    def __init__(self, index: KvIndex, feed: KvEventFeed, address: str):
+        self.index, self.feed, self.address = index, feed, address
+
+    def held(self, ids, images=()) -> dict:
+        return self.index.overlap(prompt_block_keys(ids, BLOCK, images), trio.current_time())
+
+    def blocks(self, ids, images=()) -> int:
+        return max(self.held(ids, images).values(), default=0)
+
+
+async def follow(nursery, engine_client, address: str, **options) -> tuple[Fed, object]:
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2, **options)
+    client = await nursery.start(_open_client, engine_client, address)
+    nursery.start_soon(feed.follow, address, client)
+    return Fed(index, feed, address), client
+
+
+async def _open_client(engine_client, address, *, task_status=trio.TASK_STATUS_IGNORED):
+    async with engine_client(address) as client:
+        await client.wait_until_ready(deadline=20)
+        task_status.started(client)
+        await trio.sleep_forever()
+
+
+async def run(client, ids, rid, max_tokens=2, media=()):
+    return await collect(client, full_request(rid, ids=ids, max_tokens=max_tokens, media=media))
+
+
+# ---- both personas, real processes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("revision", [REVISION_1, REVISION_3], ids=["zmq", "grpc"])
+async def test_events_from_each_persona_reach_the_index_per_rank(sim_workers, engine_client, revision):
+    worker = sim_workers.start("aggregated", *FAST, *revision, "--attention-dp-size", "2")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: fed.index.mode(worker.address) == "events")
+        await run(client, prompt(1), "a")
+        await wait_for(lambda: fed.blocks(prompt(1)) == 3)  # 100 tokens: 3 full blocks
+        held = fed.held(prompt(1))
+        assert list(held.values()) == [3] and next(iter(held))[0] == worker.address
+        assert next(iter(held))[1] in (0, 1)
+        assert fed.blocks(prompt(2)) == 0  # a prompt nobody ran
+        assert fed.index.image_keys(worker.address) is (revision is REVISION_1)
+        nursery.cancel_scope.cancel()
+
+
+async def settle(fed: Fed, client) -> tuple[int, ...]:
+    """Probe requests (one event batch each) until one reaches the index: the subscription has taken (a ZMQ
+    subscriber misses what was published before it joined). Returns the probe that arrived."""
+    for attempt in range(50):
+        probe = prompt(100 + attempt, 40)
+        await run(client, probe, f"probe{attempt}")
+        with trio.move_on_after(0.5):
+            await wait_for(lambda: fed.blocks(probe) == 1)
+            return probe
+    raise AssertionError("no probe reached the index")
+
+
+@pytest.mark.parametrize("revision", [REVISION_1, REVISION_3], ids=["zmq", "grpc"])
+async def test_a_sequence_gap_clears_the_worker_until_rebuilt(sim_workers, engine_client, revision):
+    # every 2nd batch (zmq) or event (grpc, one event per batch) is lost. A probe that arrived was a kept one,
+    # so the next request's store is lost and the one after it arrives after the gap, which must clear what
+    # was known before (the probe).
+    worker = sim_workers.start("aggregated", *FAST, *revision, "--drop-kv-events", "2")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: fed.index.mode(worker.address) == "events")
+        probe = await settle(fed, client)
+        lost, after = prompt(1, 40), prompt(2, 40)  # one full block each: one event per request
+        await run(client, lost, "lost")
+        await run(client, after, "after")
+        await wait_for(lambda: fed.blocks(after) == 1)
+        assert fed.blocks(probe) == 0, "the gap must clear what was known before it"
+        assert fed.blocks(lost) == 0
+        assert fed.feed.stats.gaps >= 1 and fed.feed.stats.clears >= 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_gap_the_replay_socket_still_holds_is_filled_without_clearing(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--kv-events-replay-port", "0",
+                               "--kv-events-topic", "kv")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: fed.index.mode(worker.address) == "events")
+        # batches the publisher sent before the subscription took come from the replay buffer
+        await run(client, prompt(1, 40), "r1")
+        await wait_for(lambda: fed.blocks(prompt(1, 40)) == 1)
+        await run(client, prompt(2, 40), "r2")
+        await wait_for(lambda: fed.blocks(prompt(2, 40)) == 1)
+        assert fed.blocks(prompt(1, 40)) == 1 and fed.feed.stats.clears == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_replay_fills_in_what_was_published_before_the_subscription(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--kv-events-replay-port", "0")
+    async with engine_client(worker.address) as early:
+        await run(early, prompt(5), "before")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: fed.blocks(prompt(5)) == 3)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("revision", [REVISION_1, REVISION_3], ids=["zmq", "grpc"])
+async def test_a_worker_restart_clears_its_entries_and_the_new_instance_is_followed(sim_workers, engine_client,
+                                                                                  revision):
+    port = free_port()
+    first = sim_workers.start("aggregated", *FAST, *revision, "--port", str(port), "--instance-id", "one")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, first.address)
+        await wait_for(lambda: fed.index.mode(first.address) == "events")
+        await run(client, prompt(1), "before")
+        await wait_for(lambda: fed.blocks(prompt(1)) == 3)
+        first.process.stop()
+        second = sim_workers.start("aggregated", *FAST, *revision, "--port", str(port), "--instance-id", "two")
+        assert second.address == first.address
+        await wait_for(lambda: fed.blocks(prompt(1)) == 0, what="the restart clears the index")
+        await wait_for(lambda: fed.index.mode(first.address) == "events")
+        async with engine_client(second.address) as fresh:
+            await run(fresh, prompt(2), "after")
+        await wait_for(lambda: fed.blocks(prompt(2)) == 3)
+        assert fed.blocks(prompt(1)) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_invalid_source_sends_the_worker_to_approximate_mode_with_its_cause_logged(
+        sim_workers, engine_client, caplog):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+
+    class WildcardSources:
+        """The real worker, but its source says "0.0.0.0", which no subscriber can connect to."""
+
+        def __init__(self, client):
+            self._client = client
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+        async def kv_event_sources(self, ranks=(), *, timeout=10.0):
+            sources = await self._client.kv_event_sources(ranks, timeout=timeout)
+            for source in sources:
+                source.endpoint_addr.host = "0.0.0.0"
+            return sources
+
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
+    async with trio.open_nursery() as nursery:
+        client = await nursery.start(_open_client, engine_client, worker.address)
+        nursery.start_soon(feed.follow, worker.address, WildcardSources(client))
+        await wait_for(lambda: feed.stats.invalid_sources == 1)
+        assert index.mode(worker.address) == "approximate"
+        assert "routable" in feed.detail[worker.address]
+        # approximate mode answers from what we routed there
+        keys = prompt_block_keys(prompt(1), BLOCK)
+        index.routed((worker.address, 0), keys, trio.current_time())
+        assert index.overlap(keys, trio.current_time()) == {(worker.address, 0): 3}
+        nursery.cancel_scope.cancel()
+    assert any("invalid KV event sources" in r.getMessage() and "0.0.0.0" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_a_worker_without_events_is_approximate(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST)  # events off: no sources
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: "no KV events" in fed.feed.detail.get(worker.address, ""))
+        assert fed.index.mode(worker.address) == "approximate"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_this_client_cannot_follow_leaves_the_worker_approximate_until_it_restarts(
+        sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_3)
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.05, identity_check_s=0.2)
+    async with engine_client(worker.address, stream_transport="grpcio") as client, trio.open_nursery() as nursery:
+        await client.wait_until_ready(deadline=20)
+        nursery.start_soon(feed.follow, worker.address, client)
+        await wait_for(lambda: "cannot be followed" in feed.detail.get(worker.address, ""))
+        clears = feed.stats.clears
+        await trio.sleep(0.5)  # not tried again every retry_s: only a restart can change it
+        assert index.mode(worker.address) == "approximate" and feed.stats.clears == clears
+        nursery.cancel_scope.cancel()
+
+
+async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--multimodal", "--kv-events-replay-port", "0")
+    image = png_bytes(3, 3)
+    # text ids stay below tiny-chat's vocabulary: the engine reads ids above it as an image's synthetic ids
+    text = (*range(100, 150), IMAGE_TOKEN_ID, *range(200, 260))
+    # the engine's sequence: the image's positions follow its placeholder
+    engine_ids = (*text[:51], *([0] * IMAGE_TOKENS), *text[51:])
+    by_bytes = [PromptImage(image_identity(data=image), 51, IMAGE_TOKENS)]
+    other = [PromptImage(image_identity(data=png_bytes(4, 4)), 51, IMAGE_TOKENS)]
+    media = [g.MediaItem(modality=g.MODALITY_IMAGE, data_uri=data_uri(image))]
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address)
+        await wait_for(lambda: fed.index.mode(worker.address) == "events")
+        await run(client, text, "img", media=media)
+        full = len(engine_ids) // BLOCK
+        await wait_for(lambda: fed.blocks(engine_ids, by_bytes) == full)
+        assert fed.blocks(engine_ids, other) == 51 // BLOCK  # another image: only the text before it
+        assert fed.index.image_keys(worker.address)
+        # how many positions the engine gave the image, learned from its events: what a prompt's layout needs
+        assert fed.index.image_length(image_identity(data=image)) == IMAGE_TOKENS
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_replicas_following_the_same_worker_agree(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1, "--kv-events-replay-port", "0",
+                               "--attention-dp-size", "2")
+    async with trio.open_nursery() as nursery:
+        one, client = await follow(nursery, engine_client, worker.address)
+        two, _ = await follow(nursery, engine_client, worker.address)
+        prompts = [prompt(i, 70 + 30 * i) for i in range(1, 5)]
+        for i, ids_ in enumerate(prompts):
+            await run(client, ids_, f"r{i}")
+        await wait_for(lambda: all(one.blocks(p) == len(p) // BLOCK == two.blocks(p) for p in prompts))
+        assert [one.held(p) for p in prompts] == [two.held(p) for p in prompts]
+        nursery.cancel_scope.cancel()
+
+
+# ---- the pool's hook ---------------------------------------------------------------------------------------
+
+class StaticRegistry:
+    """Snapshots pushed by the test."""
+
+    def __init__(self, specs):
+        self.send, self._receive = trio.open_memory_channel(10)
+        self.first = Snapshot(frozenset(specs), True, "")
+
+    async def run(self, publish):
+        publish(self.first)
+        async for snapshot in self._receive:
+            publish(snapshot)
+
+
+async def test_a_worker_that_leaves_the_pool_leaves_the_index_at_once(sim_workers, engine_client):
+    from orchestrator.config import RoutingConfig
+    from orchestrator.workers.pool import WorkerPool
+
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+    spec = WorkerSpec(address=worker.address, role="aggregated")
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
+    registry = StaticRegistry([spec])
+    async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
+                          health_interval=0.1, removal_grace=30.0, kv_feed=feed)
+        await nursery.start(pool.run, registry)
+        await wait_for(lambda: index.mode(worker.address) == "events")
+        async with engine_client(worker.address) as client:
+            await run(client, prompt(1), "p")
+        keys = prompt_block_keys(prompt(1), BLOCK)
+        await wait_for(lambda: index.overlap(keys, trio.current_time()))
+        # a request still in flight keeps the worker retiring, but the index forgets it now
+        with pool.lease(pool.workers[spec]):
+            await registry.send.send(Snapshot(frozenset(), True, ""))
+            await wait_for(lambda: not pool.workers)
+            assert pool.retiring
+            assert index.overlap(keys, trio.current_time()) == {}
+            assert index.mode(worker.address) == "approximate" and index.blocks() == 0
+            await trio.sleep(0.3)  # its follow task, still running until the worker retires, applies nothing
+            assert index.blocks() == 0 and index.workers() == {}
+        nursery.cancel_scope.cancel()
+
+
+# ---- pure: validation and decoding --------------------------------------------------------------------------
+
+def zmq_source(**changes) -> kv_pb2.KvEventSource:
+    source = kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host="10.0.0.5", port=5557,
+                                  protocol="tcp"), topic="kv", replay_endpoint="tcp://10.0.0.5:5560",
+                                  data_parallel_rank=0, encoding="msgpack", schema_version=1)
+    for name, value in changes.items():
+        if name in ("host", "port", "protocol"):
+            setattr(source.endpoint_addr, name, value)
+        elif value is None:
+            source.ClearField(name)
+        else:
+            setattr(source, name, value)
+    return source
+
+
+def test_a_valid_zmq_source_per_rank_is_accepted_with_its_endpoints():
+    sources = [zmq_source(data_parallel_rank=1, port=5558, replay_endpoint=""), zmq_source()]
+    assert validate_sources(sources, 2, 32) == [
+        ZmqSource(0, "tcp://10.0.0.5:5557", b"kv", "tcp://10.0.0.5:5560"),
+        ZmqSource(1, "tcp://10.0.0.5:5558", b"kv", "")]
+    assert validate_sources([zmq_source(host="fd00::1")], 1, 32)[0].endpoint == "tcp://[fd00::1]:5557"
+    assert validate_sources([], 1, None) == []  # events off: nothing to follow, not an error
+
+
+@pytest.mark.parametrize("changes, cause", [
+    ({"transport": "nats"}, "transport"),
+    ({"encoding": "json"}, "msgpack"),
+    ({"schema_version": 2}, "schema_version"),
+    ({"data_parallel_rank": None}, "omitted data_parallel_rank"),
+    ({"data_parallel_rank": 1}, "outside"),
+    ({"host": "*"}, "routable"),
+    ({"host": "0.0.0.0"}, "routable"),
+    ({"host": "::"}, "routable"),
+    ({"host": ""}, "routable"),
+    ({"port": 0}, "routable"),
+    ({"protocol": "ipc"}, "routable"),
+    ({"replay_endpoint": "tcp://*:5560"}, "replay"),
+])
+def test_an_invalid_source_is_refused_as_dynamos_sidecar_refuses_it(changes, cause):
+    with pytest.raises(InvalidKvSource, match=cause):
+        validate_sources([zmq_source(**changes)], 1, 32)
+
+
+def test_sources_must_cover_every_rank_once_and_need_a_block_size():
+    with pytest.raises(InvalidKvSource, match="2 data-parallel ranks"):
+        validate_sources([zmq_source()], 2, 32)
+    with pytest.raises(InvalidKvSource, match="duplicate rank 0"):
+        validate_sources([zmq_source(), zmq_source(port=5558)], 2, 32)
+    with pytest.raises(InvalidKvSource, match="kv_block_size"):
+        validate_sources([zmq_source()], 1, None)
+    grpc = kv_pb2.KvEventSource(transport="grpc", data_parallel_rank=0, encoding="protobuf", schema_version=1)
+    with pytest.raises(InvalidKvSource, match="mix"):
+        validate_sources([zmq_source(), grpc], 2, 32)
+    assert [s.rank for s in validate_sources([grpc], 1, 32)] == [0]
+
+
+def test_wire_events_are_applied_and_bad_payloads_break_the_stream():
+    import msgpack
+
+    index = KvIndex()
+    tokens = list(range(64))
+    events = [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": tokens,
+               "block_size": 32, "lora_id": None, "medium": "GPU", "lora_name": None}]
+    assert apply_wire_events(index, ("w", 0), decode_batch(msgpack.packb([1.0, events, 0])))
+    keys = prompt_block_keys(tokens, 32)
+    assert index.overlap(keys, 0.0) == {("w", 0): 2}
+    # another tier's copy of the same blocks is not the GPU's: neither stored nor removed here
+    apply_wire_events(index, ("w", 0), [{"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU"}])
+    assert index.overlap(keys, 0.0) == {("w", 0): 2}
+    apply_wire_events(index, ("w", 0), [{"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}])
+    assert index.overlap(keys, 0.0) == {("w", 0): 1}
+    apply_wire_events(index, ("w", 0), [{"type": "AllBlocksCleared"}])
+    assert index.overlap(keys, 0.0) == {}
+    # an image position without mm_keys: not keyed from events (the worker's images go approximate)
+    image = [{"type": "BlockStored", "block_hashes": [13], "parent_block_hash": None, "block_size": 2,
+              "token_ids": [1, "ab" * 32], "lora_id": None, "medium": "GPU", "lora_name": None}]
+    assert apply_wire_events(index, ("w", 0), image) is False
+    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, "events", 0])):
+        with pytest.raises(KvStreamBroken):
+            decode_batch(bad)
+    with pytest.raises(KvStreamBroken, match="unknown KV event type"):
+        apply_wire_events(index, ("w", 0), [{"type": "Snapshot"}])
+    with pytest.raises(KvStreamBroken, match="cannot be keyed"):
+        apply_wire_events(index, ("w", 0), [{**events[0], "token_ids": tokens[:40]}])
