@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from orchestrator.discovery.registry import Snapshot, WorkerSpec
+from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 
 from orchestrator.engine import LoopThread
 from orchestrator.metrics import Metrics
