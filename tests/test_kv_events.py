@@ -104,7 +104,7 @@ async def settle(fed: Fed, client) -> tuple[int, ...]:
         probe = prompt(100 + attempt, 40)
         await run(client, probe, f"probe{attempt}")
         with trio.move_on_after(0.5):
-            await wait_for(lambda: fed.blocks(probe) == 1)
+            await wait_for(lambda probe=probe: fed.blocks(probe) == 1)
             return probe
     raise AssertionError("no probe reached the index")
 
@@ -149,7 +149,7 @@ async def test_the_replay_fills_in_what_was_published_before_the_subscription(si
     async with engine_client(worker.address) as early:
         await run(early, prompt(5), "before")
     async with trio.open_nursery() as nursery:
-        fed, client = await follow(nursery, engine_client, worker.address)
+        fed, _ = await follow(nursery, engine_client, worker.address)
         await wait_for(lambda: fed.blocks(prompt(5)) == 3)
         nursery.cancel_scope.cancel()
 
@@ -215,7 +215,7 @@ async def test_an_invalid_source_sends_the_worker_to_approximate_mode_with_its_c
 async def test_a_worker_without_events_is_approximate(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST)  # events off: no sources
     async with trio.open_nursery() as nursery:
-        fed, client = await follow(nursery, engine_client, worker.address)
+        fed, _ = await follow(nursery, engine_client, worker.address)
         await wait_for(lambda: "no KV events" in fed.feed.detail.get(worker.address, ""))
         assert fed.index.mode(worker.address) == "approximate"
         nursery.cancel_scope.cancel()

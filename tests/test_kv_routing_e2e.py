@@ -156,7 +156,7 @@ async def test_two_replicas_fed_by_the_same_events_route_alike(tmp_path, sim_wor
             blocks_before = sum(w["blocks"] for w in (await health_of(b)).values())
             assert cached(await a.post("/v1/chat/completions", json=chat(SYSTEM[name], "first"))) == 0
 
-            async def b_heard_of_it():
+            async def b_heard_of_it(blocks_before=blocks_before):
                 return sum(w["blocks"] for w in (await health_of(b)).values()) >= blocks_before + 18
             await until(b_heard_of_it)
             for i, http in enumerate((b, a, b)):

@@ -25,7 +25,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import yaml
@@ -121,6 +121,10 @@ class Stepping(Protocol):
     step: Step | None
 
 
+# A clock's own worker type (reuse's workers carry more than Stepping): what its step hooks are handed back.
+SteppingT = TypeVar("SteppingT", bound=Stepping)
+
+
 class _Worker:
     def __init__(self, role: str, profile: Profile):
         self.role = role
@@ -133,7 +137,7 @@ class _Worker:
         return s.running + len(s.waiting)
 
 
-class VirtualClock:
+class VirtualClock(Generic[SteppingT]):
     """Simulated workers' step loops on one virtual clock (also orchestrator.bench.reuse's). A worker has a
     `scheduler` and the `step` in flight; `run_events` plays everything scheduled until nothing is left."""
 
@@ -150,17 +154,17 @@ class VirtualClock:
             self.now, _, action, args = heapq.heappop(self._events)
             action(*args)
 
-    def _submit(self, worker: Stepping, request: SimRequest) -> None:
+    def _submit(self, worker: SteppingT, request: SimRequest) -> None:
         worker.scheduler.submit(request)
         if worker.step is None:
             self._start_step(worker)
 
-    def _start_step(self, worker: Stepping) -> None:
+    def _start_step(self, worker: SteppingT) -> None:
         worker.step = worker.scheduler.plan_step()
         if worker.step is not None:
             self._at(self.now + worker.step.ms / 1000.0, self._finish_step, worker)
 
-    def _finish_step(self, worker: Stepping) -> None:
+    def _finish_step(self, worker: SteppingT) -> None:
         # Callbacks of this step may submit to this worker: it counts as busy until its next step is planned.
         if worker.step is not None:  # scheduled by _start_step only when it planned one
             worker.scheduler.finish_step(worker.step)
@@ -168,7 +172,7 @@ class VirtualClock:
         self._start_step(worker)
 
 
-class VirtualCluster(VirtualClock):
+class VirtualCluster(VirtualClock[_Worker]):
     """Workers of one topology on a shared virtual clock; closed-loop users send the requests."""
 
     def __init__(self, topology: Topology, profile: Profile, max_local_prefill_length: int):

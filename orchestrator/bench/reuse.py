@@ -27,7 +27,7 @@ import os
 import platform
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -39,7 +39,15 @@ from orchestrator.bench.metrics import percentile
 from orchestrator.bench.plan import VirtualClock
 from orchestrator.config import ConfigError, build_attrs
 from orchestrator.sim.output import Vocabulary, request_key
-from orchestrator.sim.prefix_cache import ROOT_KEY, AllBlocksCleared, BlockRemoved, BlockStored, Token, expanded_image
+from orchestrator.sim.prefix_cache import (
+    DIGEST_SIZE,
+    ROOT_KEY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Token,
+    expanded_image,
+)
 from orchestrator.sim.prefix_cache import block_key as engine_block_key
 from orchestrator.sim.profiles import PROFILES, Profile
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest, Step
@@ -231,23 +239,35 @@ class _EventFeed:
                 self.index.cleared(self.address, rank)
 
 
+def _engine_prompt_keys(prompt: Sequence[Token], block_size: int) -> list[int]:
+    """The simulated engine's own keys of the prompt's full blocks (sha256 chained from ROOT_KEY), each as
+    the int of its digest: exact, and of the key type the routing policy takes (_OracleIndex reads them)."""
+    keys: list[int] = []
+    key = ROOT_KEY
+    for start in range(0, len(prompt) // block_size * block_size, block_size):
+        key = engine_block_key(key, prompt[start:start + block_size])
+        keys.append(int.from_bytes(key, "big"))
+    return keys
+
+
 class _OracleIndex:
-    """Knows every cache as it is: the overlap of a prompt (given as its full blocks' tokens) is read from the
-    simulated workers' prefix caches directly."""
+    """Knows every cache as it is: the overlap of a prompt (given as the engine's own block keys,
+    _engine_prompt_keys) is read from the simulated workers' prefix caches directly."""
 
     def __init__(self, workers: list[_Worker]):
         self.workers = workers
 
-    def overlap(self, blocks: list[tuple[Token, ...]], now: float) -> dict[tuple[str, int], int]:
+    def overlap(self, keys: Sequence[int], now: float) -> dict[tuple[str, int], int]:
+        digests = [key.to_bytes(DIGEST_SIZE, "big") for key in keys]
         result = {}
         for worker in self.workers:
             for rank in worker.scheduler.ranks:
-                cache, key, parent, depth = rank.cache, ROOT_KEY, None, 0
-                for chunk in blocks:
-                    block = cache.blocks.get(engine_block_key(key, chunk))
+                cache, parent, depth = rank.cache, None, 0
+                for digest in digests:
+                    block = cache.blocks.get(digest)
                     if block is None or block.parent is not parent:
                         break
-                    key, parent, depth = block.key, block, depth + 1
+                    parent, depth = block, depth + 1
                 if depth:
                     result[(worker.address, rank.index)] = depth
         return result
@@ -255,7 +275,7 @@ class _OracleIndex:
     def mode(self, worker: str) -> str:
         return "events"
 
-    def routed(self, where, keys, now) -> None:
+    def routed(self, where: tuple[str, int], keys: Sequence[int], now: float) -> None:
         pass
 
 
@@ -271,7 +291,7 @@ class TurnRecord:
     done_at: float = 0.0  # virtual time the answer finished
 
 
-class ReuseCluster(VirtualClock):
+class ReuseCluster(VirtualClock[_Worker]):
     def __init__(self, topology: ReuseTopology, policy: str, profile: Profile,
                  knobs: KvAwareKnobs = KvAwareKnobs(), event_delay_s: float = 0.0):
         super().__init__()
@@ -302,11 +322,11 @@ class ReuseCluster(VirtualClock):
 
     def _pick(self, role: str, prompt: tuple[Token, ...] = (), image: str | None = None,
               image_at: int = 0) -> _Worker:
-        keys: list = []
+        keys: list[int] = []
         if role == self.prefill_role and self.policy in ("kv_aware", "oracle"):
             size = self.profile.kv_block_size
             if self.policy == "oracle":
-                keys = [prompt[i * size:(i + 1) * size] for i in range(len(prompt) // size)]
+                keys = _engine_prompt_keys(prompt, size)
             else:  # the plan's computation: token ids, and each image by identity where its tokens are
                 ids = [0 if isinstance(t, bytes) else t for t in prompt]  # image positions: any id
                 images = [PromptImage(image, image_at, self.profile.image_tokens)] if image else []
@@ -377,15 +397,15 @@ class ReuseCluster(VirtualClock):
                               max_tokens=session.outputs[turn], ignore_eos=True, tokens=prompt, on_token=on_token,
                               **extra)
 
-        image = dict(image=session.image, image_at=len(session.system)) if session.image else {}
+        image, image_at = session.image, len(session.system)  # the image follows the system prompt
         if self.topology.mode == "aggregated":
-            worker = self._pick("aggregated", prompt, **image)
+            worker = self._pick("aggregated", prompt, image, image_at)
             request = leg(FULL)
             request.on_finish = finished_after(request)
             self._submit(worker, request)
             return
 
-        owner = self._pick("prefill", prompt, **image)
+        owner = self._pick("prefill", prompt, image, image_at)
 
         def on_context_done(context: SimRequest, first_token: int) -> None:
             # the client sees the first token when the decode streams it, after the pull

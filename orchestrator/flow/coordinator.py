@@ -131,11 +131,11 @@ class Coordinator:
 
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], role: str) -> list[int]:
         """The prompt's KV block keys for a kv_aware `role` (else none: no cost for other policies)."""
-        block_size = self.pool.kv_block_size(role)
-        if block_size is None:
+        block_size, index = self.pool.kv_block_size(role), self.pool.kv_index
+        if block_size is None or index is None:  # (a kv_aware role has a block size only with the index there)
             return []
         return request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
-                                  self.config.routing.kv_aware.image_tokens, self.pool.kv_index.image_length)
+                                  self.config.routing.kv_aware.image_tokens, index.image_length)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         unavailable = f"{worker.role} worker {worker.address} is not available"

@@ -239,12 +239,12 @@ class TrioZmqSocket:
 
     def __init__(self, socket: zmq.Socket):
         self.socket = socket
-        self._fd = socket.getsockopt(zmq.FD)
+        self._fd = socket.fileno()  # ZMQ_FD
 
     async def recv_multipart(self) -> list[bytes]:
         await trio.lowlevel.checkpoint()  # a busy publisher must not starve the other tasks
         while True:
-            if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._events() & zmq.POLLIN:
                 try:
                     return self.socket.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -253,13 +253,19 @@ class TrioZmqSocket:
 
     async def send_multipart(self, frames: Sequence[bytes]) -> None:
         while True:
-            if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            if self._events() & zmq.POLLOUT:
                 try:
                     self.socket.send_multipart(frames, zmq.NOBLOCK)
                     return
                 except zmq.Again:
                     pass
             await trio.lowlevel.wait_readable(self._fd)  # the FD signals every event change, writability too
+
+    def _events(self) -> int:
+        events = self.socket.getsockopt(zmq.EVENTS)
+        if not isinstance(events, int):  # an int option; pyzmq types every option's value int | bytes
+            raise TypeError(f"ZMQ_EVENTS read as {events!r}")
+        return events
 
     def close(self) -> None:
         trio.lowlevel.notify_closing(self._fd)
@@ -412,15 +418,15 @@ class KvEventFeed:
             return None
         self._clear(worker)
         if failures:
-            exc = failures[0]
-            if _permanent(exc):  # this client or worker cannot stream them: nothing changes until a restart
-                self.detail[worker] = f"KV events cannot be followed: {cause_chain(exc)}"
+            failure = failures[0]
+            if _permanent(failure):  # this client or worker cannot stream them: nothing changes until a restart
+                self.detail[worker] = f"KV events cannot be followed: {cause_chain(failure)}"
                 follower.log("worker %s: KV events cannot be followed, routing it approximately: %s", worker,
-                             cause_chain(exc))
+                             cause_chain(failure))
                 return info.instance_id
-            self.detail[worker] = f"KV event stream lost: {cause_chain(exc)}"
+            self.detail[worker] = f"KV event stream lost: {cause_chain(failure)}"
             follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
-                         cause_chain(exc))
+                         cause_chain(failure))
         else:  # the identity watch ended it: the worker restarted, its cache is empty
             self.detail[worker] = "the worker restarted"
             self.index.cleared_routed(worker)

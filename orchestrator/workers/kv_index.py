@@ -139,7 +139,7 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     return keys
 
 
-def _chained_blocks(tokens: Sequence[int], block_size: int, parent: int) -> list[int]:
+def _chained_blocks(tokens: Sequence[int | str], block_size: int, parent: int) -> list[int]:
     """The keys of every full text block of `tokens` chained on `parent`: the hottest loop. zip over one
     iterator cuts the blocks as tuples in C (no slicing, no copy of the whole list first); a trailing partial
     block is dropped by zip itself."""
@@ -292,22 +292,28 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
             try:
                 first = tokens.index(segment.digest_hex)
             except ValueError:
-                raise EventBlockError(f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token")
+                raise EventBlockError(
+                    f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token") from None
             last = first + 1
+            previous: int | None
             if id_offset is not None:
                 previous = id_offset
             else:
-                previous = tokens[last] - 1 if last < len(tokens) and type(tokens[last]) is int else None
+                after = tokens[last] if last < len(tokens) else None
+                previous = after - 1 if type(after) is int else None
         else:
             first, last = 0, 0  # a block starting inside an image: the segment starts at its first position
             if id_offset is not None:
                 previous = id_offset + segment.start_offset - 1
             else:
-                previous = tokens[0] - 1 if type(tokens[0]) is int else None
+                head = tokens[0]
+                previous = head - 1 if type(head) is int else None
         # The synthetic ids run on one by one (id_offset + position in the image) to the image's end.
-        while last < len(tokens) and previous is not None and type(tokens[last]) is int \
-                and tokens[last] == previous + 1:
-            previous = tokens[last]
+        while last < len(tokens) and previous is not None:
+            token = tokens[last]
+            if type(token) is not int or token != previous + 1:
+                break
+            previous = token
             last += 1
         tokens[first:last] = [_IMAGE_POSITION] * (last - first)
         found.append((first, last - first, value, segment.start_offset))
@@ -439,10 +445,11 @@ class KvIndex:
         if parent_hash is None:
             parent = ROOT_KEY
         else:
-            parent = state.by_engine.get(parent_hash)
-            if parent is None:
+            known = state.by_engine.get(parent_hash)
+            if known is None:
                 return False
-        id_offset = None
+            parent = known
+        id_offset: int | None = None
         if mm_keys:
             worker = where[0]
             id_offset = self._id_offsets.get(worker)

@@ -232,7 +232,7 @@ class WorkerPool:
             if worker.state != previous:
                 self._notify()
             if self.kv_index is not None:
-                self._index_metrics(worker)
+                self._index_metrics(worker, self.kv_index)
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
@@ -295,8 +295,8 @@ class WorkerPool:
     def _polls_load(self, worker: Worker) -> bool:
         return self._policy_names[worker.role] in ("least_loaded", "kv_aware")
 
-    def _index_metrics(self, worker: Worker) -> None:
-        index, metrics = self.kv_index, self._metrics
+    def _index_metrics(self, worker: Worker, index: KvIndex) -> None:
+        metrics = self._metrics
         mode = index.mode(worker.address)
         metrics.kv_index_blocks.labels(worker.address).set(index.blocks(worker.address))
         for each in ("events", "approximate"):
@@ -396,7 +396,7 @@ class WorkerPool:
         return best
 
     def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
-              prompt: Sequence[int] = ()) -> Decision:
+              prompt: Sequence[int] = ()) -> Decision[Worker]:
         """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
         prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
         candidates = self._candidates(role, exclude, accepts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 
@@ -53,11 +53,15 @@ class Candidate(Protocol):
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None: ...
 
 
+# The pool's own worker type: a policy hands back one of the candidates it was given, as that type.
+CandidateT = TypeVar("CandidateT", bound=Candidate)
+
+
 @attrs.frozen
-class Decision:
+class Decision(Generic[CandidateT]):
     """Where a leg goes, and why (a metric label)."""
 
-    worker: Candidate
+    worker: CandidateT
     reason: str  # one of REASONS
     rank: int | None = None  # the attention-DP rank to target (openengine-target-dp-rank), None: the engine's choice
     cached_blocks: int = 0  # leading prompt blocks the index says that worker (rank) holds
@@ -83,10 +87,11 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
+    def choose(self, candidates: Sequence[CandidateT], now: float) -> CandidateT:
         return candidates[next(self._counter) % len(candidates)]
 
-    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+    def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
+               ) -> Decision[CandidateT]:
         return Decision(self.choose(candidates, now), "policy")
 
 
@@ -95,7 +100,7 @@ class LeastLoaded:
         self.staleness_s = staleness_s
         self._tiebreak = itertools.count()
 
-    def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
+    def choose(self, candidates: Sequence[CandidateT], now: float) -> CandidateT:
         turn = next(self._tiebreak)
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
         # KV usage only where every candidate reports it: a fraction and a request count do not compare.
@@ -121,7 +126,8 @@ class LeastLoaded:
 
         return candidates[min(range(len(candidates)), key=score)]
 
-    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+    def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
+               ) -> Decision[CandidateT]:
         return Decision(self.choose(candidates, now), "policy")
 
 
@@ -166,28 +172,29 @@ class KvAware:
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
         self._tiebreak = itertools.count()
 
-    def choose(self, candidates: Sequence[Candidate], now: float) -> Candidate:
+    def choose(self, candidates: Sequence[CandidateT], now: float) -> CandidateT:
         return self.decide(candidates, now).worker
 
-    def decide(self, candidates: Sequence[Candidate], now: float, prompt: Sequence[int] = ()) -> Decision:
+    def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
+               ) -> Decision[CandidateT]:
         turn = next(self._tiebreak)
         blocks = len(prompt)
         overlap = self.index.overlap(prompt, now) if blocks else {}
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
         requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
                     for c, s in zip(candidates, samples)]
-        by_kv = all(s is not None and s.reports_kv for s in samples)
-        if by_kv:
-            averages = [s.blocks_per_request for s in samples if s.blocks_per_request is not None]
+        kv_samples = [s for s in samples if s is not None and s.reports_kv]
+        if len(kv_samples) == len(samples):  # every candidate reports KV usage
+            averages = [a for a in (s.blocks_per_request for s in kv_samples) if a is not None]
             fallback = sum(averages) / len(averages) if averages else float(blocks)
             loads = [(s.used_kv_blocks or 0) + c.sent_since_load * (s.blocks_per_request or fallback)
-                     for c, s in zip(candidates, samples)]
+                     for c, s in zip(candidates, kv_samples)]
         else:
             loads = [r * max(blocks, 1) for r in requests]
         least = min(requests)
         by_worker: dict[str, dict[int, int]] = {}
-        for (address, rank), n in overlap.items():
-            by_worker.setdefault(address, {})[rank] = n
+        for (address, dp_rank), n in overlap.items():
+            by_worker.setdefault(address, {})[dp_rank] = n
         cached, ranks, eligible = [], [], []
         for i, (c, sample, queued) in enumerate(zip(candidates, samples, requests)):
             held, rank = _held(c, by_worker.get(c.address))
@@ -195,7 +202,7 @@ class KvAware:
             # blocks in use do not show) or with its KV cache this full takes no request while another does not.
             over = queued - least > self.knobs.max_imbalance or (
                 sample is not None and sample.reports_kv
-                and sample.used_kv_blocks / sample.total_kv_blocks > self.knobs.max_kv_usage)
+                and sample.kv_load(0, 0.0) > self.knobs.max_kv_usage)
             cached.append(-held if over else held)  # negative: held but ruled out by the guard
             ranks.append(rank)
             if not over:
