@@ -8,14 +8,16 @@ closed on image blocks; sources are validated as Dynamo's TensorRT-LLM sidecar v
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import trio
-from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 
+from grpc_servers import grpc_aio_server
+from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 from orchestrator.engine import LoopThread
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.openengine.v1 import kv_pb2
+from orchestrator.openengine.v1 import kv_pb2, lifecycle_pb2, model_pb2, openengine_pb2_grpc, server_pb2
 from orchestrator.processes import free_port
 from orchestrator.workers.kv_events import (
     InvalidKvSource,
@@ -60,16 +62,18 @@ class Fed:
         return max(self.held(ids, images).values(), default=0)
 
 
-async def follow(nursery, engine_client, address: str, **options) -> tuple[Fed, object]:
+async def follow(nursery, engine_client, address: str, *, client_options: dict | None = None,
+                 **options) -> tuple[Fed, object]:
+    """`options` for the feed, `client_options` for the EngineClient (stream_transport=...)."""
     index = KvIndex()
     feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2, **options)
-    client = await nursery.start(_open_client, engine_client, address)
+    client = await nursery.start(_open_client, engine_client, address, client_options)
     nursery.start_soon(feed.follow, address, client)
     return Fed(index, feed, address), client
 
 
-async def _open_client(engine_client, address, *, task_status=trio.TASK_STATUS_IGNORED):
-    async with engine_client(address) as client:
+async def _open_client(engine_client, address, options=None, *, task_status=trio.TASK_STATUS_IGNORED):
+    async with engine_client(address, **(options or {})) as client:
         await client.wait_until_ready(deadline=20)
         task_status.started(client)
         await trio.sleep_forever()
@@ -94,6 +98,23 @@ async def test_events_from_each_persona_reach_the_index_per_rank(sim_workers, en
         assert next(iter(held))[1] in (0, 1)
         assert fed.blocks(prompt(2)) == 0  # a prompt nobody ran
         assert fed.index.image_keys(worker.address) is (revision is REVISION_1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_grpcio_transport_follows_the_revision_3_event_stream(sim_workers, engine_client):
+    """SubscribeKvEvents streams over grpcio as over h2 (one WorkerChannel interface): events reach the index."""
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_3, "--attention-dp-size", "2")
+    async with trio.open_nursery() as nursery:
+        fed, client = await follow(nursery, engine_client, worker.address,
+                                   client_options={"stream_transport": "grpcio"})
+        await wait_for(lambda: fed.index.mode(worker.address) == "events")
+        await run(client, prompt(1), "a")
+        await wait_for(lambda: fed.blocks(prompt(1)) == 3)  # 100 tokens: 3 full blocks
+        held = fed.held(prompt(1))
+        assert list(held.values()) == [3] and next(iter(held))[0] == worker.address
+        assert fed.blocks(prompt(2)) == 0  # a prompt nobody ran
+        assert not fed.index.image_keys(worker.address)  # revision 3's stream carries no image keys
+        assert fed.feed.stats.batches >= 1 and "cannot be followed" not in fed.feed.detail.get(worker.address, "")
         nursery.cancel_scope.cancel()
 
 
@@ -221,19 +242,55 @@ async def test_a_worker_without_events_is_approximate(sim_workers, engine_client
         nursery.cancel_scope.cancel()
 
 
+class RefusesKvEventStream(openengine_pb2_grpc.ControlServicer):
+    """A revision-3 worker (stock grpc.aio) that advertises a grpc KV event source but does not serve
+    SubscribeKvEvents: a stream nobody can follow until the worker changes (restarts)."""
+
+    def __init__(self) -> None:
+        self.instance_id = "refusing-1"
+        self.subscriptions = 0
+
+    async def Health(self, request, context):
+        return lifecycle_pb2.HealthResponse(state=lifecycle_pb2.HEALTH_STATE_READY)
+
+    async def GetServerInfo(self, request, context):
+        return server_pb2.ServerInfo(
+            engine_name="refusing", instance_id=self.instance_id, supported_models=["tiny-chat"], schema_revision=3,
+            parallelism=server_pb2.ParallelismInfo(data_parallel_size=1),
+            capacity=server_pb2.DeploymentCapacity(kv_block_size=BLOCK))
+
+    async def GetModelInfo(self, request, context):
+        return model_pb2.ModelInfo(model_id="tiny-chat", served_model_name="tiny-chat")
+
+    async def GetKvEventSources(self, request, context):
+        return kv_pb2.GetKvEventSourcesResponse(sources=[kv_pb2.KvEventSource(
+            transport="grpc", data_parallel_rank=0, encoding="protobuf", schema_version=1)])
+
+    async def SubscribeKvEvents(self, request, context):
+        self.subscriptions += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents is not served here")
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
 async def test_a_stream_this_client_cannot_follow_leaves_the_worker_approximate_until_it_restarts(
-        sim_workers, engine_client):
-    worker = sim_workers.start("aggregated", *FAST, *REVISION_3)
+        engine_client, transport):
+    servicer = RefusesKvEventStream()
     index = KvIndex()
     feed = KvEventFeed(index, retry_s=0.05, identity_check_s=0.2)
-    async with engine_client(worker.address, stream_transport="grpcio") as client, trio.open_nursery() as nursery:
-        await client.wait_until_ready(deadline=20)
-        nursery.start_soon(feed.follow, worker.address, client)
-        await wait_for(lambda: "cannot be followed" in feed.detail.get(worker.address, ""))
-        clears = feed.stats.clears
-        await trio.sleep(0.5)  # not tried again every retry_s: only a restart can change it
-        assert index.mode(worker.address) == "approximate" and feed.stats.clears == clears
-        nursery.cancel_scope.cancel()
+    with grpc_aio_server(control=servicer) as worker:
+        async with engine_client(worker.address, stream_transport=transport) as client, \
+                trio.open_nursery() as nursery:
+            await client.wait_until_ready(deadline=20)
+            nursery.start_soon(feed.follow, worker.address, client)
+            await wait_for(lambda: "cannot be followed" in feed.detail.get(worker.address, ""))
+            clears = feed.stats.clears
+            await trio.sleep(0.5)  # not tried again every retry_s: only a restart can change it
+            assert index.mode(worker.address) == "approximate" and feed.stats.clears == clears
+            assert servicer.subscriptions == 1
+            servicer.instance_id = "refusing-2"  # restarted: its stream is tried again (and refused again)
+            await wait_for(lambda: servicer.subscriptions == 2)
+            assert index.mode(worker.address) == "approximate"
+            nursery.cancel_scope.cancel()
 
 
 async def test_image_blocks_from_zmq_events_match_the_keys_of_the_same_prompt(sim_workers, engine_client):
