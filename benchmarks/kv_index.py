@@ -38,9 +38,9 @@ def events_per_second(block_size: int, seconds: float) -> tuple[float, float]:
     rng = random.Random(1)
     chains, per_event = 2000, 4
     events = []  # (engine hashes, parent hash, token ids) chained 4 blocks at a time
-    for chain in range(chains):
+    for _ in range(chains):
         parent = None
-        for step in range(4):
+        for _ in range(4):
             hashes = [rng.getrandbits(63) for _ in range(per_event)]
             tokens = [rng.randrange(32000) for _ in range(per_event * block_size)]
             events.append((hashes, parent, tokens))

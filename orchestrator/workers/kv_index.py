@@ -292,7 +292,7 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
             try:
                 first = tokens.index(segment.digest_hex)
             except ValueError:
-                raise EventBlockError(f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token")
+                raise EventBlockError(f"mm_key {segment.digest_hex[:16]}... at offset 0 has no digest token") from None
             last = first + 1
             if id_offset is not None:
                 previous = id_offset
