@@ -5,7 +5,9 @@
 Printed, per decision for an `--prompt-tokens` prompt: computing its block keys (the plan's share,
 prompt_block_keys), then decide(): the index's overlap (every worker holds a different part of the prefix, the
 worst case walks every block), scoring the candidates by cost and load, and recording the decision
-(KvIndex.routed). Target (issue 32): <= 100 us together. Process CPU time, best of a few rounds.
+(KvIndex.routed). Target (issue 32): <= 100 us together. Process CPU time, best of a few rounds. The first
+line times a fixed pure-Python loop (as benchmarks/kv_index.py does), so that figures from a loaded or slower
+machine can be scaled.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def main() -> None:
             fastest = min(fastest, (time.process_time() - start) / args.rounds)
         return fastest
 
+    calibration = float("inf")
+    for _ in range(20):
+        start = time.process_time()
+        sum(range(1_000_000))
+        calibration = min(calibration, time.process_time() - start)
+    print(f"calibration: sum(range(1_000_000)) takes {calibration * 1e3:.1f} ms of CPU here")
     keying = best(lambda: prompt_block_keys(tokens, args.block_size))
     deciding = best(lambda: policy.decide(candidates, 0.0, keys))
     print(f"{args.prompt_tokens}-token prompt ({len(keys)} blocks), {args.workers} workers: keys "

@@ -142,7 +142,10 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
 def _chained_blocks(tokens: Sequence[int | str], block_size: int, parent: int) -> list[int]:
     """The keys of every full text block of `tokens` chained on `parent`: the hottest loop. zip over one
     iterator cuts the blocks as tuples in C (no slicing, no copy of the whole list first); a trailing partial
-    block is dropped by zip itself."""
+    block is dropped by zip itself. Measured for an 8k-token prompt: cutting and hashing the token ids in C is
+    about two thirds of the time, the chain step the rest; hashlib.blake2b per block over packed bytes
+    (array/struct) is about 4x slower (packing the list alone costs as much as this loop, then one digest
+    object per block), and a comprehension carrying the chain saves under 10%, within the noise."""
     keys: list[int] = []
     append = keys.append
     image = parent & IMAGE_BIT
