@@ -24,6 +24,7 @@ from orchestrator.workers.kv_events import (
     KvEventFeed,
     KvStreamBroken,
     ZmqSource,
+    apply_proto_events,
     apply_wire_events,
     decode_batch,
     validate_sources,
@@ -460,3 +461,12 @@ def test_wire_events_are_applied_and_bad_payloads_break_the_stream():
         apply_wire_events(index, ("w", 0), [{"type": "Snapshot"}])
     with pytest.raises(KvStreamBroken, match="cannot be keyed"):
         apply_wire_events(index, ("w", 0), [{**events[0], "token_ids": tokens[:40]}])
+
+
+def test_a_malformed_revision_3_event_breaks_the_stream_not_the_server():
+    """A hash that is not decimal text raised ValueError out of the follow task and through the pool's
+    nursery; like a malformed revision-1 event, it is a broken stream (cleared, followed anew)."""
+    event = kv_pb2.KvEvent(block_removed=kv_pb2.BlockRemoved(
+        block_hashes=[kv_pb2.KvBlockHash(value=b"not-a-number", encoding="decimal_int64")]))
+    with pytest.raises(KvStreamBroken, match="malformed"):
+        apply_proto_events(KvIndex(), ("w", 0), [event])

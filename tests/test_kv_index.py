@@ -356,3 +356,26 @@ def test_modes_are_events_or_approximate():
     index.set_mode("b", "approximate")
     assert index.workers() == {"a": "events", "b": "approximate"}
     assert index.image_keys("a") and not index.image_keys("b")
+
+
+# ---- bounds (review of the merged change) ------------------------------------------------------------
+
+def test_a_prompt_routed_again_and_again_keeps_the_expiry_queue_bounded():
+    """Routing the same prompt adds no entry, but each decision queued its keys for expiry: without a bound
+    on the queue, a hot prompt grew it with the request rate times the TTL."""
+    index = KvIndex(ttl_s=120.0, max_approximate=10)
+    keys = list(range(2, 12, 2))  # five text keys
+    for step in range(200):
+        index.routed(("w", 0), keys, now=float(step) * 0.01)
+    assert index.routed_entries() <= 10
+    queued = sum(len(item[1]) for item in index._expiry)  # the queue's memory, in keys
+    assert queued <= 2 * 10
+    assert index.overlap(keys, now=2.0) == {("w", 0): 5}  # the latest routing still answers
+
+
+def test_a_routing_decision_past_the_index_capacity_is_not_recorded_and_does_not_fail():
+    index = KvIndex()
+    for worker in range(255):
+        index.routed((f"w{worker}", 0), [2, 4], now=0.0)
+    index.routed(("one-too-many", 0), [2, 4], now=0.0)  # raised ValueError, failing the request, before
+    assert ("one-too-many", 0) not in index.overlap([2, 4], now=0.0)

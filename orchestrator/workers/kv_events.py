@@ -207,6 +207,13 @@ def _proto_hash(value: Any) -> int:
 
 def apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> None:
     """One revision-3 KvEventBatch's events."""
+    try:
+        _apply_proto_events(index, where, events)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a hash that is not decimal text
+        raise KvStreamBroken(f"a malformed KV event: {exc!r}") from exc
+
+
+def _apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> None:
     for event in events:
         kind = event.WhichOneof("event")
         if kind == "block_stored":
@@ -366,6 +373,7 @@ class KvEventFeed:
                 self._approximate(follower, self.detail.get(worker) or "no KV events")
                 if wait_for_restart is not None:
                     await self._until_restart(client, wait_for_restart)
+                    self.index.cleared_routed(worker)  # restarted: what we routed there is gone from its cache
                 else:
                     await trio.sleep(self.retry_s)
         finally:
@@ -404,7 +412,8 @@ class KvEventFeed:
                 await subscribe(follower, *args)
             except (EngineError, KvStreamBroken, zmq.ZMQError) as exc:
                 failures.append(exc)
-            subscription.cancel()
+            finally:
+                subscription.cancel()  # also when it returned (forgotten): the identity watch goes with it
 
         async with trio.open_nursery() as nursery:
             subscription = nursery.cancel_scope
@@ -580,6 +589,8 @@ class KvEventFeed:
         if deadline.cancelled_caught:
             raise KvStreamBroken(f"the replay socket {source.replay_endpoint} did not answer in "
                                  f"{self.replay_timeout_s:g} s")
+        if not follower.active:  # forgotten while the replay was on its way: nothing may enter the index again
+            return applied
         if applied >= 0 and (not batches or batches[0][0] != start):
             follower.log("worker %s rank %d: the replay no longer holds KV event batch %d: its entries are cleared "
                          "until rebuilt", *where, start)

@@ -365,6 +365,7 @@ class KvIndex:
         self._routed: dict[int, int] = {}
         self._routed_until: dict[int, float] = {}
         self._routed_count = 0
+        self._expiry_keys = 0  # keys held by the expiry queue: a prompt routed again adds an item, not an entry
         self._expiry: collections.deque[tuple[float, tuple[int, ...], int, int]] = collections.deque()
         self.events_applied = 0
 
@@ -531,7 +532,10 @@ class KvIndex:
         Call it for every routing decision; it keeps only what may answer: everything for a worker in
         approximate mode, the image blocks (IMAGE_BIT) of one whose events carry no image keys, nothing for
         one whose events say it all."""
-        state = self._state(where)
+        try:
+            state = self._state(where)
+        except ValueError:  # every bit taken: not recorded (a routing decision must not fail on it)
+            return
         bit = state.bit
         if not (bit & (self._approx_mask | self._no_image_mask)):
             return
@@ -549,8 +553,12 @@ class KvIndex:
             routed[key] = routed.get(key, 0) | bit
         if keys:
             self._expiry.append((expires, tuple(keys), bit, shift))
+            self._expiry_keys += len(keys)
             self._routed_count += fresh
-        while self._routed_count > self.max_approximate and self._expiry:  # memory bound: oldest go first
+        # Memory bound, oldest first: on the entries, and on the queue, which a hot prompt routed again and
+        # again lengthens without adding entries.
+        while self._expiry and (self._routed_count > self.max_approximate
+                                or self._expiry_keys > 2 * self.max_approximate):
             self._expire_oldest(float("inf"))
 
     def expire(self, now: float) -> None:
@@ -561,6 +569,7 @@ class KvIndex:
 
     def _expire_oldest(self, now: float) -> None:
         expires, keys, bit, shift = self._expiry.popleft()
+        self._expiry_keys -= len(keys)
         routed, stamps = self._routed, self._routed_until
         for key in keys:
             stamp = (key << 8) | shift
