@@ -128,62 +128,65 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     tracer = tracing.from_config(config)
     async with LoopThread.open() as loop_thread, tracer.running():
         kv_index, kv_feed, kv_follow_roles = kv_routing(config)
-        pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
-                          health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
-                          removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
-                          stream_transport=config.stream_transport, keepalive=config.keepalive,
-                          kv_index=kv_index, kv_feed=kv_feed, kv_follow_roles=kv_follow_roles)
-        api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
-        app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
-                  tracer=tracer)
-        shutdown = trio.Event()
-        children = None
-        # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
-        startup = trio.CancelScope()
-        async with trio.open_nursery() as nursery:
-            if handle_signals:
-                nursery.start_soon(_on_signal, app, shutdown, startup)
-            url = None
-            with startup:
-                await nursery.start(pool.run, make_registry(config, loop_thread))
-                url = await nursery.start(serve_http, app, config, host, port, shutdown, several)
-                log.info("serving %s mode on %s (model %s)%s", config.mode, url, config.model.name,
-                         f", frontend process {frontend.index} of {frontend.count}" if several else "")
-                if several and frontend.is_first and child_argv is not None:
-                    from prometheus_client.multiprocess import mark_process_dead
+        try:
+            pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
+                              health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
+                              removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
+                              stream_transport=config.stream_transport, keepalive=config.keepalive,
+                              kv_index=kv_index, kv_feed=kv_feed, kv_follow_roles=kv_follow_roles)
+            api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
+            app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
+                      tracer=tracer)
+            shutdown = trio.Event()
+            children = None
+            # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
+            startup = trio.CancelScope()
+            async with trio.open_nursery() as nursery:
+                if handle_signals:
+                    nursery.start_soon(_on_signal, app, shutdown, startup)
+                url = None
+                with startup:
+                    await nursery.start(pool.run, make_registry(config, loop_thread))
+                    url = await nursery.start(serve_http, app, config, host, port, shutdown, several)
+                    log.info("serving %s mode on %s (model %s)%s", config.mode, url, config.model.name,
+                             f", frontend process {frontend.index} of {frontend.count}" if several else "")
+                    if several and frontend.is_first and child_argv is not None:
+                        from prometheus_client.multiprocess import mark_process_dead
 
-                    bound_port = urllib.parse.urlsplit(url).port
-                    children = FrontendChildren(
-                        frontend.count, lambda index: child_argv(index, bound_port),
-                        ready_timeout=limits.worker_startup_timeout_s + 60, stop_timeout=limits.shutdown_grace_s + 10,
-                        on_exit=lambda pid: mark_process_dead(pid, os.environ[METRICS_DIR_ENV]))
-                    await nursery.start(children.run, shutdown)
-                elif frontend.parent_pid is not None:
-                    nursery.start_soon(ParentWatch(frontend.parent_pid, partial(_drain, app, shutdown)).run)
-                with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
-                    while not all(pool.ready_count(role) for role in config.needed_roles):
-                        await pool.changed.wait()
-                if waiting.cancelled_caught:
-                    log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, /health says "
-                              "not ready", config.mode, limits.worker_startup_timeout_s)
-            if startup.cancelled_caught:
-                log.info("stopped during start-up")
+                        bound_port = urllib.parse.urlsplit(url).port
+                        children = FrontendChildren(
+                            frontend.count, lambda index: child_argv(index, bound_port),
+                            ready_timeout=limits.worker_startup_timeout_s + 60,
+                            stop_timeout=limits.shutdown_grace_s + 10,
+                            on_exit=lambda pid: mark_process_dead(pid, os.environ[METRICS_DIR_ENV]))
+                        await nursery.start(children.run, shutdown)
+                    elif frontend.parent_pid is not None:
+                        nursery.start_soon(ParentWatch(frontend.parent_pid, partial(_drain, app, shutdown)).run)
+                    with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
+                        while not all(pool.ready_count(role) for role in config.needed_roles):
+                            await pool.changed.wait()
+                    if waiting.cancelled_caught:
+                        log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, "
+                                  "/health says not ready", config.mode, limits.worker_startup_timeout_s)
+                if startup.cancelled_caught:
+                    log.info("stopped during start-up")
+                    nursery.cancel_scope.cancel()
+                    return
+                if ready_line:
+                    print(f"ready {url}", flush=True)
+                task_status.started(url)
+                await shutdown.wait()
+                # The HTTP server stops accepting and lets in-flight requests finish for the shutdown grace; those
+                # still running then are ended with a 503 or a final SSE error event (their nurseries abort the
+                # engine work), and LAST_WORDS_S later the server closes what is left; then the pool goes. The
+                # other frontend processes drain at the same time (SIGTERM from FrontendChildren).
+                await _finish_in_flight(app, limits.shutdown_grace_s)
+                if children is not None:
+                    await children.stopped.wait()
                 nursery.cancel_scope.cancel()
-                return
-            if ready_line:
-                print(f"ready {url}", flush=True)
-            task_status.started(url)
-            await shutdown.wait()
-            # The HTTP server stops accepting and lets in-flight requests finish for the shutdown grace; those
-            # still running then are ended with a 503 or a final SSE error event (their nurseries abort the
-            # engine work), and LAST_WORDS_S later the server closes what is left; then the pool goes. The
-            # other frontend processes drain at the same time (SIGTERM from FrontendChildren).
-            await _finish_in_flight(app, limits.shutdown_grace_s)
-            if children is not None:
-                await children.stopped.wait()
-            nursery.cancel_scope.cancel()
-        if kv_feed is not None:
-            kv_feed.close()  # the pool, which ran its follow tasks, is done
+        finally:
+            if kv_feed is not None:
+                kv_feed.close()  # after the pool, which ran its follow tasks; also when start-up failed
     log.info("stopped")
 
 
