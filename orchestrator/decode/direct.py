@@ -12,9 +12,9 @@ The contract, in one place. Three parties meet here and nowhere else:
   connection's reader task, right after a socket read -- and only while the request's task is parked in
   `next_batch()` with nothing queued. Only our h2 transport can (grpcio streams say False).
 - the handler: `DirectTokens.deliver` (below), the only one.
-- the sink: `OutputSink.can_write_now` / `deltas_now` / `flush` (decode/deltas.py), which on our HTTP
-  server write through `ServerExtensions.send_now` (frontend/server_extensions.py); over TLS or under
-  another server `can_write_now` is False and nothing is delivered directly.
+- the sink: `OutputSink.can_write_now` / `deltas_now` / `flush` (decode/deltas.py), which write through
+  `ServerExtensions.send_now` (frontend/server_extensions.py); over TLS `can_write_now` is False and
+  nothing is delivered directly.
 
 What runs in the reader task: `deliver` -- counting (StreamState, the token meter through `on_chunk`),
 incremental detokenizing and the stop strings, SSE formatting, and a write that does not block. It is a
@@ -86,7 +86,7 @@ class DirectTokens:
             on_chunk: Callable[[int], None] | None) -> DirectTokens | None:
         """Start direct delivery on `stream` if `sink` can write from another task and the stream can hand
         events over; None if not. The caller ends it with `stream.deliver_directly(None)`."""
-        if not sink.can_write_now:  # a collected response, TLS, another server, a response that is ending
+        if not sink.can_write_now:  # a collected response, TLS, a response that is ending
             return None
         direct = cls(sink, detokenizer, state, on_chunk)
         # The bound method, not the instance: an instance's __call__ costs twice the call, on every read.

@@ -66,6 +66,7 @@ class Coordinator:
                                cleanup_timeout_s=limits.kv_cleanup_timeout_s),
             migration_limit=limits.migration_limit)
         self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
+        self.kv_roles = config.routing.kv_aware_roles  # (a property: derived once, not per request)
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
@@ -88,7 +89,7 @@ class Coordinator:
             path, roles = "disaggregated", ("prefill", "decode")
         # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, once,
         # only where a role routes kv_aware; conditional mode may prefill on a decode worker holding the prefix.
-        kv_roles = self.config.routing.kv_aware_roles
+        kv_roles = self.kv_roles
         keys = self._prompt_keys(api, prompt_ids, roles[0] if mode != "conditional" else "prefill") if kv_roles \
             else []
         holder = None
@@ -101,11 +102,10 @@ class Coordinator:
         target_ranks: dict[Worker, int] = {}
 
         def pick(role: str) -> Worker:
-            if not keys:
-                return self.pool.pick(role)
-            decision = self.pool.route(role, prompt=keys if role in kv_roles else (),
-                                       accepts=(lambda w: w is holder) if holder is not None and role == "decode"
-                                       else None)
+            accepts = (lambda w: w is holder) if holder is not None and role == "decode" else None
+            if not keys or role not in kv_roles:  # (route() would count a decision that was not kv_aware)
+                return self.pool.pick(role, accepts=accepts)
+            decision = self.pool.route(role, prompt=keys, accepts=accepts)
             if decision.rank is not None:
                 target_ranks[decision.worker] = decision.rank
             return decision.worker

@@ -352,12 +352,10 @@ class WorkerPool:
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
 
-    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
-             prompt: Sequence[int] = ()) -> Worker:
-        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. `prompt`:
-        the prompt's block keys (orchestrator.workers.kv_index.prompt_block_keys), for a kv_aware role."""
-        if prompt and self._policy_names[role] == "kv_aware":
-            return self.route(role, exclude, accepts, prompt).worker
+    def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None
+             ) -> Worker:
+        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. A kv_aware
+        role's first pick for a request goes through `route` with the prompt's keys instead."""
         candidates = self._candidates(role, exclude, accepts)
         # One candidate is every policy's choice (the usual small deployment): no scoring for it.
         chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
