@@ -352,6 +352,23 @@ async def test_a_decode_worker_lost_after_the_last_token_ends_the_answer_without
     assert spare.generated() == [] and len(prefill.generated()) == 1  # no continuation anywhere
 
 
+async def test_an_answer_finished_here_after_a_lost_worker_keeps_the_text_held_back_for_a_stop_string(
+        tmp_path, autojump_clock):
+    """The last " weather" could begin the stop string, so the detokenizer held it back; the worker was lost
+    before its finish, and the answer finished here without it."""
+    from orchestrator.testkit.fakes import capabilities
+
+    lost = WorkerUnavailable("gone", worker="d0", rpc="Generate", retryable=True)
+    prefill = FakeEngineClient("p0", capabilities(), lambda r: [Send(Tokens((WORD,))), Send(PrefillReady(SESSION))])
+    dying = FakeEngineClient("d0", capabilities(), lambda r: [Send(Tokens((WORD,)))] * 3 + [Fail(lost)])
+    pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", dying)])
+    c = coordinator(tmp_path, "disaggregated", pool)
+    plan = await c.plan(chat(stop=[" weatherman"]), "e4")
+    sink = Sink()
+    await c.execute(plan, sink)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+
+
 @pytest.mark.parametrize("revision", [1, 3])
 async def test_conditional_mode_prefills_on_a_prefill_worker_when_decode_is_the_sibling_server(
         tmp_path, revision, autojump_clock):

@@ -181,6 +181,11 @@ class RequestFlow:
             # have to ask for one token more than the client's max_tokens).
             log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
                         failed_worker.address, error.code_name)
+            # What the detokenizer held back (an incomplete character, a possible stop string) is text the
+            # client is owed: stream_output would have sent it after a finish, and the error skipped that.
+            tail = self.detokenizer.finish()
+            if tail:
+                await self.sink.delta(tail, (), ())
             cached = state.settle_cached(plan.prompt_tokens, state.cached_tokens)
             await self.sink.finish("length", plan.prompt_tokens, state.completion_tokens, cached_tokens=cached)
             return None
