@@ -5,7 +5,8 @@
 - events: typed Generate events, decoded from GenerateResponse messages; token_message: the token ids of
   the common one-token message, read from its bytes without a protobuf parse
 - capabilities: WorkerCapabilities and the single-flight discovery cache
-- errors: one exception hierarchy for every worker failure, whichever transport carried the call
+- errors: one exception hierarchy for every worker failure, whichever transport carried the call (its base,
+  EngineError, is transport/errors.py's: the transports raise it)
 Below it, transport/ carries the calls: our HTTP/2 client on trio, or grpc.aio on the loop thread.
 """
 

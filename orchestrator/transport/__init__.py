@@ -6,6 +6,7 @@
 - grpcio_channel: GrpcioChannel, the same calls through grpc.aio (the `stream_transport: grpcio` fallback), on
 - loop_thread: the asyncio (uvloop) thread grpc.aio runs on, with a batched handoff of messages to trio
 - inbox: a call's responses handed to its one trio reader in batches, or to its direct handler
+- errors: EngineError, what every call fails with, and the one mapping of a gRPC status to it
 - keepalive: when a connection sends a PING; tls: TLS to the workers, for either channel
 - eager_send / eager_receive: socket writes and reads that skip trio's scheduler when they need not wait
 """

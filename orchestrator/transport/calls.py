@@ -6,7 +6,7 @@ A WorkerChannel makes the gRPC calls of one worker with serialized requests: ser
 - "h2" (the default): H2Channel (transport/h2_channel.py), our own HTTP/2 client on trio's thread;
 - "grpcio": GrpcioChannel (transport/grpcio_channel.py), grpc.aio on the asyncio loop thread, kept as the
   operator's fallback should our HTTP/2 client ever disagree with a worker.
-Both report failures as the same EngineErrors (engine/errors.py), and the engine client's tests run on both.
+Both report failures as the same EngineErrors (transport/errors.py), and the engine client's tests run on both.
 """
 
 from __future__ import annotations

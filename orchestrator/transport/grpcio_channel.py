@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from orchestrator.engine.errors import EngineError, ErrorCode, from_rpc_error
 from orchestrator.transport import calls
+from orchestrator.transport.errors import EngineError, ErrorCode, from_rpc_error
 from orchestrator.transport.keepalive import KeepalivePolicy
 from orchestrator.transport.loop_thread import LoopThread, StreamInbox
 from orchestrator.transport.tls import ChannelTls
