@@ -160,10 +160,10 @@ class ServerConnection:
             if call.reset_code is None:
                 nursery.start_soon(self._answer, call)
         elif isinstance(event, h2.events.StreamReset):
-            call = self.calls.get(event.stream_id)
-            if call is not None:
-                call.reset_code = event.error_code
-                call.reset.set()
+            reset_call = self.calls.get(event.stream_id)
+            if reset_call is not None:
+                reset_call.reset_code = event.error_code
+                reset_call.reset.set()
             self.window_opened.set()
             self.window_opened = trio.Event()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):

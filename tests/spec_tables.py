@@ -56,19 +56,27 @@ def parse_spec(text: str) -> dict[str, SpecFile]:
         elif current is None:
             continue
         elif line.startswith("enum `"):
-            name, body = re.match(r"^enum `(\w+)`: (.*)$", line).groups()
+            name, body = _match(r"^enum `(\w+)`: (.*)$", line).groups()
             current.enums[name] = {k: int(v) for k, v in (p.split("=") for p in body.split(", "))}
         elif line.startswith(("message `", "fields `")):
-            kind, name, body = re.match(r"^(message|fields) `(\w+)`: (.*)$", line).groups()
+            kind, name, body = _match(r"^(message|fields) `(\w+)`: (.*)$", line).groups()
             fields = [] if body == "(empty)" else [_parse_field(part, name) for part in body.split("; ")]
             (current.messages if kind == "message" else current.appended)[name] = fields
         elif line.startswith("service `"):
-            service = re.match(r"^service `(\w+)`:", line).group(1)
+            service = _match(r"^service `(\w+)`:", line).group(1)
             current.services[service] = []
         elif service and line.startswith("- `"):
-            m = _RPC.match(line)
+            m = _match(_RPC, line)
             current.services[service].append((m["name"], m["req"], m["resp"], bool(m["stream"])))
     return files
+
+
+def _match(pattern: str | re.Pattern[str], line: str) -> re.Match[str]:
+    """`line` matched by `pattern`, which its prefix promised: a line that does not match is a spec typo."""
+    m = re.match(pattern, line)
+    if m is None:
+        raise ValueError(f"unparsed spec line {line!r}")
+    return m
 
 
 def _parse_field(part: str, message: str) -> SpecField:

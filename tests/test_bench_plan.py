@@ -56,7 +56,7 @@ def test_every_topology_of_the_budget_is_considered():
 
 
 def test_the_pareto_frontier_keeps_only_undominated_points():
-    points = [(1, 10), (2, 9), (2, 5), (3, 3), (1.5, 4), (3, 8)]
+    points: list[tuple[float, float]] = [(1, 10), (2, 9), (2, 5), (3, 3), (1.5, 4), (3, 8)]
     assert pareto_frontier(points) == [(1, 10), (2, 9), (3, 8)]
 
 

@@ -26,6 +26,7 @@ def test_real_trtllm_examples_pass_without_host_paths():
     documents = list(yaml.safe_load_all((CONFIGS / "trtllm" / "k8s" / "disagg.yaml").read_text()))
     embedded = next(d for d in documents if d["kind"] == "ConfigMap")["data"]["orchestrator.yaml"]
     config = config_module.from_dict(yaml.safe_load(embedded), file="k8s ConfigMap", check_paths=False)
+    assert config.discovery.etcd is not None
     assert config.discovery.etcd.endpoints == ("http://etcd:2379",)
     for name in ("prefill-engine.yaml", "decode-engine.yaml"):
         engine = yaml.safe_load((CONFIGS / "trtllm" / name).read_text())
@@ -148,6 +149,7 @@ def test_a_missing_file_is_a_config_error():
 def test_etcd_tls_files_are_named_when_they_cannot_be_used(tmp_path, etcd, key, words):
     path = write(tmp_path, f"discovery:\n  etcd: {etcd}\n")
     config = config_module.load(path)
+    assert config.discovery.etcd is not None
     with pytest.raises(ConfigError) as info:
         config.discovery.etcd.tls_files(config.base_dir, config.source)
     assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
@@ -157,6 +159,7 @@ def test_etcd_tls_files_are_read_relative_to_the_config(tmp_path):
     (tmp_path / "ca.pem").write_bytes(b"CA")
     path = write(tmp_path, "discovery:\n  etcd: {endpoints: ['https://etcd:2379'], ca_file: ca.pem}\n")
     config = config_module.load(path)
+    assert config.discovery.etcd is not None
     assert config.discovery.etcd.tls_files(config.base_dir, config.source) == (b"CA", None, None)
 
 

@@ -73,8 +73,11 @@ def test_a_body_that_is_not_an_object_is_a_400():
 def test_response_format_maps_to_guided_decoding():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     req = parse_chat(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert req.guided is not None
     assert req.guided.kind == "json_schema" and '"properties"' in req.guided.json_schema
-    assert parse_chat(chat(response_format={"type": "json_object"})).guided.kind == "json_object"
+    json_object = parse_chat(chat(response_format={"type": "json_object"})).guided
+    assert json_object is not None
+    assert json_object.kind == "json_object"
     assert parse_chat(chat(response_format={"type": "text"})).guided is None
 
 

@@ -1,5 +1,7 @@
 """The single-flight capability cache: shared attempts, bounded, shared failure, recovery, cancel, close."""
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -39,7 +41,7 @@ async def _gather(cache, n, nursery, results):
 async def test_concurrent_callers_share_one_discovery_and_then_the_cache(nursery):
     worker = FakeWorker()
     cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
-    results = {}
+    results: dict[int, Any] = {}  # capabilities, or the error a caller got instead
     async with trio.open_nursery() as callers:
         await _gather(cache, 20, callers, results)
         await trio.testing.wait_all_tasks_blocked()
@@ -54,7 +56,7 @@ async def test_a_failure_is_shared_by_every_waiter_of_that_attempt(nursery):
     worker = FakeWorker()
     worker.fail_with = EngineError("boom", worker="w", rpc="GetServerInfo")
     cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
-    results = {}
+    results: dict[int, Any] = {}  # capabilities, or the error a caller got instead
     async with trio.open_nursery() as callers:
         await _gather(cache, 10, callers, results)
         await trio.testing.wait_all_tasks_blocked()
@@ -92,7 +94,7 @@ async def test_the_next_call_after_a_failure_tries_again(nursery):
 async def test_a_cancelled_waiter_does_not_cancel_the_discovery_for_others(nursery):
     worker = FakeWorker()
     cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
-    results = {}
+    results: dict[str, str] = {}
     impatient = trio.CancelScope()
 
     async def impatient_caller():
@@ -118,7 +120,7 @@ async def _await_into(cache, results, key):
 async def test_close_wakes_every_waiter_with_client_closed(nursery):
     worker = FakeWorker()
     cache = SingleFlightCache(worker.fetch, nursery=nursery, timeout=5, worker="w")
-    results = {}
+    results: dict[int, Any] = {}  # capabilities, or the error a caller got instead
     async with trio.open_nursery() as callers:
         await _gather(cache, 5, callers, results)
         await trio.testing.wait_all_tasks_blocked()

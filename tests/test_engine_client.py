@@ -14,6 +14,7 @@ from orchestrator.engine import (
     Finished,
     IncompatibleWorker,
     Tokens,
+    WorkerCapabilities,
     WorkerNotReady,
     WorkerUnavailable,
 )
@@ -74,6 +75,7 @@ async def test_generate_streams_typed_events_and_usage(sim_workers, engine_clien
     tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
     assert len(tokens) == 6
     assert isinstance(events[-1], Finished) and events[-1].reason_name == "length"
+    assert events[-1].usage is not None
     assert events[-1].usage.prompt_tokens == 5 and events[-1].usage.completion_tokens == 6
 
 
@@ -250,7 +252,7 @@ async def test_a_newer_worker_that_still_accepts_our_revision_is_compatible(sim_
 async def test_capabilities_are_discovered_once_for_concurrent_callers(sim_workers, engine_client):
     worker = sim_workers.start("prefill", "--schema-revision", "3", "--image-paths", "aggregate")
     async with engine_client(worker.address) as client:
-        results = []
+        results: list[WorkerCapabilities] = []
         async with trio.open_nursery() as nursery:
             for _ in range(16):
                 nursery.start_soon(lambda: _append(results, client.capabilities()))

@@ -285,7 +285,9 @@ async def test_a_frozen_etcd_makes_health_degraded_keeps_serving_and_the_pool_co
         failures = 0
         async with httpx.AsyncClient(timeout=30) as http:
             await wait_until(lambda: _with(http, server.url, worker.address), timeout=10)
-            etcd.process.signal(signal.SIGSTOP)
+            etcd_process = etcd.process
+            assert etcd_process is not None  # EtcdServer() started it
+            etcd_process.signal(signal.SIGSTOP)
             try:
                 async def degraded():
                     return (await http.get(server.url + "/health")).json()["status"] == "degraded"
@@ -296,7 +298,7 @@ async def test_a_frozen_etcd_makes_health_degraded_keeps_serving_and_the_pool_co
                     failures += response.status_code != 200
                 await trio.sleep(max(0.0, TTL + 1 - frozen_for))  # longer than the lease
             finally:
-                etcd.process.signal(signal.SIGCONT)
+                etcd_process.signal(signal.SIGCONT)
 
             async def ready_with_the_worker():
                 health = (await http.get(server.url + "/health")).json()

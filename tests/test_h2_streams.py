@@ -32,7 +32,8 @@ class _Channel:
 
 
 def bare_connection() -> WorkerConnection:
-    return WorkerConnection(transport=None, channel=_Channel(), scheme="http")
+    # no socket, and a stand-in for the channel: what the frame parsing reads of them
+    return WorkerConnection(transport=None, channel=_Channel(), scheme="http")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -152,6 +153,7 @@ def test_a_message_is_refused_from_its_prefix_above_64_mib_and_not_at_it():
     connection._on_data(at_limit, b"\x00" + h2_streams.MAX_MESSAGE_BYTES.to_bytes(4, "big") + b"part of it")
     connection._on_data(above, b"\x00" + (h2_streams.MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"part of it")
     assert not at_limit.closed and len(at_limit._buffer) == 15  # waiting for the rest
+    assert isinstance(above._error, EngineError) and above._error.grpc_status is not None
     assert above.closed and above._error.grpc_status.name == "RESOURCE_EXHAUSTED" and not above._buffer
 
 
@@ -221,7 +223,7 @@ async def test_a_request_larger_than_the_flow_control_window_is_sent_whole(sim_w
     worker = sim_workers.start("aggregated", "--time-scale", "0")
     async with engine_client(worker.address, stream_transport="h2") as client, \
             engine_client(worker.address) as reference:
-        outcomes = []
+        outcomes: list[object] = []  # the events' names, or the error's code and status
         for c in (client, reference):
             async with c.generate(request("big", ids=[7] * 300_000, max_tokens=2)) as stream:
                 try:

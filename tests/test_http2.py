@@ -132,13 +132,14 @@ def test_every_split_of_the_bytes_reports_the_same_events():
         pair.server.send_data(stream_id, b"m" * 40, pad_length=3)
         pair.server.send_headers(stream_id, [(b"grpc-status", b"0"), (b"grpc-message", b"fine")], end_stream=True)
     wire = pair.server.data_to_send()
-    byte_by_byte = http2.ClientConnection(Recorder())
+    recorder = Recorder()
+    byte_by_byte = http2.ClientConnection(recorder)
     for handle in ("a", "b"):
         byte_by_byte.open_stream(handle, BLOCK, b"body")
     for at in range(len(wire)):
         byte_by_byte.receive(wire[at:at + 1])
     pair.client.receive(wire)
-    assert byte_by_byte.events.log == pair.events.log and len(pair.events.of("end")) == 2
+    assert recorder.log == pair.events.log and len(pair.events.of("end")) == 2
 
 
 def test_a_body_larger_than_the_windows_waits_for_window_updates_and_arrives_whole():

@@ -233,7 +233,11 @@ async def test_the_on_disconnect_callback_runs_once_when_the_client_goes_and_nev
     async def app(scope, receive, send):
         await receive()
         name = scope["path"]
-        ServerExtensions.of(scope).on_disconnect(lambda: (calls.append(name), gone.set()))
+        def on_disconnect() -> None:
+            calls.append(name)
+            gone.set()
+
+        ServerExtensions.of(scope).on_disconnect(on_disconnect)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]
                     if name == "/done" else []})
         if name == "/done":
@@ -251,6 +255,10 @@ async def test_a_request_that_is_over_is_not_called_back_even_when_it_registers_
     calls = []
     gone = trio.Event()
 
+    def called_back(name: str) -> None:
+        calls.append(name)
+        gone.set()
+
     async def app(scope, receive, send):
         await receive()
         registrars.append(ServerExtensions.of(scope).on_disconnect)
@@ -258,8 +266,8 @@ async def test_a_request_that_is_over_is_not_called_back_even_when_it_registers_
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        registrars[1](lambda: (calls.append("/streaming"), gone.set()))
-        registrars[0](lambda: (calls.append("/done, registered late"), gone.set()))  # the first request's, over
+        registrars[1](partial(called_back, "/streaming"))
+        registrars[0](partial(called_back, "/done, registered late"))  # the first request's, over
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
         await trio.sleep_forever()
@@ -368,6 +376,7 @@ async def test_send_now_writes_a_chunk_from_another_task_while_the_app_waits():
     """What a streamed token does: the engine connection's reader task writes it, the request's task waits."""
     async def app(scope, receive, send):
         send_now = ServerExtensions.of(scope).send_now
+        assert send_now is not None  # plain TCP
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b"data: 0\n\n", "more_body": True})
         written = trio.Event()
@@ -402,6 +411,7 @@ async def test_what_send_now_could_not_write_goes_first_with_the_next_send_and_i
 
     async def app(scope, receive, send):
         send_now = ServerExtensions.of(scope).send_now
+        assert send_now is not None  # plain TCP
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"start", "more_body": True})
         while send_now(b"%05d" % len(taken_at_once) + chunk):
@@ -429,6 +439,7 @@ async def test_send_now_refuses_a_response_that_has_not_started():
 
     async def app(scope, receive, send):
         send_now = ServerExtensions.of(scope).send_now
+        assert send_now is not None  # plain TCP
         with pytest.raises(RuntimeError, match="started"):
             send_now(b"too early")
         seen.append(True)
@@ -518,7 +529,9 @@ async def streamed(scope, receive, send):
     """A body without content-length (chunked), in several sends, one of them through send_now."""
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": b"one ", "more_body": True})
-    ServerExtensions.of(scope).send_now(b"two ")
+    send_now = ServerExtensions.of(scope).send_now
+    assert send_now is not None  # plain TCP
+    send_now(b"two ")
     await send({"type": "http.response.body", "body": b"three"})
 
 
@@ -671,7 +684,7 @@ async def test_out_of_descriptors_accept_pauses_and_logs_one_line_per_interval_w
     with caplog.at_level(logging.ERROR, logger="orchestrator.frontend.http_server"):
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(25):
-                await _Server(echo, ServerLimits(), None).accept(listener, nursery)
+                await _Server(echo, ServerLimits(), None).accept(listener, nursery)  # type: ignore[arg-type]
     lines = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
     assert 200 < listener.attempts <= 251  # it kept trying, 0.1 s apart (25 s of the test's clock)
     # one line (RateLimitedLog: one per 10 s of the wall clock, which hardly moved), and no traceback

@@ -1,6 +1,7 @@
 """One huge request is refused quickly and does not stall the other streams."""
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +21,8 @@ async def test_a_20_mb_prompt_is_refused_fast_while_a_concurrent_stream_keeps_st
     """Its length alone proves it cannot fit the window: it is refused without being tokenized, and the body
     is parsed off the event loop (a server that tokenized it on the loop froze every stream for 25 s)."""
     huge = json.dumps(chat_body("weather " * 2_600_000, max_tokens=2)).encode()  # about 20 MB
-    gaps, refused = [], {}
+    gaps: list[float] = []
+    refused: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=agg.url, timeout=60) as http:
         async def stream():
             last = None

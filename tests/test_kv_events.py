@@ -8,6 +8,8 @@ closed on image blocks; sources are validated as Dynamo's TensorRT-LLM sidecar v
 
 from __future__ import annotations
 
+from typing import cast
+
 import grpc
 import pytest
 import trio
@@ -397,7 +399,7 @@ def test_a_valid_zmq_source_per_rank_is_accepted_with_its_endpoints():
     assert validate_sources(sources, 2, 32) == [
         ZmqSource(0, "tcp://10.0.0.5:5557", b"kv", "tcp://10.0.0.5:5560"),
         ZmqSource(1, "tcp://10.0.0.5:5558", b"kv", "")]
-    assert validate_sources([zmq_source(host="fd00::1")], 1, 32)[0].endpoint == "tcp://[fd00::1]:5557"
+    assert cast(ZmqSource, validate_sources([zmq_source(host="fd00::1")], 1, 32)[0]).endpoint == "tcp://[fd00::1]:5557"
     assert validate_sources([], 1, None) == []  # events off: nothing to follow, not an error
 
 

@@ -5,6 +5,7 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,8 +16,14 @@ from sim_helpers import png_bytes
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+def log_text(process: ManagedProcess) -> str:
+    if process.log_path is None:
+        raise AssertionError(f"{process.name} was started without a log_dir")
+    return process.log_path.read_text()
+
+
 def child_pids(launcher: ManagedProcess) -> dict[str, int]:
-    text = launcher.log_path.read_text()
+    text = log_text(launcher)
     return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", text)}
 
 
@@ -33,7 +40,7 @@ def alive(pid: int) -> bool:
 
 def requests(url: str) -> list[str]:
     image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {"messages": [{"role": "user", "content": "Describe the mountains"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                    {"type": "image_url", "image_url": {"url": image}}]}],
@@ -64,7 +71,7 @@ def run_topology(tmp_path, config: str) -> list[str]:
         launcher.stop()
     left = [name for name, pid in pids.items() if alive(pid)]
     assert left == [], f"children left running: {left}"
-    log = launcher.log_path.read_text()
+    log = log_text(launcher)
     assert "[orchestrator]" in log and "[sim-" in log  # child logs are prefixed by component
     return outputs
 
@@ -93,7 +100,7 @@ def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_
         launcher.wait_ready(60)
     assert launcher.process.wait(30) == 1
     pids = child_pids(launcher)
-    log = launcher.log_path.read_text()
+    log = log_text(launcher)
     assert "launch failed: sim-decode-0 exited with code 2" in log
     assert "invalid int value: 'lots'" in log.split("launch failed:")[1]  # the tail of the child's log
     assert not any(alive(pid) for pid in pids.values())
@@ -153,12 +160,12 @@ def test_a_busy_port_names_the_launch_flag(tmp_path, taken):
             from orchestrator import config as config_module
             from orchestrator.launch import Launcher
 
-            launcher = Launcher(config_module.load(CONFIGS / "agg.yaml"), CONFIGS / "agg.yaml", http_port=port,
-                                host=None)
-            argv = launcher.serve_argv(["--worker", "aggregated=grpc://127.0.0.1:9"])
+            planned = Launcher(config_module.load(CONFIGS / "agg.yaml"), CONFIGS / "agg.yaml", http_port=port,
+                               host=None)
+            argv = planned.serve_argv(["--worker", "aggregated=grpc://127.0.0.1:9"])
         launcher = ManagedProcess(f"launch-busy-{taken}", argv, log_dir=tmp_path)
         assert launcher.process.wait(60) != 0
-    log = launcher.log_path.read_text()
+    log = log_text(launcher)
     assert f"cannot listen on 127.0.0.1:{port}" in log and "choose another with --http-port or http.port" in log, log
     if taken == "before":
         assert "started " not in log  # no worker was started for nothing

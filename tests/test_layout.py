@@ -18,7 +18,7 @@ MAY_IMPORT_LAUNCH = {"config_check.py"}
 
 
 def _imports(path: Path) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)

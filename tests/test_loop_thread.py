@@ -52,7 +52,7 @@ async def test_many_streams_get_their_items_in_order_through_inboxes():
             for inbox in inboxes:
                 inbox.close()
 
-        received = {n: [] for n in range(len(inboxes))}
+        received: dict[int, list[int]] = {n: [] for n in range(len(inboxes))}
 
         async def consume(n):
             while batch := await inboxes[n].get_batch():

@@ -3,6 +3,7 @@ run gives (the simulated engine, like greedy decoding, continues a sequence with
 
 import json
 import random
+from typing import Any
 
 import httpx
 import pytest
@@ -45,7 +46,7 @@ async def test_a_worker_killed_mid_stream_loses_no_stream_and_changes_no_text(tm
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
         async def run_all(kill_after: float | None) -> list[tuple[str, str | None]]:
-            results = [None] * len(bodies)
+            results: list[Any] = [None] * len(bodies)  # each filled by its request's task
 
             async def one(i):
                 response = await http.post("/v1/chat/completions", json=bodies[i])
@@ -85,7 +86,8 @@ async def test_the_streams_of_a_frozen_decode_worker_migrate_within_two_health_i
         tmp_path / "freeze.yaml", "disaggregated",
         {"prefill": [prefill.address], "decode": [victim.address, survivor.address]},
         routing={"decode": "round_robin"}, limits={"health_interval_s": interval}))
-    gaps, finishes, failures = [], [], []
+    gaps: list[float] = []
+    finishes, failures = [], []
     stop = trio.Event()
     frozen_at = None
 

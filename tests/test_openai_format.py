@@ -2,6 +2,7 @@
 any JSON parser reads back to exactly the text, role, logprobs and finish reason it was given."""
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -9,8 +10,8 @@ from hypothesis import strategies as st
 
 from orchestrator.frontend import openai_format as fmt
 
-TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)  # no lone surrogates: text is UTF-8
-HEAD = {"id": "chatcmpl-7", "created": 1700000000, "model": "tiny-chat"}
+TEXT = st.text(st.characters(blacklist_categories=["Cs"]), max_size=12)  # no lone surrogates: text is UTF-8
+HEAD: dict[str, Any] = {"id": "chatcmpl-7", "created": 1700000000, "model": "tiny-chat"}
 
 
 def parse(event: bytes) -> dict:

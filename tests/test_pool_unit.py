@@ -1,10 +1,13 @@
 """The worker pool's registry diffing, with a scripted registry and unreachable worker addresses."""
 
+from collections.abc import Callable
+from typing import cast
+
 import trio
 
 from orchestrator.config import RoutingConfig
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.engine import LoopThread
+from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.metrics import Metrics
 from orchestrator.workers.pool import WorkerPool
 from orchestrator.workers.states import WorkerState
@@ -13,11 +16,12 @@ from orchestrator.workers.states import WorkerState
 class ScriptedRegistry(WorkerRegistry):
     """Publishes what the test tells it to."""
 
+    publish: Callable[[Snapshot], None]  # the pool's, once it runs this registry
+
     def __init__(self, first: Snapshot):
         self.first = first
-        self.publish = None
 
-    async def run(self, publish) -> None:
+    async def run(self, publish: Callable[[Snapshot], None]) -> None:
         self.publish = publish
         publish(self.first)
         await trio.sleep_forever()
@@ -61,6 +65,6 @@ async def test_the_configured_keepalive_reaches_every_worker_connection():
             with trio.fail_after(5):
                 while pool.workers[spec].client is None:
                     await trio.sleep(0.01)
-            keepalive = pool.workers[spec].client._channel.keepalive
+            keepalive = cast(EngineClient, pool.workers[spec].client)._channel.keepalive
             assert (keepalive.interval_s, keepalive.timeout_s) == (7.0, 3.0)
             nursery.cancel_scope.cancel()

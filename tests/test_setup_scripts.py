@@ -12,6 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def system_tool(name: str) -> str:
+    """The path of a tool the stand-in machine takes from this one."""
+    path = shutil.which(name)
+    if path is None:
+        raise AssertionError(f"{name} is not on PATH")
+    return path
+
+
 LOGGING_STUB = '#!/bin/bash\necho "$(basename "$0") $*" >> "$CALLS"\n'
 TOOLS = ("bash", "dirname", "basename", "sha256sum", "cut", "id", "rm")  # what the scripts use from the system
 
@@ -24,7 +34,7 @@ class Machine:
         self.bin = root / "bin"
         self.bin.mkdir()
         for tool in TOOLS:
-            (self.bin / tool).symlink_to(shutil.which(tool))
+            (self.bin / tool).symlink_to(system_tool(tool))
         stubs = ["apt-get"] + ["etcd"] * etcd + ["etcdctl"] * etcdctl
         venv = self.root / ".venv" / "bin"
         venv.mkdir(parents=True)
@@ -38,7 +48,7 @@ class Machine:
     def run(self, script: str, *args: str) -> list[str]:
         """The calls the stubs logged during this run."""
         self.calls.write_text("")
-        done = subprocess.run([shutil.which("bash"), f"scripts/{script}", *args], cwd=self.root, capture_output=True,
+        done = subprocess.run([system_tool("bash"), f"scripts/{script}", *args], cwd=self.root, capture_output=True,
                               text=True, timeout=30, env={"PATH": str(self.bin), "CALLS": str(self.calls),
                                                           "HOME": os.environ.get("HOME", "/root")})
         assert done.returncode == 0, done.stderr

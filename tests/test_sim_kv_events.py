@@ -170,8 +170,10 @@ async def test_the_prefill_reports_cached_tokens_in_prefill_ready_and_no_prefix_
             await collect(client, context_only_leg(full_request("a", ids=SYSTEM + (1,))))
         ready_on = terminal(await collect(on, context_only_leg(full_request("b", ids=SYSTEM + (2,)))))
         ready_off = terminal(await collect(off, context_only_leg(full_request("b", ids=SYSTEM + (2,)))))
-    assert isinstance(ready_on, PrefillReady) and ready_on.usage.cached_prompt_tokens == 96
-    assert isinstance(ready_off, PrefillReady) and ready_off.usage.cached_prompt_tokens == 0
+    assert isinstance(ready_on, PrefillReady) and ready_on.usage is not None
+    assert ready_on.usage.cached_prompt_tokens == 96
+    assert isinstance(ready_off, PrefillReady) and ready_off.usage is not None
+    assert ready_off.usage.cached_prompt_tokens == 0
 
 
 # ---- revision 1: ZMQ ------------------------------------------------------------------------------------------

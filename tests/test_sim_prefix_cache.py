@@ -3,6 +3,7 @@ eviction and the events it queues. Upstream facts are cited in the module's docs
 checks below recompute them independently from those descriptions."""
 
 import hashlib
+from typing import Any
 
 import pytest
 
@@ -101,6 +102,7 @@ def test_a_chain_stored_under_an_existing_parent_names_that_parent():
     b = cache.acquire((*seq(8), 1, 2, 3, 4, 5))
     cache.store(b, (*seq(8), 1, 2, 3, 4, 5))
     (stored,) = cache.take_events()
+    assert isinstance(stored, BlockStored) and isinstance(root_events[0], BlockStored)
     assert stored.parent_block_hash == root_events[0].block_hashes[-1] and stored.token_ids == (1, 2, 3, 4)
 
 
@@ -116,6 +118,7 @@ def test_pinned_blocks_are_never_evicted_and_unpinned_ones_go_least_recently_use
     cache.take_events()
     assert cache.evict(5) == 2  # "new" is still in use
     (removed,) = cache.take_events()
+    assert isinstance(removed, BlockRemoved)
     assert removed.block_hashes == (wire_hash(block_key(ROOT_KEY, seq(4, 0))),
                                     wire_hash(block_key(ROOT_KEY, seq(4, 100))))
     assert cache.resident == 1 and cache.acquire(seq(5, 200)).cached_tokens == 4
@@ -134,12 +137,15 @@ def test_reuse_refreshes_recency_and_leaves_go_before_their_parents():
     cache.take_events()
     cache.evict(2)  # C then B: leaves first, even though A was touched last among them
     (removed,) = cache.take_events()
+    assert isinstance(removed, BlockRemoved)
     a = block_key(ROOT_KEY, seq(4))
     b = block_key(a, seq(4, 104))
     c = block_key(b, seq(4, 108))
     assert removed.block_hashes == (wire_hash(c), wire_hash(b))
     cache.evict(1)
-    assert cache.take_events()[0].block_hashes == (wire_hash(block_key(ROOT_KEY, seq(4, 500))),)  # D is older than A
+    (removed,) = cache.take_events()
+    assert isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == (wire_hash(block_key(ROOT_KEY, seq(4, 500))),)  # D is older than A
 
 
 def test_a_reservation_pays_for_what_its_request_stored_and_the_cache_retains_it_afterwards():
@@ -172,6 +178,7 @@ def test_image_segments_of_stored_blocks_are_listed_per_block_when_asked_for():
     lease = cache.acquire(tokens)
     cache.store(lease, tokens)
     (stored,) = cache.take_events()
+    assert isinstance(stored, BlockStored)
     digest = image_digest("cat").hex()
     assert stored.mm_keys == ((MmKey(digest, 0),), (MmKey(digest, 2),))
     assert stored.token_ids[2] == image_digest("cat")
@@ -269,7 +276,7 @@ def test_prefill_then_decode_hold_the_blocks_on_both_workers_and_a_follow_up_reu
     prefill, decode = scheduler(), scheduler()
     prompt = tuple(range(100, 300))
     context = request("ctx", prompt, kind=CONTEXT_ONLY, max_tokens=1)
-    handed = {}
+    handed: dict[str, Any] = {}
     context.on_context_done = lambda r, token: handed.update(token=token, lease=r.lease, blocks=r.blocks)
     prefill.submit(context)
     run(prefill)

@@ -63,7 +63,7 @@ async def run_client(responses: list[bytes], requests: int, seed: int):
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve, responses, random.Random(seed))
         connection = Connection(f"http://127.0.0.1:{port}")
-        outcomes = []
+        outcomes: list[int | HttpError] = []  # a status, or the error raised instead
         for _ in range(requests):
             payloads: list[bytes] = []
             try:

@@ -50,10 +50,12 @@ def test_mtls_to_a_worker_and_https_for_the_clients(tmp_path, pki, sim_workers, 
     server = orchestrator_servers.start(config, timeout=60)
     url = server.url.replace("http://", "https://")
     trusted = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    # the SDK types http_client as an httpx2.Client, and takes an httpx.Client as well
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                           http_client=httpx.Client(verify=trusted))
+                           http_client=httpx.Client(verify=trusted))  # type: ignore[arg-type]
     answer = client.chat.completions.create(model="tiny-chat", max_tokens=3,
                                             messages=[{"role": "user", "content": "hi"}])
+    assert answer.usage is not None
     assert answer.usage.completion_tokens == 3
     # a stream over TLS: tokens go out from the request's own task (send_now is for plain sockets)
     chunks = list(client.chat.completions.create(model="tiny-chat", max_tokens=6, stream=True,

@@ -31,6 +31,7 @@ def test_a_byte_level_tokenizer_decodes_from_its_table_of_token_bytes():
     table = TOKENIZER.token_bytes
     assert table is not None and len(table) == TOKENIZER.tokenizer.get_vocab_size()
     assert table[TOKENIZER.encode(" sunny")[0]].startswith(b" ")  # GPT-2's "Ġ" stands for the space byte
+    assert TOKENIZER.eos_id is not None
     assert table[TOKENIZER.eos_id] == b""  # special tokens are skipped in streamed text
     assert GENERAL.token_bytes is None
 
@@ -56,6 +57,7 @@ def test_a_template_that_takes_content_parts_writes_the_models_own_image_placeho
     text = TOKENIZER.render_chat(IMAGE_TURN)
     assert text == "<|im_start|>user\nlook<|image|>and<|image|><|im_end|>\n<|im_start|>assistant\n"
     ids = TOKENIZER.encode(text)
+    assert TOKENIZER.image_token_id is not None
     assert ids.count(TOKENIZER.image_token_id) == 2  # one special token per image, never split
 
 
@@ -83,6 +85,7 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "u
 @given(MESSAGES)
 def test_render_chat_is_what_jinjas_own_render_gives(messages):
     """render_chat calls the template's render function itself, with the variables merged once at load."""
+    assert TOKENIZER._template is not None
     expected = TOKENIZER._template.render(messages=messages, add_generation_prompt=True,
                                           bos_token=TOKENIZER.bos_token or "", eos_token=TOKENIZER.eos_token or "")
     assert TOKENIZER.render_chat(messages) == expected

@@ -3,6 +3,10 @@ engine call carries that span's traceparent; with tracing off no engine call car
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from orchestrator import tracing
@@ -24,6 +28,19 @@ async def run_split(prefill, decode, pool):
                      lease=lease, migration=2)
 
 
+def attributes(span: ReadableSpan) -> Mapping[str, Any]:
+    """A finished span's attributes (the SDK's span always has them; None only in the API's type)."""
+    if span.attributes is None:
+        raise AssertionError(f"span {span.name} has no attributes")
+    return span.attributes
+
+
+def parent_id(span: ReadableSpan) -> int:
+    if span.parent is None:
+        raise AssertionError(f"span {span.name} has no parent")
+    return span.parent.span_id
+
+
 def traceparent(span) -> str:
     context = span.get_span_context()
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
@@ -37,15 +54,15 @@ async def test_every_leg_attempt_is_a_span_whose_traceparent_its_engine_call_car
     tracer = tracing.Tracing(TracingConfig(endpoint="http://127.0.0.1:9/v1/traces"), exporter=exported)
     with tracer.request(SCOPE, "team-a"):
         await run_split(prefill, decode, pool)
-    spans = {(s.name, s.attributes.get("orchestrator.attempt")): s for s in exported.get_finished_spans()}
+    spans = {(s.name, attributes(s).get("orchestrator.attempt")): s for s in exported.get_finished_spans()}
     root = spans["POST /v1/chat/completions", None]
     assert f"{root.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"  # the client's trace goes on
-    assert f"{root.parent.span_id:016x}" == "b7ad6b7169203331" and root.attributes["orchestrator.api_key"] == "team-a"
+    assert f"{parent_id(root):016x}" == "b7ad6b7169203331" and attributes(root)["orchestrator.api_key"] == "team-a"
     first, second, generation = spans["prefill", 1], spans["prefill", 2], spans["decode", 1]
-    assert (first.attributes["orchestrator.worker"], first.attributes["orchestrator.retry"]) == ("grpc://p0", False)
-    assert (second.attributes["orchestrator.worker"], second.attributes["orchestrator.retry"]) == ("grpc://p1", True)
-    assert generation.attributes["orchestrator.migration"] == 2 and first.attributes["orchestrator.migration"] == 0
-    assert all(span.parent.span_id == root.context.span_id for span in (first, second, generation))
+    assert (attributes(first)["orchestrator.worker"], attributes(first)["orchestrator.retry"]) == ("grpc://p0", False)
+    assert (attributes(second)["orchestrator.worker"], attributes(second)["orchestrator.retry"]) == ("grpc://p1", True)
+    assert attributes(generation)["orchestrator.migration"] == 2 and attributes(first)["orchestrator.migration"] == 0
+    assert all(parent_id(span) == root.context.span_id for span in (first, second, generation))
     assert first.status.status_code.name == "ERROR"  # the failed attempt says so
     assert p0.metadata["r1"] == (("traceparent", traceparent(first)),)
     assert p1.metadata["r1"] == (("traceparent", traceparent(second)),)

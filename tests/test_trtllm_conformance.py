@@ -22,6 +22,7 @@ import json
 import signal
 import subprocess
 import time
+from typing import Any, cast
 
 import grpc
 import httpx
@@ -153,13 +154,13 @@ UPSTREAM = {
 
 
 def test_kv_event_sources_are_accepted_and_refused_as_dynamos_sidecar_does():
-    from orchestrator.workers.kv_events import InvalidKvSource, validate_sources
+    from orchestrator.workers.kv_events import InvalidKvSource, ZmqSource, validate_sources
 
     # UPSTREAM kv-events-r1-sources (what the revision-1 server advertises) and kv-events-validation
     source = kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host="node-1", port=5557,
                                   protocol="tcp"), replay_endpoint="tcp://node-1:5560", data_parallel_rank=0,
                                   encoding="msgpack", schema_version=1, buffer_steps=10_000, hwm=100_000)
-    assert [s.endpoint for s in validate_sources([source], 1, 32)] == ["tcp://node-1:5557"]
+    assert [cast(ZmqSource, s).endpoint for s in validate_sources([source], 1, 32)] == ["tcp://node-1:5557"]
     for host in ("*", "0.0.0.0", "::", ""):
         source.endpoint_addr.host = host
         with pytest.raises(InvalidKvSource):
@@ -196,7 +197,7 @@ def test_role_unspecified_serves_every_role_and_a_declared_role_only_itself(revi
 
 def _r1_session(shape: str) -> kv_pb2.KvSessionRef:
     session = kv_pb2.KvSessionRef(session_id="123456789", transfer_backend="NIXL")
-    attributes = {"first_gen_tokens": [42], "disagg_request_id": "987", "schedule_style": 1}
+    attributes: dict[str, Any] = {"first_gen_tokens": [42], "disagg_request_id": "987", "schedule_style": 1}
     if shape in ("both", "endpoint"):
         attributes["ctx_info_endpoint"] = "tcp://10.0.0.5:5601"
         session.endpoints.add(host="10.0.0.5", port=5601, protocol="tcp")
@@ -271,14 +272,18 @@ def test_how_a_context_only_leg_ends(events, expect):
     if expect is None:
         assert outcome is None
         return
+    assert outcome is not None
     assert (outcome.session is not None, bool(outcome.answer), outcome.error is not None) == (
         expect == "session", expect == "answer", expect == "error")
     if expect == "answer":
         assert list(outcome.answer) == events
     if expect == "error":
+        assert outcome.error is not None
         assert "without a kv_session handoff" in outcome.error
     failed = Failed(EngineError("boom", worker="w", rpc="Generate"))
-    assert prefill_outcome([Tokens((1,)), failed]).failed is failed
+    failed_outcome = prefill_outcome([Tokens((1,)), failed])
+    assert failed_outcome is not None
+    assert failed_outcome.failed is failed
 
 
 def test_the_context_leg_keeps_every_option_that_shapes_its_token_and_carries_the_extensions():
