@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 MODEL = "meta-llama/Meta-Llama-3.1-8B"
 BACKEND, VERSION = "trtllm", "1.3.0rc20"
@@ -76,9 +77,10 @@ def main() -> int:
     args = parser.parse_args()
     import aiconfigurator
 
-    document = {"source": f"aiconfigurator {aiconfigurator.__version__}, model {MODEL}, backend {BACKEND} "
-                          f"{VERSION}, tp=1, static_ctx / static_gen(osl=2) latencies in ms",
-                "profiles": {}}
+    document: dict[str, Any] = {
+        "source": f"aiconfigurator {aiconfigurator.__version__}, model {MODEL}, backend {BACKEND} "
+                  f"{VERSION}, tp=1, static_ctx / static_gen(osl=2) latencies in ms",
+        "profiles": {}}
     for name, (system, precision) in TARGETS.items():
         points = measure(system, precision)
         coefficients = fit(points)

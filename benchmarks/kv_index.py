@@ -37,7 +37,8 @@ def events_per_second(block_size: int, seconds: float) -> tuple[float, float]:
     """(stored blocks/s, removed blocks/s)."""
     rng = random.Random(1)
     chains, per_event = 2000, 4
-    events = []  # (engine hashes, parent hash, token ids) chained 4 blocks at a time
+    # (engine hashes, parent hash, token ids) chained 4 blocks at a time
+    events: list[tuple[list[int], int | None, list[int]]] = []
     for _ in range(chains):
         parent = None
         for _ in range(4):

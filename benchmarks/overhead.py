@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -66,7 +67,7 @@ async def run_slots(concurrency: int, per_slot: int, one) -> tuple[float, list[f
 async def run_alternating(requests: int, first, second) -> tuple[tuple[float, list[float], int], ...]:
     """One request of `first`, one of `second`, and so on, one at a time; for each: (seconds spent in its
     requests, ttfts, tokens), as run_slots returns them."""
-    results = []
+    results: list[list] = []  # [seconds, ttfts, tokens] of each
     states = []
     for one in (first, second):
         states.append(await one.open_slot() if hasattr(one, "open_slot") else None)
@@ -120,6 +121,8 @@ class Direct:
                             stream.deliver_directly(count_in_place)
                         count += len(event.token_ids)
             stream.deliver_directly(None)
+        if first is None:
+            raise RuntimeError("the generation leg ended without tokens")
         return first - start, count
 
 
@@ -142,7 +145,7 @@ class ThroughOrchestrator:
 
     async def __call__(self, i: int, j: int, connection: Connection) -> tuple[float, int]:
         start = time.perf_counter()
-        marks = {"first": None, "tokens": 0}
+        marks: dict[str, Any] = {"first": None, "tokens": 0}
 
         def on_data(payload: bytes, at: float) -> None:
             if payload.endswith(b"]}"):  # a chunk with choices (the usage chunk ends with its usage)
