@@ -67,11 +67,6 @@ class StreamState:
     def terminal(self) -> bool:
         return self.finished is not None or self.stopped_on is not None
 
-    def settle_cached(self, prompt_tokens: int, reported: int | None) -> int | None:
-        """Record what the client is told of cached prompt tokens: `reported`, never more than the prompt."""
-        self.cached_tokens = None if reported is None else min(reported, prompt_tokens)
-        return self.cached_tokens
-
 
 def count_tokens(ids: Sequence[int], state: StreamState, on_chunk: Callable[[int], None] | None) -> None:
     """Tokens about to go to the client: counted, kept for a continuation, reported to the metrics."""

@@ -30,7 +30,7 @@ from orchestrator.decode import (
     ReplayedStream,
     StreamState,
     continuation_leg,
-    finish_reason,
+    finish_answer,
     generation_leg,
     stream_output,
 )
@@ -127,9 +127,7 @@ class RequestFlow:
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
             await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
             parts.metrics.prefill_answers.inc()
-            cached = state.settle_cached(self.plan.prompt_tokens, state.cached_tokens)
-            await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens,
-                                   cached_tokens=cached)
+            await finish_answer(self.sink, state, self.plan.prompt_tokens, state.cached_tokens)
             return
         lease = result.lease
         # The KV rule: from here until a decode leg pulls the session (or the releaser does), the prefill
@@ -184,8 +182,7 @@ class RequestFlow:
             tail = self.detokenizer.finish()
             if tail:
                 await self.sink.delta(tail, (), ())
-            cached = state.settle_cached(plan.prompt_tokens, state.cached_tokens)
-            await self.sink.finish("length", plan.prompt_tokens, state.completion_tokens, cached_tokens=cached)
+            await finish_answer(self.sink, state, plan.prompt_tokens, state.cached_tokens, reason="length")
             return None
         if self.migrations >= parts.migration_limit:
             raise error

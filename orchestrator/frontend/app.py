@@ -395,9 +395,8 @@ class _CollectingSink:
         self.logprobs.extend(logprobs)
 
     async def deltas(self, items) -> None:
-        for text, _, logprobs in items:
-            self.parts.append(text)
-            self.logprobs.extend(logprobs)
+        for item in items:
+            await self.delta(*item)
 
     def deltas_now(self, items) -> bool:
         raise RuntimeError("a collected response is written from its request's task only")
