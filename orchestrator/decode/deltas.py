@@ -52,7 +52,9 @@ class OutputSink(Protocol):
 
 @attrs.define
 class StreamState:
-    """What the coordinator needs to know about a generation stream, also after a cancellation."""
+    """What was streamed of one request and how its stream ended, carried across its legs (a migration's too):
+    the decode side writes it (stream_output, direct delivery, the stage), the request flow reads it (a
+    continuation's tokens, the KV handoff's timing, the answer's end, the metrics), also after a cancellation."""
 
     first_token_at: float | None = None
     completion_tokens: int = 0

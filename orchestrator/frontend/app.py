@@ -456,7 +456,7 @@ class _Response:
 
     def chunk_now(self, data: bytes) -> bool:
         """A chunk of a started stream written at once; False when part of it waits for `flush()`."""
-        send_now = self.send_now  # set: the caller checked can_send_now
+        send_now = self.send_now  # set (the caller checked can_send_now): the None test only narrows the type
         return send_now is not None and send_now(data)
 
     async def flush(self) -> None:
