@@ -527,24 +527,34 @@ def local_request_pool(*decodes: FakeEngineClient) -> FakePool:
     return FakePool([fake_worker("prefill", prefill), *[fake_worker("decode", client) for client in decodes]])
 
 
+class Undiscovered(FakeEngineClient):
+    """A worker routable while its capabilities are not known (its discovery failed after it was READY)."""
+
+    @property
+    def cached_capabilities(self):
+        return None
+
+
+@pytest.mark.parametrize("left", ["sibling", "undiscovered"])
 @pytest.mark.parametrize("tokens_sent", [0, 1], ids=["retry", "migration"])
-async def test_a_local_request_never_moves_to_a_decode_worker_that_cannot_run_it_whole(tmp_path, tokens_sent,
+async def test_a_local_request_never_moves_to_a_decode_worker_that_cannot_run_it_whole(tmp_path, tokens_sent, left,
                                                                                          autojump_clock):
     """A local request whose decode worker fails, before its first token (a retry) or after it (a migration),
-    with only a sibling-server decode worker left: the original error stands, that worker is not asked,
-    the client gets no finish besides the error, and no worker is left leased."""
+    with only a decode worker left that refuses a request without a KV session (the sibling server), or that
+    is not known not to: the original error stands, that worker is not asked, the client gets no finish
+    besides the error, and no worker is left leased."""
     from orchestrator.testkit.fakes import capabilities
 
     dying = FakeEngineClient("d0", capabilities(), breaks_after(tokens_sent, "d0"))
-    sibling = sibling_decode("d1")
-    pool = local_request_pool(dying, sibling)
+    other = sibling_decode("d1") if left == "sibling" else Undiscovered("d1", script=lambda r: decode_tokens(3))
+    pool = local_request_pool(dying, other)
     c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096})
-    # local, on the dying worker (the planner may have picked the sibling and split the request)
+    # local, on the dying worker (the planner may have picked the other one and split the request)
     plan = attrs.evolve(await c.plan(chat(), "e10"), path="local", workers=(pool.workers[1],))
     sink = Sink()
     with pytest.raises(WorkerUnavailable, match="gone"):
         await c.execute(plan, sink)
-    assert sibling.generated() == [] and sink.finished is None
+    assert other.generated() == [] and sink.finished is None
     assert sink.text == " weather" * tokens_sent
     assert [w.inflight for w in pool.workers] == [0, 0, 0]
 
