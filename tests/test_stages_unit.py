@@ -503,3 +503,76 @@ async def test_a_migrated_request_counts_its_decode_stage_once(tmp_path, autojum
     await c.execute(plan, Sink())
     rendered = c.metrics.render().decode()
     assert 'orchestrator_stage_duration_seconds_count{stage="decode"} 1.0' in rendered
+
+
+# ---- conditional mode's local path: a replacement must run the whole request on decode -------------------
+
+def sibling_decode(name: str) -> FakeEngineClient:
+    """A declared decode role with the handoff profile (TensorRT-LLM's sibling server): it refuses a request
+    without a KV session, as the real one does (and as the simulated worker in that role does)."""
+    from orchestrator.engine.errors import ErrorCode
+    from orchestrator.kv import TRTLLM_HANDOFF_PROFILE
+    from orchestrator.testkit.fakes import capabilities
+
+    refused = EngineError("Decode requests require a prefill KV session", worker=name, rpc="Generate",
+                          code=ErrorCode.ERROR_CODE_INVALID_ARGUMENT)
+    return FakeEngineClient(name, capabilities("decode", handoff_profile=TRTLLM_HANDOFF_PROFILE),
+                            lambda r: decode_tokens(3) if r.kv.HasField("session") else [Fail(refused)])
+
+
+def local_request_pool(*decodes: FakeEngineClient) -> FakePool:
+    from orchestrator.testkit.fakes import capabilities
+
+    prefill = FakeEngineClient("p0", capabilities("prefill"), lambda r: [Send(PrefillReady(SESSION))])
+    return FakePool([fake_worker("prefill", prefill), *[fake_worker("decode", client) for client in decodes]])
+
+
+class Undiscovered(FakeEngineClient):
+    """A worker routable while its capabilities are not known (its discovery failed after it was READY)."""
+
+    @property
+    def cached_capabilities(self):
+        return None
+
+
+@pytest.mark.parametrize("left", ["sibling", "undiscovered"])
+@pytest.mark.parametrize("tokens_sent", [0, 1], ids=["retry", "migration"])
+async def test_a_local_request_never_moves_to_a_decode_worker_that_cannot_run_it_whole(tmp_path, tokens_sent, left,
+                                                                                         autojump_clock):
+    """A local request whose decode worker fails, before its first token (a retry) or after it (a migration),
+    with only a decode worker left that refuses a request without a KV session (the sibling server), or that
+    is not known not to: the original error stands, that worker is not asked, the client gets no finish
+    besides the error, and no worker is left leased."""
+    from orchestrator.testkit.fakes import capabilities
+
+    dying = FakeEngineClient("d0", capabilities(), breaks_after(tokens_sent, "d0"))
+    other = sibling_decode("d1") if left == "sibling" else Undiscovered("d1", script=lambda r: decode_tokens(3))
+    pool = local_request_pool(dying, other)
+    c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096})
+    # local, on the dying worker (the planner may have picked the other one and split the request)
+    plan = attrs.evolve(await c.plan(chat(), "e10"), path="local", workers=(pool.workers[1],))
+    sink = Sink()
+    with pytest.raises(WorkerUnavailable, match="gone"):
+        await c.execute(plan, sink)
+    assert other.generated() == [] and sink.finished is None
+    assert sink.text == " weather" * tokens_sent
+    assert [w.inflight for w in pool.workers] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("tokens_sent", [0, 1], ids=["retry", "migration"])
+async def test_a_local_request_moves_past_a_sibling_decode_worker_to_one_that_runs_it_whole(tmp_path, tokens_sent,
+                                                                                             autojump_clock):
+    from orchestrator.testkit.fakes import capabilities
+
+    dying = FakeEngineClient("d0", capabilities(), breaks_after(tokens_sent, "d0"))
+    spare = FakeEngineClient("d1", capabilities(), lambda r: decode_tokens(3 - tokens_sent))
+    siblings = [sibling_decode(f"d{i}") for i in (2, 3, 4)]
+    pool = local_request_pool(dying, spare, *siblings)
+    c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096},
+                    limits={"decode_retries": 1, "migration_limit": 1})
+    plan = attrs.evolve(await c.plan(chat(), "e11"), path="local", workers=(pool.workers[1],))
+    sink = Sink()
+    await c.execute(plan, sink)
+    assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
+    assert [s.generated() for s in siblings] == [[], [], []]
+    assert [r.request_id for r in spare.generated()] == ["e11" if tokens_sent == 0 else "e11-m1"]

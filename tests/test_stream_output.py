@@ -14,7 +14,8 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.decode.output import ReplayedStream, StreamState, finish_reason, stream_output
+from orchestrator.decode.deltas import StreamState
+from orchestrator.decode.output import ReplayedStream, finish_reason, stream_output
 from orchestrator.engine import Finished, Tokens
 from orchestrator.engine.client import GenerateStream
 from orchestrator.engine.events import TokenLogprob

@@ -10,7 +10,7 @@
 
 from orchestrator.decode.deltas import OutputSink, StreamState
 from orchestrator.decode.legs import continuation_leg, generation_leg, release_leg
-from orchestrator.decode.output import ReplayedStream, finish_reason, stream_output
+from orchestrator.decode.output import ReplayedStream, finish_answer, finish_reason, stream_output
 
-__all__ = ["OutputSink", "ReplayedStream", "StreamState", "continuation_leg", "finish_reason", "generation_leg",
-           "release_leg", "stream_output"]
+__all__ = ["OutputSink", "ReplayedStream", "StreamState", "continuation_leg", "finish_answer", "finish_reason",
+           "generation_leg", "release_leg", "stream_output"]

@@ -52,7 +52,9 @@ class OutputSink(Protocol):
 
 @attrs.define
 class StreamState:
-    """What the coordinator needs to know about a generation stream, also after a cancellation."""
+    """What was streamed of one request and how its stream ended, carried across its legs (a migration's too):
+    the decode side writes it (stream_output, direct delivery, the stage), the request flow reads it (a
+    continuation's tokens, the KV handoff's timing, the answer's end, the metrics), also after a cancellation."""
 
     first_token_at: float | None = None
     completion_tokens: int = 0
@@ -66,11 +68,6 @@ class StreamState:
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.stopped_on is not None
-
-    def settle_cached(self, prompt_tokens: int, reported: int | None) -> int | None:
-        """Record what the client is told of cached prompt tokens: `reported`, never more than the prompt."""
-        self.cached_tokens = None if reported is None else min(reported, prompt_tokens)
-        return self.cached_tokens
 
 
 def count_tokens(ids: Sequence[int], state: StreamState, on_chunk: Callable[[int], None] | None) -> None:

@@ -22,7 +22,8 @@ plain call inside another task: it never awaits, and it must not raise (if it do
 transport/h2_channel.py abandons the stream and logs it; the connection and its other streams go on).
 
 What it may touch: this request's StreamState, detokenizer and sink, and its token meter; nothing of the
-connection (the inbox gives the worker its flow-control credit after `deliver` returns). The request's
+connection (the connection gives the worker back the flow-control credit of what `deliver` took once it
+returns, transport/h2_channel.py `_hand_over`; of what it left, when the request's task reads it). The request's
 own task uses the same objects; they never interleave because trio runs one task at a time and `deliver`
 runs only while that task is parked in `next_batch()`.
 

@@ -4,6 +4,8 @@
 detokenizes incrementally, honours stop strings, and reports the terminal event. A sink whose
 `per_token` is true gets one delta per token (the default for SSE streams); otherwise a batch is
 one delta (coalesced under load). It never decides about workers; the decode stage does.
+`finish_answer` is the one way an answer's end goes to the sink, whoever ends it (the stage, or the request
+flow for an answer that ended without a decode leg's finish).
 The sink and the stream state are in deltas.py, direct delivery in direct.py.
 """
 
@@ -19,8 +21,6 @@ from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tok
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.engine.events import Event, TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
-
-__all__ = ["OutputSink", "ReplayedStream", "StreamState", "finish_reason", "stream_output", "token_deltas"]
 
 
 async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
@@ -89,6 +89,15 @@ def finish_reason(state: StreamState) -> str:
     if state.stopped_on is not None:
         return "stop"
     return state.finished.reason_name if state.finished is not None else "stop"
+
+
+async def finish_answer(sink: OutputSink, state: StreamState, prompt_tokens: int, reported_cached: int | None, *,
+                        reason: str | None = None) -> None:
+    """The answer's last call to `sink`: `reason` (else what the stream ended on), the usage, and the cached
+    prompt tokens the engine reported, never more than the prompt (also kept in `state` for the metrics)."""
+    state.cached_tokens = None if reported_cached is None else min(reported_cached, prompt_tokens)
+    await sink.finish(finish_reason(state) if reason is None else reason, prompt_tokens, state.completion_tokens,
+                      cached_tokens=state.cached_tokens)
 
 
 class ReplayedStream:

@@ -21,7 +21,7 @@ import trio
 
 from orchestrator import tracing
 from orchestrator.decode.deltas import OutputSink, StreamState
-from orchestrator.decode.output import finish_reason, stream_output
+from orchestrator.decode.output import finish_answer, stream_output
 from orchestrator.engine import EngineError, Failed, Finished, Tokens
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.kv.lease import KvLease
@@ -107,8 +107,7 @@ class DecodeStage:
         engine_prompt = state.prompt_tokens - state.resent_tokens if state.prompt_tokens else None
         prompt = engine_prompt or prompt_tokens
         # A decode leg's engine counts the blocks it pulled as cached: what the prefill found cached is the answer.
-        cached = state.settle_cached(prompt, lease.cached_tokens if lease is not None else state.cached_tokens)
-        await sink.finish(finish_reason(state), prompt, state.completion_tokens, cached_tokens=cached)
+        await finish_answer(sink, state, prompt, lease.cached_tokens if lease is not None else state.cached_tokens)
 
     async def _abort(self, worker, request_id: str, metadata) -> None:
         # The RPC is cancelled already; Abort makes sure the engine lets go as well. Not to a worker the pool

@@ -10,7 +10,9 @@ client is not retried by its stage (the client has those tokens); the stage rais
 `_migration` decides, in this one place, whether the request goes on elsewhere: the prompt plus the tokens
 already sent, what is left of the budget, a new prefill where the path is split
 (orchestrator.decode.legs.continuation_leg). The output state and the detokenizer carry on across the passes,
-so the text neither repeats nor skips. At most `limits.migration_limit` times.
+so the text neither repeats nor skips. At most `limits.migration_limit` times. A replacement worker, a
+migration's or a stage's retry's, must be able to do what the planner checked of the first ones
+(`_replacement_check`): on conditional mode's local path, run the whole request on a decode worker.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from orchestrator.decode import (
     ReplayedStream,
     StreamState,
     continuation_leg,
-    finish_reason,
+    finish_answer,
     generation_leg,
     stream_output,
 )
@@ -70,11 +72,7 @@ class RequestFlow:
         self._last_chunk: float | None = None
         self._token_meter = parts.metrics.token_meter(plan.path)
         self._handoff: tuple[float, KvLease] | None = None  # (prefill done, lease) of the first decode leg
-        # Where a retry or a migration may take this request: the planner checked the guide and logprobs
-        # against the first workers only; a replacement must serve them too. None: nothing to check.
-        api = plan.api
-        self.accepts: Callable[[object], bool] | None = None if api.guided is None and not api.logprobs else (
-            lambda worker: _serves(api, worker))
+        self.accepts = _replacement_check(plan)  # where a retry or a migration may take this request
 
     async def run(self) -> None:
         plan, metrics = self.plan, self.parts.metrics
@@ -129,9 +127,7 @@ class RequestFlow:
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
             await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
             parts.metrics.prefill_answers.inc()
-            cached = state.settle_cached(self.plan.prompt_tokens, state.cached_tokens)
-            await self.sink.finish(finish_reason(state), self.plan.prompt_tokens, state.completion_tokens,
-                                   cached_tokens=cached)
+            await finish_answer(self.sink, state, self.plan.prompt_tokens, state.cached_tokens)
             return
         lease = result.lease
         # The KV rule: from here until a decode leg pulls the session (or the releaser does), the prefill
@@ -186,8 +182,7 @@ class RequestFlow:
             tail = self.detokenizer.finish()
             if tail:
                 await self.sink.delta(tail, (), ())
-            cached = state.settle_cached(plan.prompt_tokens, state.cached_tokens)
-            await self.sink.finish("length", plan.prompt_tokens, state.completion_tokens, cached_tokens=cached)
+            await finish_answer(self.sink, state, plan.prompt_tokens, state.cached_tokens, reason="length")
             return None
         if self.migrations >= parts.migration_limit:
             raise error
@@ -197,7 +192,7 @@ class RequestFlow:
             if plan.path == "disaggregated":
                 decode_worker = parts.pool.pick("decode", exclude=tuple(self.failed), accepts=self.accepts)
                 workers = (parts.pool.pick("prefill", accepts=self.accepts), decode_worker)
-            else:
+            else:  # (local: only a decode worker that runs whole requests, through self.accepts)
                 decode_worker = parts.pool.pick(failed_worker.role, exclude=tuple(self.failed), accepts=self.accepts)
                 workers = (decode_worker,)
         except NoWorkerAvailable:
@@ -211,8 +206,27 @@ class RequestFlow:
         return continuation_leg(plan.full, generated, self.migrations), workers
 
 
-def _serves(api, worker) -> bool:
-    """A worker whose capabilities are not known yet is given the benefit of the doubt (its engine refuses what
-    it cannot do, except a guide the sibling server would ignore: discovery runs before a worker is READY)."""
-    caps = worker.client.cached_capabilities if worker.client is not None else None
-    return caps is None or serves_features(api, caps)
+def _replacement_check(plan) -> Callable[[object], bool] | None:
+    """What a worker that takes over the request (a retry, a migration) must be able to do, which the planner
+    checked of the first workers only: serve the guide and the logprobs asked for, and on the local path run the
+    whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
+    leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
+    api = plan.api
+    needs_features = api.guided is not None or bool(api.logprobs)
+    runs_whole = plan.path == "local"
+    if not needs_features and not runs_whole:
+        return None
+
+    def accepts(worker) -> bool:
+        caps = worker.client.cached_capabilities if worker.client is not None else None
+        if caps is None:
+            # Not discovered yet (discovery runs before a worker is READY, and may fail after). Features: the
+            # benefit of the doubt, its engine refuses what it cannot do (but for a guide the sibling server
+            # would ignore). A whole request: no, the sibling server's refusal is not retryable and would end
+            # the request with that error instead of the one it migrated from.
+            return not runs_whole
+        if runs_whole and not caps.runs_whole_requests_on_decode:
+            return False
+        return not needs_features or serves_features(api, caps)
+
+    return accepts

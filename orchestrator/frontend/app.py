@@ -395,9 +395,8 @@ class _CollectingSink:
         self.logprobs.extend(logprobs)
 
     async def deltas(self, items) -> None:
-        for text, _, logprobs in items:
-            self.parts.append(text)
-            self.logprobs.extend(logprobs)
+        for item in items:
+            await self.delta(*item)
 
     def deltas_now(self, items) -> bool:
         raise RuntimeError("a collected response is written from its request's task only")
@@ -457,7 +456,7 @@ class _Response:
 
     def chunk_now(self, data: bytes) -> bool:
         """A chunk of a started stream written at once; False when part of it waits for `flush()`."""
-        send_now = self.send_now  # set: the caller checked can_send_now
+        send_now = self.send_now  # set (the caller checked can_send_now): the None test only narrows the type
         return send_now is not None and send_now(data)
 
     async def flush(self) -> None:
