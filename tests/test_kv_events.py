@@ -470,3 +470,34 @@ def test_a_malformed_revision_3_event_breaks_the_stream_not_the_server():
         block_hashes=[kv_pb2.KvBlockHash(value=b"not-a-number", encoding="decimal_int64")]))
     with pytest.raises(KvStreamBroken, match="malformed"):
         apply_proto_events(KvIndex(), ("w", 0), [event])
+
+
+async def test_a_worker_that_leaves_the_pool_leaves_the_metrics(sim_workers):
+    """Its per-worker KV series (the index's blocks and mode, the routed and cached prompt blocks) go with it:
+    a fleet that churns does not grow /metrics without bound, nor show workers that are gone."""
+    from orchestrator.config import RoutingConfig
+    from orchestrator.workers.pool import WorkerPool
+
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+    spec = WorkerSpec(address=worker.address, role="aggregated")
+    metrics = Metrics()
+    index = KvIndex()
+    registry = StaticRegistry([spec])
+    async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=RoutingConfig(aggregated="kv_aware"),
+                          model="", health_interval=0.05, removal_grace=30.0,
+                          kv_feed=KvEventFeed(index, retry_s=0.1, identity_check_s=0.2))
+        await nursery.start(pool.run, registry)
+        await wait_for(lambda: index.mode(worker.address) == "events" and pool.ready_count("aggregated"))
+        pool.route("aggregated", prompt=prompt_block_keys(prompt(1), BLOCK))
+
+        def series() -> list[str]:
+            return [line for line in metrics.render().decode().splitlines()
+                    if not line.startswith("#") and "_created" not in line and f'worker="{worker.address}"' in line]
+        await wait_for(lambda: len(series()) == 5, what=str(series()))  # blocks, mode x 2, prompt and cached blocks
+        await registry.send.send(Snapshot(frozenset(), True, ""))
+        await wait_for(lambda: not pool.workers)
+        assert series() == []
+        await trio.sleep(0.2)  # its monitor, until it retires, does not bring them back
+        assert series() == []
+        nursery.cancel_scope.cancel()

@@ -29,7 +29,7 @@ from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUna
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
-from orchestrator.metrics import Metrics
+from orchestrator.metrics import KV_INDEX_MODES, Metrics
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
@@ -169,10 +169,12 @@ class WorkerPool:
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
             if self.kv_index is not None and not any(s.address == spec.address for s in snapshot.workers):
-                # out of the KV index at once, not when its requests are done: it gets no more of them
+                # out of the KV index and its series out of /metrics at once, not when its requests are done:
+                # it gets no more of them (its monitor, running until then, writes none: _index_metrics)
                 self.kv_index.forget(spec.address)
                 if self.kv_feed is not None:
                     self.kv_feed.forget(spec.address)
+                self._metrics.forget_worker(spec.address)
             self.retiring.add(worker)
             nursery.start_soon(self._retire, worker)
         self._notify()
@@ -231,7 +233,7 @@ class WorkerPool:
                     self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
                 self._notify()
-            if self.kv_index is not None:
+            if self.kv_index is not None and worker.state is not WorkerState.REMOVING:
                 self._index_metrics(worker, self.kv_index)
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
@@ -299,7 +301,7 @@ class WorkerPool:
         metrics = self._metrics
         mode = index.mode(worker.address)
         metrics.kv_index_blocks.labels(worker.address).set(index.blocks(worker.address))
-        for each in ("events", "approximate"):
+        for each in KV_INDEX_MODES:
             metrics.kv_index_mode.labels(worker.address, each).set(1 if each == mode else 0)
         metrics.kv_index_routed.set(index.routed_entries())
 
