@@ -200,3 +200,41 @@ def test_a_prompts_keys_place_each_image_after_its_placeholder_and_key_it_by_ide
     other = request_block_keys(prompt, BLOCK, [ImageRef(url="http://x/dog.jpg")], placeholder, image_tokens=6)
     assert other[:2] == keys[:2] and all(a != b for a, b in zip(other[2:], keys[2:]))
     assert request_block_keys(text, BLOCK) == prompt_block_keys(text, BLOCK)  # no images: the text's keys
+
+
+async def test_conditional_mode_finds_the_decode_holder_when_its_blocks_differ_from_the_prefill_ones(tmp_path):
+    """The keys a decode worker's holding is asked with are cut in ITS block size (16 here; prefill's is 32),
+    and its held blocks count in that size: the decode worker holding the prompt's prefix (its events key
+    blocks of 16) runs the request itself, the remainder being within max_local_prefill_length."""
+    import attrs
+
+    from orchestrator.convert import parse_completion
+    from orchestrator.engine import LoopThread
+    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator.metrics import Metrics
+    from orchestrator.models import TINY_CHAT
+    from orchestrator.testkit.fakes import FakeEngineClient, capabilities, fake_worker
+    from orchestrator.testkit.plugin import write_config
+    from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator.workers.pool import WorkerPool
+
+    config = config_module.load(write_config(tmp_path / "c.yaml", "conditional", {}, routing={"prefill": "kv_aware"},
+                                             conditional={"max_local_prefill_length": 40}))
+    ids = list(range(100, 300))  # 200 tokens: 12 blocks of 16 (8 left), 6 of 32 (8 left)
+
+    def worker(role: str, name: str, block_size: int):
+        caps = attrs.evolve(capabilities(role), models=("tiny-chat",), model_id="tiny-chat", kv_block_size=block_size)
+        return fake_worker(role, FakeEngineClient(name, caps))
+
+    workers = [worker("prefill", "p0", 32), worker("decode", "d0", 16), worker("decode", "d1", 16)]
+    async with LoopThread.open() as loop_thread:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=config.routing, model="tiny-chat")
+        pool.workers.update((w.spec, w) for w in workers)
+        index = pool.kv_index
+        assert index is not None
+        holder = workers[2].address
+        index.set_mode(holder, "events")
+        index.stored((holder, 0), prompt_block_keys(ids, 16)[:11])  # all but the last full block: 24 to compute
+        coordinator = Coordinator(config, pool, ModelTokenizer.from_dir(TINY_CHAT), Metrics())
+        plan = await coordinator.plan(parse_completion({"model": "tiny-chat", "prompt": ids, "max_tokens": 1}), "r1")
+        assert (plan.path, [w.address for w in plan.workers]) == ("local", [holder])

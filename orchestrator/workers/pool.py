@@ -356,35 +356,55 @@ class WorkerPool:
 
     def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None
              ) -> Worker:
-        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. A kv_aware
-        role's first pick for a request goes through `route` with the prompt's keys instead."""
+        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes, by that
+        role's policy. A kv_aware role's first pick for a request goes through `route` with the prompt's keys."""
+        return self._decide(role, exclude, accepts, ()).worker
+
+    def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
+              prompt: Sequence[int] = ()) -> Decision[Worker]:
+        """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
+        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
+        if self._policy_names[role] != "kv_aware":
+            prompt = ()
+        decision = self._decide(role, exclude, accepts, prompt)
+        if prompt:
+            address = decision.worker.address
+            self._metrics.routing_prompt_blocks.labels(address).inc(decision.prompt_blocks)
+            self._metrics.routing_cached_blocks.labels(address).inc(decision.cached_blocks)
+        self._decisions[role, decision.reason].inc()
+        return decision
+
+    def _decide(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None,
+                prompt: Sequence[int]) -> Decision[Worker]:
         candidates = self._candidates(role, exclude, accepts)
-        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
-        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
+        # prompt's keys are to be recorded and its DP rank chosen (kv_aware).
+        if len(candidates) == 1 and not prompt:
+            decision = Decision(candidates[0], "single")
+        else:
+            decision = self._policies[role].decide(candidates, trio.current_time(), prompt)
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
-        chosen.sent_since_load += 1
-        return chosen
+        decision.worker.sent_since_load += 1
+        return decision
 
     def kv_block_size(self, role: str) -> int | None:
-        """The KV block size a kv_aware role's prompt keys are cut in: the one its workers report (the first
-        known; workers of one role serve one model), None when the role is not kv_aware or none reported."""
-        if self._policy_names.get(role) != "kv_aware":
+        """The KV block size prompt keys for `role` are cut in: the one its workers report (the first known;
+        workers of one role serve one model); None without a KV index, or before any of them reported it."""
+        if self.kv_index is None:
             return None
-        return self._block_size_of(role)
-
-    def _block_size_of(self, role: str) -> int | None:
         for worker in self.workers.values():
             caps = worker.client.cached_capabilities if worker.role == role and worker.client is not None else None
             if caps is not None and caps.kv_block_size:
                 return caps.kv_block_size
         return None
 
-    def holding(self, role: str, keys: Sequence[int], prompt_tokens: int, max_uncached: int) -> Worker | None:
-        """The routable worker of `role` holding the most of the prompt's prefix, if it leaves at most
-        `max_uncached` prompt tokens to compute (conditional mode: a short remainder prefills on the decode
-        worker itself); None otherwise, or without a KV index."""
-        block_size = self._block_size_of(role)
-        if self.kv_index is None or not keys or block_size is None:
+    def holding(self, role: str, keys: Sequence[int], block_size: int, prompt_tokens: int, max_uncached: int
+                ) -> Worker | None:
+        """The routable worker of `role` holding the most of the prompt's prefix (`keys`, cut in `block_size`:
+        that role's, kv_block_size(role)), if it leaves at most `max_uncached` prompt tokens to compute
+        (conditional mode: a short remainder prefills on the decode worker itself); None otherwise, or without
+        a KV index."""
+        if self.kv_index is None or not keys:
             return None
         held: dict[str, int] = {}
         for (address, _), blocks in self.kv_index.overlap(keys, trio.current_time()).items():
@@ -394,28 +414,6 @@ class WorkerPool:
         if best is None or prompt_tokens - held[best.address] * block_size > max_uncached:
             return None
         return best
-
-    def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
-              prompt: Sequence[int] = ()) -> Decision[Worker]:
-        """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
-        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
-        candidates = self._candidates(role, exclude, accepts)
-        if self._policy_names[role] != "kv_aware":
-            prompt = ()
-        # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
-        # prompt's keys are to be recorded and its DP rank chosen (kv_aware).
-        if len(candidates) == 1 and not prompt:
-            decision = Decision(candidates[0], "single")
-        else:
-            decision = self._policies[role].decide(candidates, trio.current_time(), prompt)
-            if prompt:
-                address = decision.worker.address
-                self._metrics.routing_prompt_blocks.labels(address).inc(decision.prompt_blocks)
-                self._metrics.routing_cached_blocks.labels(address).inc(decision.cached_blocks)
-        self._decisions[role, decision.reason].inc()
-        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
-        decision.worker.sent_since_load += 1
-        return decision
 
     def _candidates(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None
                     ) -> list[Worker]:
