@@ -501,3 +501,41 @@ async def test_a_worker_that_leaves_the_pool_leaves_the_metrics(sim_workers):
         await trio.sleep(0.2)  # its monitor, until it retires, does not bring them back
         assert series() == []
         nursery.cancel_scope.cancel()
+
+
+class CountsServerInfo(RefusesKvEventStream):
+    """Counts the ServerInfo reads it answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server_infos = 0
+
+    async def GetServerInfo(self, request, context):
+        self.server_infos += 1
+        return await super().GetServerInfo(request, context)
+
+
+async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_feed_of_a_restart():
+    """One ServerInfo poller per worker, the pool's identity check (every identity_interval): the feed of a worker
+    waiting for its restart (a stream it cannot follow) learns of the restart from the pool, not by polling too."""
+    from orchestrator.config import RoutingConfig
+    from orchestrator.workers.pool import WorkerPool
+
+    servicer = CountsServerInfo()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.05, identity_check_s=0.1)
+    with grpc_aio_server(control=servicer) as server:
+        address = f"grpc://{server.address}"
+        async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+            pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
+                              health_interval=0.05, kv_feed=feed)
+            pool.identity_interval = 0.5
+            await nursery.start(pool.run, StaticRegistry([WorkerSpec(address=address, role="aggregated")]))
+            await wait_for(lambda: "cannot be followed" in feed.detail.get(address, ""))
+            before = servicer.server_infos
+            await trio.sleep(2.0)
+            assert servicer.server_infos - before <= 5  # the pool's, one per 0.5 s; none of the feed's own
+            assert servicer.subscriptions == 1
+            servicer.instance_id = "refusing-2"  # restarted: the pool sees it and the feed subscribes again
+            await wait_for(lambda: servicer.subscriptions == 2)
+            nursery.cancel_scope.cancel()

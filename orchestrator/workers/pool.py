@@ -30,6 +30,7 @@ from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
+from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
@@ -58,6 +59,9 @@ class Worker:
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
+        # Which instance of the worker runs (ServerInfo.instance_id), as the monitor last saw it: the KV event
+        # feed starts over when it changes, without reading ServerInfo itself.
+        self.instance = InstanceWatch()
         # The pool failed this worker's calls because it stopped answering; until it answers a health check
         # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
         self.unresponsive = False
@@ -198,7 +202,7 @@ class WorkerPool:
                         if self._polls_load(worker):
                             nursery.start_soon(self._poll_load, worker, client)
                         if self.kv_feed is not None and worker.role in self.kv_follow_roles:
-                            nursery.start_soon(self.kv_feed.follow, worker.address, client)
+                            nursery.start_soon(self.kv_feed.follow, worker.address, client, worker.instance)
                         await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -274,6 +278,7 @@ class WorkerPool:
             # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
             self._on(worker, WorkerEvent.HEALTHY, f"capability discovery failing: {exc}")
             return
+        worker.instance.saw(caps.instance_id)
         if not caps.serves_role(worker.role):
             self._on(worker, WorkerEvent.IDENTITY_MISMATCH,
                      f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
