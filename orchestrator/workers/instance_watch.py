@@ -11,9 +11,13 @@ own watch with `poll`, which reads ServerInfo as the pool would.
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
 from orchestrator.engine import EngineError
+
+log = logging.getLogger(__name__)
 
 
 class InstanceWatch:
@@ -33,16 +37,22 @@ class InstanceWatch:
         while self.instance_id is None or self.instance_id == instance_id:
             await self._changed.wait()
 
+    async def check(self, client, timeout: float) -> None:
+        """Read `client`'s ServerInfo once: a new instance's capabilities are discovered again (the cached
+        ones are the old instance's), and the instance is seen here."""
+        try:
+            info = await client.server_info(timeout=timeout)
+        except EngineError:
+            return  # a dead worker is the health check's to judge; a lost stream shows itself
+        cached = client.cached_capabilities
+        if cached is not None and cached.instance_id and info.instance_id != cached.instance_id:
+            log.info("worker %s restarted: instance %s -> %s; reading its capabilities again", client.name,
+                     cached.instance_id, info.instance_id)
+            client.forget_capabilities()
+        self.saw(info.instance_id)
+
     async def poll(self, client, interval: float) -> None:
-        """Read `client`'s ServerInfo every `interval` seconds (until cancelled), as the pool does: a new
-        instance's capabilities are discovered again (the cached ones are the old instance's)."""
+        """check() every `interval` seconds, until cancelled (a feed without the pool)."""
         while True:
             await trio.sleep(interval)
-            try:
-                info = await client.server_info(timeout=max(1.0, interval))
-            except EngineError:
-                continue  # a dead worker is the health check's to judge; a lost stream shows itself
-            cached = client.cached_capabilities
-            if cached is not None and cached.instance_id != info.instance_id:
-                client.forget_capabilities()
-            self.saw(info.instance_id)
+            await self.check(client, timeout=max(1.0, interval))

@@ -251,26 +251,14 @@ class WorkerPool:
             log.warning("worker %s %s is unresponsive (no health answer, nothing received for %g s): failed its %d "
                         "open calls so that they retry or migrate", worker.role, worker.address, quiet_s, failed)
 
-    async def _instance_changed(self, worker: Worker, client: EngineClient) -> bool:
-        """A restart faster than one health interval shows only as a new ServerInfo.instance_id."""
+    async def _check_identity(self, worker: Worker, client: EngineClient) -> None:
+        # A restart faster than one health interval shows only as a new ServerInfo.instance_id: read it now and
+        # then (the watch forgets the old instance's capabilities).
         cached = client.cached_capabilities
         now = trio.current_time()
-        if cached is None or not cached.instance_id or now < worker.identity_checked_at + self.identity_interval:
-            return False
-        worker.identity_checked_at = now
-        try:
-            info = await client.server_info(timeout=max(1.0, self.health_interval * 2))
-        except EngineError:
-            return False  # the health check will notice a dead worker
-        if info.instance_id != cached.instance_id:
-            log.info("worker %s %s restarted: instance %s -> %s; reading its capabilities again", worker.role,
-                     worker.address, cached.instance_id, info.instance_id)
-            return True
-        return False
-
-    async def _check_identity(self, worker: Worker, client: EngineClient) -> None:
-        if await self._instance_changed(worker, client):
-            client.forget_capabilities()
+        if cached is not None and cached.instance_id and now >= worker.identity_checked_at + self.identity_interval:
+            worker.identity_checked_at = now
+            await worker.instance.check(client, timeout=max(1.0, self.health_interval * 2))
         try:
             caps = await client.capabilities()
         except EngineError as exc:
