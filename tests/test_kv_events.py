@@ -30,6 +30,7 @@ from orchestrator.workers.kv_events import (
     validate_sources,
 )
 from orchestrator.workers.kv_index import KvIndex, PromptImage, image_identity, prompt_block_keys
+from orchestrator.workers.kv_routing import KvRouting
 from sim_helpers import IMAGE_TOKEN_ID, collect, data_uri, full_request, png_bytes
 
 FAST = ("--time-scale", "0")
@@ -357,7 +358,8 @@ async def test_a_worker_that_leaves_the_pool_leaves_the_index_at_once(sim_worker
     registry = StaticRegistry([spec])
     async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
         pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
-                          health_interval=0.1, removal_grace=30.0, kv_feed=feed)
+                          health_interval=0.1, removal_grace=30.0,
+                          kv=KvRouting(index, feed, roles=(), follow_roles=("aggregated",)))
         await nursery.start(pool.run, registry)
         await wait_for(lambda: index.mode(worker.address) == "events")
         async with engine_client(worker.address) as client:
@@ -484,9 +486,10 @@ async def test_a_worker_that_leaves_the_pool_leaves_the_metrics(sim_workers):
     index = KvIndex()
     registry = StaticRegistry([spec])
     async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+        feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
         pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=RoutingConfig(aggregated="kv_aware"),
                           model="", health_interval=0.05, removal_grace=30.0,
-                          kv_feed=KvEventFeed(index, retry_s=0.1, identity_check_s=0.2))
+                          kv=KvRouting(index, feed, roles=("aggregated",), follow_roles=("aggregated",)))
         await nursery.start(pool.run, registry)
         await wait_for(lambda: index.mode(worker.address) == "events" and pool.ready_count("aggregated"))
         pool.route("aggregated", prompt=prompt_block_keys(prompt(1), BLOCK))
@@ -528,7 +531,7 @@ async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_fe
         address = f"grpc://{server.address}"
         async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
             pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
-                              health_interval=0.05, kv_feed=feed)
+                              health_interval=0.05, kv=KvRouting(index, feed, roles=(), follow_roles=("aggregated",)))
             pool.identity_interval = 0.5
             await nursery.start(pool.run, StaticRegistry([WorkerSpec(address=address, role="aggregated")]))
             await wait_for(lambda: "cannot be followed" in feed.detail.get(address, ""))

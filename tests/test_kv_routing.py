@@ -216,6 +216,7 @@ async def test_conditional_mode_finds_the_decode_holder_when_its_blocks_differ_f
     from orchestrator.testkit.fakes import FakeEngineClient, capabilities, fake_worker
     from orchestrator.testkit.plugin import write_config
     from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator.workers.kv_routing import KvRouting
     from orchestrator.workers.pool import WorkerPool
 
     config = config_module.load(write_config(tmp_path / "c.yaml", "conditional", {}, routing={"prefill": "kv_aware"},
@@ -228,7 +229,8 @@ async def test_conditional_mode_finds_the_decode_holder_when_its_blocks_differ_f
 
     workers = [worker("prefill", "p0", 32), worker("decode", "d0", 16), worker("decode", "d1", 16)]
     async with LoopThread.open() as loop_thread:
-        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=config.routing, model="tiny-chat")
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=config.routing, model="tiny-chat",
+                          kv=KvRouting(KvIndex(), None, roles=config.kv_aware_roles, follow_roles=()))
         pool.workers.update((w.spec, w) for w in workers)
         index = pool.kv_index
         assert index is not None

@@ -66,7 +66,7 @@ class Coordinator:
                                cleanup_timeout_s=limits.kv_cleanup_timeout_s),
             migration_limit=limits.migration_limit)
         self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
-        self.kv_roles = config.routing.kv_aware_roles  # (a property: derived once, not per request)
+        self.kv_roles = config.kv_aware_roles  # (a property: derived once, not per request)
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:

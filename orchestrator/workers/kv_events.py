@@ -33,11 +33,10 @@ feed task never outlives its worker, and hands it the worker's InstanceWatch (in
 is the one reader of the worker's identity, and the feed starts over when the watch reports a restart.
 serve.py owns the KvEventFeed next to the pool and closes it after:
 
-    index = KvIndex(ttl_s=...)
-    feed = KvEventFeed(index)
-    pool = WorkerPool(..., kv_feed=feed)   # follows every worker it runs, forgets every worker it drops
+    kv = kv_routing(config)                # index, feed and the roles it follows (kv_routing.py)
+    pool = WorkerPool(..., kv=kv)          # follows every worker it runs, forgets every worker it drops
     ... pool.run(...) ...
-    feed.close()                           # after the pool's nursery exited
+    kv.feed.close()                        # after the pool's nursery exited
 
 `index.mode(worker)` says "events" or "approximate"; `feed.detail[worker]` says why a worker is approximate
 ("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears and invalid sources.

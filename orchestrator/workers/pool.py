@@ -32,6 +32,7 @@ from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
 from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
+from orchestrator.workers.kv_routing import KvRouting
 from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
@@ -103,8 +104,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2", keepalive=None, kv_index: KvIndex | None = None,
-                 kv_feed=None, kv_follow_roles: tuple[str, ...] | None = None):
+                 tls=None, stream_transport: str = "h2", keepalive=None, kv: KvRouting | None = None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -116,22 +116,16 @@ class WorkerPool:
         self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
-        self._policy_names = {role: getattr(routing, role) for role in ROLES}
-        # The KV index exists only when a role routes kv_aware (its event feeds and key computation cost nothing
-        # otherwise); every kv_aware role shares it.
-        kv = routing.kv_aware
-        if kv_index is None:
-            kv_index = kv_feed.index if kv_feed is not None else \
-                KvIndex(ttl_s=kv.approximate_ttl_s) if routing.kv_aware_roles else None
-        self.kv_index: KvIndex | None = kv_index
-        # The KV event feed into that index (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)`
-        # for as long as the worker is in the pool, `forget(address)`), for the workers of these roles: the
-        # kv_aware ones, and decode in conditional mode (a prompt may prefill where its prefix is); every role when
-        # none routes kv_aware. No feed: every worker approximate.
-        self.kv_feed = kv_feed
-        self.kv_follow_roles = kv_follow_roles if kv_follow_roles is not None else routing.kv_aware_roles or ROLES
-        knobs = KvAwareKnobs(overlap_weight=kv.overlap_weight, max_imbalance=kv.max_imbalance,
-                             max_kv_usage=kv.max_kv_usage)
+        # KV-aware routing's index and event feed (kv_routing.py), for the roles it names: a role routed kv_aware
+        # that the mode does not run (or with no KV routing given) is routed least loaded, and sets up nothing.
+        self.kv = kv
+        self.kv_index: KvIndex | None = kv.index if kv is not None else None
+        kv_roles = kv.roles if kv is not None else ()
+        self._policy_names = {role: "least_loaded" if policy == "kv_aware" and role not in kv_roles else policy
+                              for role in ROLES for policy in [getattr(routing, role)]}
+        tuning = routing.kv_aware
+        knobs = KvAwareKnobs(overlap_weight=tuning.overlap_weight, max_imbalance=tuning.max_imbalance,
+                             max_kv_usage=tuning.max_kv_usage)
         self._policies = {role: make_policy(name, self.staleness_s, index=self.kv_index, knobs=knobs)
                           for role, name in self._policy_names.items()}
         self._decisions = {(role, reason): metrics.routing_decisions.labels(role, reason)
@@ -176,8 +170,8 @@ class WorkerPool:
                 # out of the KV index and its series out of /metrics at once, not when its requests are done:
                 # it gets no more of them (its monitor, running until then, writes none: _index_metrics)
                 self.kv_index.forget(spec.address)
-                if self.kv_feed is not None:
-                    self.kv_feed.forget(spec.address)
+                if self.kv is not None and self.kv.feed is not None:
+                    self.kv.feed.forget(spec.address)
                 self._metrics.forget_worker(spec.address)
             self.retiring.add(worker)
             nursery.start_soon(self._retire, worker)
@@ -201,8 +195,9 @@ class WorkerPool:
                     async with trio.open_nursery() as nursery:
                         if self._polls_load(worker):
                             nursery.start_soon(self._poll_load, worker, client)
-                        if self.kv_feed is not None and worker.role in self.kv_follow_roles:
-                            nursery.start_soon(self.kv_feed.follow, worker.address, client, worker.instance)
+                        kv = self.kv
+                        if kv is not None and kv.feed is not None and worker.role in kv.follow_roles:
+                            nursery.start_soon(kv.feed.follow, worker.address, client, worker.instance)
                         await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -440,7 +435,8 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         """The operator's view of every worker (/health): state, and what its engine last reported."""
-        return [_describe(w, self.kv_index, self.kv_feed) for w in self._every_worker()]
+        feed = self.kv.feed if self.kv is not None else None
+        return [_describe(w, self.kv_index, feed) for w in self._every_worker()]
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]
