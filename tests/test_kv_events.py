@@ -199,6 +199,29 @@ async def test_a_worker_restart_clears_its_entries_and_the_new_instance_is_follo
         nursery.cancel_scope.cancel()
 
 
+async def test_a_follow_that_ends_leaves_the_worker_approximate_with_no_event_entries(sim_workers, engine_client):
+    """Nobody keeps the entries of a worker whose events are no longer followed (its follow task ended while it
+    stays known): they are dropped and its mode is approximate, not "events" forever with what it held then."""
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
+    async with trio.open_nursery() as nursery:
+        client = await nursery.start(_open_client, engine_client, worker.address)
+        following = trio.CancelScope()
+
+        async def follow_until_cancelled():
+            with following:
+                await feed.follow(worker.address, client)
+        nursery.start_soon(follow_until_cancelled)
+        await wait_for(lambda: index.mode(worker.address) == "events")
+        await run(client, prompt(1), "p")
+        await wait_for(lambda: index.blocks(worker.address) == 3)
+        following.cancel()
+        await wait_for(lambda: index.mode(worker.address) == "approximate", timeout=2)
+        assert index.blocks(worker.address) == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_invalid_source_sends_the_worker_to_approximate_mode_with_its_cause_logged(
         sim_workers, engine_client, caplog):
     worker = sim_workers.start("aggregated", *FAST, *REVISION_1)

@@ -391,8 +391,11 @@ class KvEventFeed:
                 else:
                     await trio.sleep(self.retry_s)
         finally:
-            if self._followers.get(worker) is follower:
+            if self._followers.get(worker) is follower:  # (not forgotten, nor followed anew since)
+                # Nobody keeps its event entries from now on: they go, and what we route there counts instead.
                 self._followers.pop(worker)
+                self.index.cleared(worker)
+                self.index.set_mode(worker, "approximate")
 
     async def _follow_once(self, follower: _Follower, client, instance: InstanceWatch) -> str | None:
         """One subscription. Returns the worker's instance id when only a restart may change things (no

@@ -367,7 +367,6 @@ class KvIndex:
         self._routed_count = 0
         self._expiry_keys = 0  # keys held by the expiry queue: a prompt routed again adds an item, not an entry
         self._expiry: collections.deque[tuple[float, tuple[int, ...], int, int]] = collections.deque()
-        self.events_applied = 0
 
     # ---- who is there -------------------------------------------------------------------------------
     def _state(self, where: WorkerRank) -> _RankState:
@@ -475,7 +474,6 @@ class KvIndex:
     def _store(self, state: _RankState, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
         held, by_engine, bit = self._held, state.by_engine, state.bit
         for engine_hash, key in zip(engine_hashes, keys):
-            self.events_applied += 1
             old = by_engine.get(engine_hash)
             if old == key:
                 continue
@@ -491,7 +489,6 @@ class KvIndex:
     def _remove(self, state: _RankState, engine_hashes: Iterable[int]) -> None:
         by_engine = state.by_engine
         for engine_hash in engine_hashes:
-            self.events_applied += 1
             key = by_engine.pop(engine_hash, None)
             if key is not None:
                 self._drop(state, key)
