@@ -645,10 +645,11 @@ class KvIndex:
         return self._routed_count
 
     def keys_indexed(self) -> int:
+        """Distinct block keys held per events, over every worker (inspection: tests)."""
         return len(self._held)
 
     def workers(self) -> Mapping[str, str]:
-        """Every worker the index knows, with its mode."""
+        """Every worker the index knows, with its mode (inspection: tests; /health asks mode() per worker)."""
         known = {where[0] for where in self._ranks} | set(self._modes)
         return {worker: self.mode(worker) for worker in sorted(known)}
 
