@@ -178,9 +178,6 @@ class KvAware:
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
         self._tiebreak = itertools.count()
 
-    def choose(self, candidates: Sequence[CandidateT], now: float) -> CandidateT:
-        return self.decide(candidates, now).worker
-
     def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
                ) -> Decision[CandidateT]:
         turn = next(self._tiebreak)
