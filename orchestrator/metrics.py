@@ -48,6 +48,7 @@ class Metrics:
 
     def __init__(self, mode: str = "disaggregated", *, multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        self._multiprocess = multiprocess_dir is not None
         if multiprocess_dir is None:
             ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
             r.register(PLATFORM_COLLECTOR)
@@ -157,16 +158,19 @@ class Metrics:
 
     def forget_worker(self, worker: str) -> None:
         """`worker` (its address) left the pool: its per-worker series go, so that a fleet that churns does not
-        grow /metrics without bound nor show workers that are gone. (In multiprocess mode a value already
-        written to another process's file stays until that process exits: prometheus_client cannot delete it.)"""
+        grow /metrics without bound nor show workers that are gone. In multiprocess mode prometheus_client
+        cannot delete a value already written to this process's file: its gauges read 0 instead (a worker
+        that does not exist holds no blocks), its counters stay until the process exits."""
+        if self._multiprocess:
+            self.kv_index_blocks.labels(worker).set(0)
+            for mode in KV_INDEX_MODES:
+                self.kv_index_mode.labels(worker, mode).set(0)
+            return
         series = [(self.kv_index_blocks, (worker,)), (self.routing_prompt_blocks, (worker,)),
                   (self.routing_cached_blocks, (worker,)),
                   *((self.kv_index_mode, (worker, mode)) for mode in KV_INDEX_MODES)]
         for metric, labels in series:
-            try:
-                metric.remove(*labels)
-            except KeyError:  # never created (the worker was never routed to, or no KV index)
-                pass
+            metric.remove(*labels)  # (nothing when never created: a worker never routed to)
 
     def render(self) -> bytes:
         return generate_latest(self._rendered)
