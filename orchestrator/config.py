@@ -311,6 +311,12 @@ class Config:
                 "conditional": ("prefill", "decode")}[self.mode]
 
     @property
+    def kv_aware_roles(self) -> tuple[str, ...]:
+        """The roles routed kv_aware that this mode runs (routing.prefill: kv_aware in aggregated mode sets up
+        nothing): the KV index, its event feed and the prompts' block keys exist only for these."""
+        return tuple(role for role in self.routing.kv_aware_roles if role in self.needed_roles)
+
+    @property
     def model_dir(self) -> Path:
         return self.model.resolved_dir(self.base_dir)
 

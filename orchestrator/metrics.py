@@ -37,6 +37,7 @@ _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (c
 ROUTES = ("chat", "completions")
 OUTCOMES = ("ok", "error", "client_error", "disconnected")
 KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
+KV_INDEX_MODES = ("events", "approximate")  # orchestrator.workers.kv_index.MODES, a label of kv_index_mode
 KEY_LIMIT_CODES = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")  # frontend/limits.py
 ROUTING_REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")  # workers/routing.py REASONS
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -47,6 +48,7 @@ class Metrics:
 
     def __init__(self, mode: str = "disaggregated", *, multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        self._multiprocess = multiprocess_dir is not None
         if multiprocess_dir is None:
             ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
             r.register(PLATFORM_COLLECTOR)
@@ -153,6 +155,22 @@ class Metrics:
         """The token counter and ITL histogram of one stream served by `path`."""
         series = self.by_path[path]
         return TokenMeter(series.output_tokens, series.itl)
+
+    def forget_worker(self, worker: str) -> None:
+        """`worker` (its address) left the pool: its per-worker series go, so that a fleet that churns does not
+        grow /metrics without bound nor show workers that are gone. In multiprocess mode prometheus_client
+        cannot delete a value already written to this process's file: its gauges read 0 instead (a worker
+        that does not exist holds no blocks), its counters stay until the process exits."""
+        if self._multiprocess:
+            self.kv_index_blocks.labels(worker).set(0)
+            for mode in KV_INDEX_MODES:
+                self.kv_index_mode.labels(worker, mode).set(0)
+            return
+        series = [(self.kv_index_blocks, (worker,)), (self.routing_prompt_blocks, (worker,)),
+                  (self.routing_cached_blocks, (worker,)),
+                  *((self.kv_index_mode, (worker, mode)) for mode in KV_INDEX_MODES)]
+        for metric, labels in series:
+            metric.remove(*labels)  # (nothing when never created: a worker never routed to)
 
     def render(self) -> bytes:
         return generate_latest(self._rendered)

@@ -118,6 +118,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     from orchestrator.frontend.auth import load_api_keys
     from orchestrator.metrics import Metrics
     from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator.workers.kv_routing import kv_routing
     from orchestrator.workers.pool import WorkerPool
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
@@ -127,13 +128,13 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     limits = config.limits
     tracer = tracing.from_config(config)
     async with LoopThread.open() as loop_thread, tracer.running():
-        kv_index, kv_feed, kv_follow_roles = kv_routing(config)
+        kv = kv_routing(config)
         try:
             pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                               health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
                               removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
                               stream_transport=config.stream_transport, keepalive=config.keepalive,
-                              kv_index=kv_index, kv_feed=kv_feed, kv_follow_roles=kv_follow_roles)
+                              kv=kv)
             api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
             app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
                       tracer=tracer)
@@ -185,24 +186,9 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                     await children.stopped.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            if kv_feed is not None:
-                kv_feed.close()  # after the pool, which ran its follow tasks; also when start-up failed
+            if kv is not None and kv.feed is not None:
+                kv.feed.close()  # after the pool, which ran its follow tasks; also when start-up failed
     log.info("stopped")
-
-
-def kv_routing(config: Config):
-    """KV-aware routing's index and the KV event feed into it (docs/kv-routing.md), and the roles whose
-    workers it follows: the kv_aware ones, and decode in conditional mode (a prompt may prefill on the decode
-    worker holding its prefix). (None, None, ()) when no role routes kv_aware: nothing runs for it."""
-    roles = config.routing.kv_aware_roles
-    if not roles:
-        return None, None, ()
-    from orchestrator.workers.kv_events import KvEventFeed
-    from orchestrator.workers.kv_index import KvIndex
-
-    index = KvIndex(ttl_s=config.routing.kv_aware.approximate_ttl_s)
-    follow = (*roles, "decode") if config.mode == "conditional" and "prefill" in roles else roles
-    return index, KvEventFeed(index), follow
 
 
 async def _finish_in_flight(app, grace_s: float) -> None:

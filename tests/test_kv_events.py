@@ -32,6 +32,7 @@ from orchestrator.workers.kv_events import (
     validate_sources,
 )
 from orchestrator.workers.kv_index import KvIndex, PromptImage, image_identity, prompt_block_keys
+from orchestrator.workers.kv_routing import KvRouting
 from sim_helpers import IMAGE_TOKEN_ID, collect, data_uri, full_request, png_bytes
 
 FAST = ("--time-scale", "0")
@@ -200,6 +201,29 @@ async def test_a_worker_restart_clears_its_entries_and_the_new_instance_is_follo
         nursery.cancel_scope.cancel()
 
 
+async def test_a_follow_that_ends_leaves_the_worker_approximate_with_no_event_entries(sim_workers, engine_client):
+    """Nobody keeps the entries of a worker whose events are no longer followed (its follow task ended while it
+    stays known): they are dropped and its mode is approximate, not "events" forever with what it held then."""
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
+    async with trio.open_nursery() as nursery:
+        client = await nursery.start(_open_client, engine_client, worker.address)
+        following = trio.CancelScope()
+
+        async def follow_until_cancelled():
+            with following:
+                await feed.follow(worker.address, client)
+        nursery.start_soon(follow_until_cancelled)
+        await wait_for(lambda: index.mode(worker.address) == "events")
+        await run(client, prompt(1), "p")
+        await wait_for(lambda: index.blocks(worker.address) == 3)
+        following.cancel()
+        await wait_for(lambda: index.mode(worker.address) == "approximate", timeout=2)
+        assert index.blocks(worker.address) == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_invalid_source_sends_the_worker_to_approximate_mode_with_its_cause_logged(
         sim_workers, engine_client, caplog):
     worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
@@ -359,7 +383,8 @@ async def test_a_worker_that_leaves_the_pool_leaves_the_index_at_once(sim_worker
     registry = StaticRegistry([spec])
     async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
         pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
-                          health_interval=0.1, removal_grace=30.0, kv_feed=feed)
+                          health_interval=0.1, removal_grace=30.0,
+                          kv=KvRouting(index, feed, roles=(), follow_roles=("aggregated",)))
         await nursery.start(pool.run, registry)
         await wait_for(lambda: index.mode(worker.address) == "events")
         async with engine_client(worker.address) as client:
@@ -472,3 +497,73 @@ def test_a_malformed_revision_3_event_breaks_the_stream_not_the_server():
         block_hashes=[kv_pb2.KvBlockHash(value=b"not-a-number", encoding="decimal_int64")]))
     with pytest.raises(KvStreamBroken, match="malformed"):
         apply_proto_events(KvIndex(), ("w", 0), [event])
+
+
+async def test_a_worker_that_leaves_the_pool_leaves_the_metrics(sim_workers):
+    """Its per-worker KV series (the index's blocks and mode, the routed and cached prompt blocks) go with it:
+    a fleet that churns does not grow /metrics without bound, nor show workers that are gone."""
+    from orchestrator.config import RoutingConfig
+    from orchestrator.workers.pool import WorkerPool
+
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_1)
+    spec = WorkerSpec(address=worker.address, role="aggregated")
+    metrics = Metrics()
+    index = KvIndex()
+    registry = StaticRegistry([spec])
+    async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+        feed = KvEventFeed(index, retry_s=0.1, identity_check_s=0.2)
+        pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=RoutingConfig(aggregated="kv_aware"),
+                          model="", health_interval=0.05, removal_grace=30.0,
+                          kv=KvRouting(index, feed, roles=("aggregated",), follow_roles=("aggregated",)))
+        await nursery.start(pool.run, registry)
+        await wait_for(lambda: index.mode(worker.address) == "events" and pool.ready_count("aggregated"))
+        pool.route("aggregated", prompt=prompt_block_keys(prompt(1), BLOCK))
+
+        def series() -> list[str]:
+            return [line for line in metrics.render().decode().splitlines()
+                    if not line.startswith("#") and "_created" not in line and f'worker="{worker.address}"' in line]
+        await wait_for(lambda: len(series()) == 5, what=str(series()))  # blocks, mode x 2, prompt and cached blocks
+        await registry.send.send(Snapshot(frozenset(), True, ""))
+        await wait_for(lambda: not pool.workers)
+        assert series() == []
+        await trio.sleep(0.2)  # its monitor, until it retires, does not bring them back
+        assert series() == []
+        nursery.cancel_scope.cancel()
+
+
+class CountsServerInfo(RefusesKvEventStream):
+    """Counts the ServerInfo reads it answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server_infos = 0
+
+    async def GetServerInfo(self, request, context):
+        self.server_infos += 1
+        return await super().GetServerInfo(request, context)
+
+
+async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_feed_of_a_restart():
+    """One ServerInfo poller per worker, the pool's identity check (every identity_interval): the feed of a worker
+    waiting for its restart (a stream it cannot follow) learns of the restart from the pool, not by polling too."""
+    from orchestrator.config import RoutingConfig
+    from orchestrator.workers.pool import WorkerPool
+
+    servicer = CountsServerInfo()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.05, identity_check_s=0.1)
+    with grpc_aio_server(control=servicer) as server:
+        address = f"grpc://{server.address}"
+        async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
+            pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
+                              health_interval=0.05, kv=KvRouting(index, feed, roles=(), follow_roles=("aggregated",)))
+            pool.identity_interval = 0.5
+            await nursery.start(pool.run, StaticRegistry([WorkerSpec(address=address, role="aggregated")]))
+            await wait_for(lambda: "cannot be followed" in feed.detail.get(address, ""))
+            before = servicer.server_infos
+            await trio.sleep(2.0)
+            assert servicer.server_infos - before <= 5  # the pool's, one per 0.5 s; none of the feed's own
+            assert servicer.subscriptions == 1
+            servicer.instance_id = "refusing-2"  # restarted: the pool sees it and the feed subscribes again
+            await wait_for(lambda: servicer.subscriptions == 2)
+            nursery.cancel_scope.cancel()

@@ -1,6 +1,8 @@
 """The kv_aware policy (pure): prefix affinity, the cost's trade-off against load, the hot-prefix guard, DP ranks,
 approximate mode, replicas, and its configuration."""
 
+import contextlib
+
 import attrs
 import pytest
 
@@ -200,3 +202,73 @@ def test_a_prompts_keys_place_each_image_after_its_placeholder_and_key_it_by_ide
     other = request_block_keys(prompt, BLOCK, [ImageRef(url="http://x/dog.jpg")], placeholder, image_tokens=6)
     assert other[:2] == keys[:2] and all(a != b for a, b in zip(other[2:], keys[2:]))
     assert request_block_keys(text, BLOCK) == prompt_block_keys(text, BLOCK)  # no images: the text's keys
+
+
+@contextlib.asynccontextmanager
+async def conditional_deployment(tmp_path, prefill_block: int, decode_block: int):
+    """A WorkerPool of scripted workers (one prefill, two decode: the given KV block sizes), conditional mode with
+    routing.prefill: kv_aware and max_local_prefill_length 40, and a Coordinator over it."""
+    from orchestrator.engine import LoopThread
+    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator.metrics import Metrics
+    from orchestrator.models import TINY_CHAT
+    from orchestrator.testkit.fakes import FakeEngineClient, capabilities, fake_worker
+    from orchestrator.testkit.plugin import write_config
+    from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator.workers.kv_routing import KvRouting
+    from orchestrator.workers.pool import WorkerPool
+
+    config = config_module.load(write_config(tmp_path / "c.yaml", "conditional", {}, routing={"prefill": "kv_aware"},
+                                             conditional={"max_local_prefill_length": 40}))
+
+    def worker(role: str, name: str, block_size: int):
+        caps = attrs.evolve(capabilities(role), models=("tiny-chat",), model_id="tiny-chat", kv_block_size=block_size)
+        return fake_worker(role, FakeEngineClient(name, caps))
+
+    workers = [worker("prefill", "p0", prefill_block), worker("decode", "d0", decode_block),
+               worker("decode", "d1", decode_block)]
+    async with LoopThread.open() as loop_thread:
+        pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=config.routing, model="tiny-chat",
+                          kv=KvRouting(KvIndex(), None, roles=config.kv_aware_roles, follow_roles=()))
+        pool.workers.update((w.spec, w) for w in workers)
+        yield pool, Coordinator(config, pool, ModelTokenizer.from_dir(TINY_CHAT), Metrics())
+
+
+def completion(ids: list[int]):
+    from orchestrator.convert import parse_completion
+
+    return parse_completion({"model": "tiny-chat", "prompt": ids, "max_tokens": 1})
+
+
+async def test_conditional_mode_finds_the_decode_holder_when_its_blocks_differ_from_the_prefill_ones(tmp_path):
+    """The keys a decode worker's holding is asked with are cut in ITS block size (16 here; prefill's is 32),
+    and its held blocks count in that size: the decode worker holding the prompt's prefix (its events key
+    blocks of 16) runs the request itself, the remainder being within max_local_prefill_length."""
+    ids = list(range(100, 300))  # 200 tokens: 12 blocks of 16 (8 left), 6 of 32 (8 left)
+    async with conditional_deployment(tmp_path, prefill_block=32, decode_block=16) as (pool, coordinator):
+        index = pool.kv_index
+        assert index is not None
+        holder = "grpc://d1"
+        index.set_mode(holder, "events")
+        index.stored((holder, 0), prompt_block_keys(ids, 16)[:11])  # all but the last full block: 24 to compute
+        plan = await coordinator.plan(completion(ids), "r1")
+        assert (plan.path, [w.address for w in plan.workers]) == ("local", [holder])
+
+
+async def test_a_short_prompt_in_conditional_mode_computes_no_block_keys(tmp_path, monkeypatch):
+    """The local path (a prompt within max_local_prefill_length) asks no kv_aware role: no keys are cut for it;
+    a longer one is cut once per block size it is asked in (decode's for a holder, then prefill's)."""
+    from orchestrator.flow import coordinator as coordinator_module
+
+    cut: list[int] = []
+
+    def counting(prompt_ids, block_size, *args):
+        cut.append(block_size)
+        return request_block_keys(prompt_ids, block_size, *args)
+    request_block_keys = coordinator_module.request_block_keys
+    monkeypatch.setattr(coordinator_module, "request_block_keys", counting)
+    async with conditional_deployment(tmp_path, prefill_block=32, decode_block=16) as (_, coordinator):
+        plan = await coordinator.plan(completion(list(range(100, 130))), "short")
+        assert plan.path == "local" and cut == []
+        plan = await coordinator.plan(completion(list(range(100, 300))), "long")
+        assert plan.path == "disaggregated" and sorted(cut) == [16, 32]

@@ -112,11 +112,14 @@ async def test_the_hot_prefix_guard_spreads_one_hot_system_prompt_over_the_worke
 
 
 @pytest.mark.parametrize("mode", ["aggregated"])
+# kv_aware for a role this mode does not run sets up nothing either
+@pytest.mark.parametrize("routing", [{"aggregated": "least_loaded"},
+                                     {"aggregated": "least_loaded", "prefill": "kv_aware"}],
+                         ids=["least_loaded", "kv_aware_prefill"])
 async def test_without_kv_aware_no_index_exists_and_health_says_nothing_of_it(
-        tmp_path, sim_workers, orchestrator_in_process, mode):
+        tmp_path, sim_workers, orchestrator_in_process, mode, routing):
     worker = sim_workers.start("aggregated", *FAST)
-    config = write_config(tmp_path / "plain.yaml", mode, {"aggregated": [worker.address]},
-                          routing={"aggregated": "least_loaded"})
+    config = write_config(tmp_path / "plain.yaml", mode, {"aggregated": [worker.address]}, routing=routing)
     async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         assert (await http.post("/v1/chat/completions", json=chat(SYSTEM["alpha"], "hi"))).status_code == 200
         health = (await http.get("/health")).json()

@@ -66,7 +66,7 @@ class Coordinator:
                                cleanup_timeout_s=limits.kv_cleanup_timeout_s),
             migration_limit=limits.migration_limit)
         self.url_policy = UrlPolicy.from_allowlist(limits.image_url_allowlist)
-        self.kv_roles = config.routing.kv_aware_roles  # (a property: derived once, not per request)
+        self.kv_roles = config.kv_aware_roles  # (a property: derived once, not per request)
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
@@ -87,14 +87,24 @@ class Coordinator:
             path, roles = "local", ("decode",)
         else:
             path, roles = "disaggregated", ("prefill", "decode")
-        # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, once,
-        # only where a role routes kv_aware; conditional mode may prefill on a decode worker holding the prefix.
+        # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, only
+        # where a role routes kv_aware, computed once per block size they are cut in (a role's workers' own);
+        # conditional mode may prefill on a decode worker holding the prefix.
         kv_roles = self.kv_roles
-        keys = self._prompt_keys(api, prompt_ids, roles[0] if mode != "conditional" else "prefill") if kv_roles \
-            else []
+        keys_by_size: dict[int, list[int]] = {}
+
+        def keys_for(role: str) -> tuple[list[int], int]:
+            """The prompt's keys cut in `role`'s KV block size, and that size (no keys before it is known)."""
+            block_size = self.pool.kv_block_size(role)
+            if block_size is None:
+                return [], 0
+            if block_size not in keys_by_size:
+                keys_by_size[block_size] = self._prompt_keys(api, prompt_ids, block_size)
+            return keys_by_size[block_size], block_size
+
         holder = None
-        if keys and mode == "conditional" and path == "disaggregated" and not api.images:
-            holder = self.pool.holding("decode", keys, len(prompt_ids),
+        if kv_roles and mode == "conditional" and path == "disaggregated" and not api.images:
+            holder = self.pool.holding("decode", *keys_for("decode"), len(prompt_ids),
                                        self.config.conditional.max_local_prefill_length)
             if holder is not None:
                 path, roles = "local", ("decode",)
@@ -103,7 +113,8 @@ class Coordinator:
 
         def pick(role: str) -> Worker:
             accepts = (lambda w: w is holder) if holder is not None and role == "decode" else None
-            if not keys or role not in kv_roles:  # (route() would count a decision that was not kv_aware)
+            keys = keys_for(role)[0] if role in kv_roles else []
+            if not keys:  # (route() would count a decision that was not kv_aware)
                 return self.pool.pick(role, accepts=accepts)
             decision = self.pool.route(role, prompt=keys, accepts=accepts)
             if decision.rank is not None:
@@ -129,13 +140,12 @@ class Coordinator:
                         limits=limits)
         return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, target_ranks)
 
-    def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], role: str) -> list[int]:
-        """The prompt's KV block keys for a kv_aware `role` (else none: no cost for other policies)."""
-        block_size, index = self.pool.kv_block_size(role), self.pool.kv_index
-        if block_size is None or index is None:  # (a kv_aware role has a block size only with the index there)
-            return []
+    def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], block_size: int) -> list[int]:
+        """The prompt's KV block keys cut in `block_size`, images laid out as the KV events showed them."""
+        index = self.pool.kv_index
         return request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
-                                  self.config.routing.kv_aware.image_tokens, index.image_length)
+                                  self.config.routing.kv_aware.image_tokens,
+                                  index.image_length if index is not None else None)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         unavailable = f"{worker.role} worker {worker.address} is not available"

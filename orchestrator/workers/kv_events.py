@@ -28,14 +28,15 @@ pyzmq runs on trio without a thread: each socket is non-blocking, and a task wai
 `trio.lowlevel.wait_readable` whenever ZMQ_EVENTS says nothing is ready (the FD is edge-triggered: it
 only says "look at ZMQ_EVENTS again").
 
-Who runs it: the pool starts `follow(worker, client)` in that worker's own nursery (pool.py), so a feed
-task never outlives its worker; serve.py owns the KvEventFeed next to the pool and closes it after:
+Who runs it: the pool starts `follow(worker, client, instance)` in that worker's own nursery (pool.py), so a
+feed task never outlives its worker, and hands it the worker's InstanceWatch (instance_watch.py): the pool
+is the one reader of the worker's identity, and the feed starts over when the watch reports a restart.
+serve.py owns the KvEventFeed next to the pool and closes it after:
 
-    index = KvIndex(ttl_s=...)
-    feed = KvEventFeed(index)
-    pool = WorkerPool(..., kv_feed=feed)   # follows every worker it runs, forgets every worker it drops
+    kv = kv_routing(config)                # index, feed and the roles it follows (kv_routing.py)
+    pool = WorkerPool(..., kv=kv)          # follows every worker it runs, forgets every worker it drops
     ... pool.run(...) ...
-    feed.close()                           # after the pool's nursery exited
+    kv.feed.close()                        # after the pool's nursery exited
 
 `index.mode(worker)` says "events" or "approximate"; `feed.detail[worker]` says why a worker is approximate
 ("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears and invalid sources.
@@ -57,6 +58,7 @@ import zmq
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import EventBlockError, KvIndex, MmSegment
 
 log = logging.getLogger(__name__)
@@ -329,9 +331,9 @@ class _Follower:
 class KvEventFeed:
     """Follows the KV events of every worker the pool runs `follow` for, into `index`.
 
-    `retry_s`: wait before trying a failed worker again; `identity_check_s`: how often ServerInfo is read to
-    notice a restart (a ZMQ subscriber cannot: it reconnects silently); `replay_timeout_s`: how long a replay
-    request may take."""
+    `retry_s`: wait before trying a failed worker again; `identity_check_s`: how often a feed followed without
+    the pool's InstanceWatch reads ServerInfo itself to notice a restart (a ZMQ subscriber cannot: it
+    reconnects silently); `replay_timeout_s`: how long a replay request may take."""
 
     def __init__(self, index: KvIndex, *, retry_s: float = 1.0, identity_check_s: float = 2.0,
                  replay_timeout_s: float = 2.0, zmq_context: zmq.Context | None = None):
@@ -358,8 +360,20 @@ class KvEventFeed:
         self.index.forget(worker)
 
     # ---- one worker --------------------------------------------------------------------------------
-    async def follow(self, worker: str, client) -> None:
-        """Feed `worker`'s events until cancelled (or forgotten); approximate mode whenever that fails."""
+    async def follow(self, worker: str, client, instance: InstanceWatch | None = None) -> None:
+        """Feed `worker`'s events until cancelled (or forgotten); approximate mode whenever that fails.
+        `instance` tells when the worker restarted (the pool's watch of it); without one, the feed reads the
+        worker's ServerInfo itself every identity_check_s."""
+        if instance is not None:
+            await self._follow(worker, client, instance)
+            return
+        instance = InstanceWatch()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(instance.poll, client, self.identity_check_s)
+            await self._follow(worker, client, instance)
+            nursery.cancel_scope.cancel()
+
+    async def _follow(self, worker: str, client, instance: InstanceWatch) -> None:
         follower = _Follower(worker, RateLimitedLog(log, interval=30.0))
         previous = self._followers.get(worker)
         if previous is not None:
@@ -367,33 +381,36 @@ class KvEventFeed:
         self._followers[worker] = follower
         try:
             while follower.active:
-                wait_for_restart = await self._follow_once(follower, client)
+                wait_for_restart = await self._follow_once(follower, client, instance)
                 if not follower.active:
                     return
                 self._approximate(follower, self.detail.get(worker) or "no KV events")
                 if wait_for_restart is not None:
-                    await self._until_restart(client, wait_for_restart)
+                    await instance.changed_from(wait_for_restart)
                     self.index.cleared_routed(worker)  # restarted: what we routed there is gone from its cache
                 else:
                     await trio.sleep(self.retry_s)
         finally:
-            if self._followers.get(worker) is follower:
+            if self._followers.get(worker) is follower:  # (not forgotten, nor followed anew since)
+                # Nobody keeps its event entries from now on: they go, and what we route there counts instead.
                 self._followers.pop(worker)
+                self.index.cleared(worker)
+                self.index.set_mode(worker, "approximate")
 
-    async def _follow_once(self, follower: _Follower, client) -> str | None:
+    async def _follow_once(self, follower: _Follower, client, instance: InstanceWatch) -> str | None:
         """One subscription. Returns the worker's instance id when only a restart may change things (no
         sources, invalid sources), else None (try again after retry_s)."""
         worker = follower.worker
         try:
-            info = await client.server_info()
+            # the instance the pool knows (its capabilities, shared through the client): a restart is one
+            # the watch reports after that
+            info = await client.capabilities()
             sources = await client.kv_event_sources()
         except EngineError as exc:
             self.detail[worker] = f"KV event sources unavailable: {cause_chain(exc)}"
             return None
-        dp_size = info.parallelism.data_parallel_size if info.parallelism.HasField("data_parallel_size") else 1
-        block_size = info.capacity.kv_block_size if info.capacity.HasField("kv_block_size") else None
         try:
-            valid = validate_sources(sources, max(1, dp_size), block_size)
+            valid = validate_sources(sources, max(1, info.data_parallel_size), info.kv_block_size)
         except InvalidKvSource as exc:
             self.stats.invalid_sources += 1
             self.detail[worker] = f"invalid KV event source: {exc}"
@@ -417,7 +434,7 @@ class KvEventFeed:
 
         async with trio.open_nursery() as nursery:
             subscription = nursery.cancel_scope
-            nursery.start_soon(self._watch_identity, client, info.instance_id, subscription)
+            nursery.start_soon(self._until_restarted, worker, instance, info.instance_id, subscription)
             if isinstance(valid[0], GrpcSource):
                 nursery.start_soon(guarded, self._follow_grpc, client, [s.rank for s in valid])
             else:
@@ -441,28 +458,13 @@ class KvEventFeed:
             self.index.cleared_routed(worker)
         return None
 
-    async def _watch_identity(self, client, instance_id: str, scope: trio.CancelScope) -> None:
-        while True:
-            await trio.sleep(self.identity_check_s)
-            try:
-                info = await client.server_info(timeout=max(1.0, self.identity_check_s))
-            except EngineError:
-                continue  # the pool's health check judges a dead worker; a lost stream shows itself
-            if info.instance_id != instance_id:
-                log.info("worker %s restarted (instance %s -> %s): its KV events are followed anew", client.name,
-                         instance_id, info.instance_id)
-                scope.cancel()
-                return
-
-    async def _until_restart(self, client, instance_id: str) -> None:
-        while True:
-            await trio.sleep(self.identity_check_s)
-            try:
-                info = await client.server_info(timeout=max(1.0, self.identity_check_s))
-            except EngineError:
-                continue
-            if info.instance_id != instance_id:
-                return
+    @staticmethod
+    async def _until_restarted(worker: str, instance: InstanceWatch, instance_id: str,
+                               subscription: trio.CancelScope) -> None:
+        await instance.changed_from(instance_id)
+        log.info("worker %s restarted (instance %s -> %s): its KV events are followed anew", worker, instance_id,
+                 instance.instance_id)
+        subscription.cancel()
 
     def _events_mode(self, follower: _Follower, *, image_keys: bool) -> None:
         if not follower.active:

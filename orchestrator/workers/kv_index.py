@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 
 import attrs
 
@@ -101,23 +102,24 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
     blocks). Images must not overlap and must lie inside the sequence."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
+    blocks = zip(*[iter(token_ids)] * block_size)  # every full block's ids as a tuple, in order (cut in C)
     if not images:
-        return _chained_blocks(token_ids, block_size, ROOT_KEY)
-    tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
-    full = len(tokens) // block_size
+        return _chained_blocks(blocks, ROOT_KEY)
+    full = len(token_ids) // block_size
     keys: list[int] = []
     parent = ROOT_KEY
-    spans = _image_spans(images, len(tokens))
-    low = 0
+    spans = _image_spans(images, len(token_ids))
+    low = 0  # where the next block of `blocks` starts
     for start, end, value in spans:
         text_end = min(start // block_size, full) * block_size
         if low < text_end:
-            parent = _text_keys(tokens, low, text_end, block_size, parent, keys)
-            low = text_end
+            keys += _chained_blocks(islice(blocks, (text_end - low) // block_size), parent)
+            parent, low = keys[-1], text_end
         # blocks this image covers (one of them may hold the end of an earlier image: spans sort by start)
         whole = (_IMAGE_POSITION,) * block_size
         while low < full * block_size and low < end:
             high = low + block_size
+            block = next(blocks)
             if start <= low and high <= end:
                 # inside this image only (the common case for a large image): no text, one segment
                 # (an earlier image cannot reach in: images do not overlap and this one covers the block)
@@ -125,45 +127,35 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
                 keys.append(parent)
                 low = high
                 continue
-            block = list(tokens[low:high])
+            mixed = list(block)
             segments = []
             for other_start, other_end, other in spans:
                 if other_start < high and other_end > low:
                     first, last = max(other_start, low), min(other_end, high)
-                    block[first - low:last - low] = [_IMAGE_POSITION] * (last - first)
+                    mixed[first - low:last - low] = [_IMAGE_POSITION] * (last - first)
                     segments.append((first - low, last - first, other, first - other_start))
-            parent = _chain(parent, tuple(block), tuple(segments))
+            parent = _chain(parent, tuple(mixed), tuple(segments))
             keys.append(parent)
             low = high
-    _text_keys(tokens, low, full * block_size, block_size, parent, keys)
+    keys += _chained_blocks(blocks, parent)  # the text after the last image
     return keys
 
 
-def _chained_blocks(tokens: Sequence[int | str], block_size: int, parent: int) -> list[int]:
-    """The keys of every full text block of `tokens` chained on `parent`: the hottest loop. zip over one
-    iterator cuts the blocks as tuples in C (no slicing, no copy of the whole list first); a trailing partial
-    block is dropped by zip itself. Measured for an 8k-token prompt: cutting and hashing the token ids in C is
+def _chained_blocks(blocks: Iterable[tuple], parent: int) -> list[int]:
+    """The keys of text `blocks` (each a block's ids as a tuple) chained on `parent` (the image bit, once set in
+    a chain, stays set): the hottest loop, for a prompt's text and an event's blocks. The callers cut the blocks
+    with zip over one iterator, as tuples in C (no slicing, no copy of the whole list first; a trailing partial
+    block is dropped by zip itself). Measured for an 8k-token prompt: cutting and hashing the token ids in C is
     about two thirds of the time, the chain step the rest; hashlib.blake2b per block over packed bytes
     (array/struct) is about 4x slower (packing the list alone costs as much as this loop, then one digest
     object per block), and a comprehension carrying the chain saves under 10%, within the noise."""
     keys: list[int] = []
     append = keys.append
     image = parent & IMAGE_BIT
-    for block in zip(*[iter(tokens)] * block_size):
+    for block in blocks:
         parent = (hash((parent, block)) & _TEXT) | image
         append(parent)
     return keys
-
-
-def _text_keys(tokens: tuple, low: int, high: int, block_size: int, parent: int, keys: list[int]) -> int:
-    """Append the keys of the text blocks in tokens[low:high] chained on `parent`; returns the last. The hot
-    loop: one tuple hash per block (the image bit, once set in a chain, stays set)."""
-    image = parent & IMAGE_BIT
-    append = keys.append
-    for start in range(low, high, block_size):
-        parent = (hash((parent, tokens[start:start + block_size])) & _TEXT) | image
-        append(parent)
-    return parent
 
 
 def engine_layout(token_ids: Sequence[int], images: Sequence[tuple[str, int]], placeholder: int | None
@@ -235,7 +227,7 @@ def event_block_keys(parent_key: int, token_ids: Sequence[int | str], block_size
     if block_size < 1 or len(token_ids) % block_size:
         raise EventBlockError(f"{len(token_ids)} token ids are not whole blocks of {block_size}")
     if not mm_keys:  # the hot path: text blocks
-        return _chained_blocks(token_ids, block_size, parent_key)
+        return _chained_blocks(zip(*[iter(token_ids)] * block_size), parent_key)
     tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     count = len(tokens) // block_size
     keys: list[int] = []
@@ -367,7 +359,6 @@ class KvIndex:
         self._routed_count = 0
         self._expiry_keys = 0  # keys held by the expiry queue: a prompt routed again adds an item, not an entry
         self._expiry: collections.deque[tuple[float, tuple[int, ...], int, int]] = collections.deque()
-        self.events_applied = 0
 
     # ---- who is there -------------------------------------------------------------------------------
     def _state(self, where: WorkerRank) -> _RankState:
@@ -475,7 +466,6 @@ class KvIndex:
     def _store(self, state: _RankState, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
         held, by_engine, bit = self._held, state.by_engine, state.bit
         for engine_hash, key in zip(engine_hashes, keys):
-            self.events_applied += 1
             old = by_engine.get(engine_hash)
             if old == key:
                 continue
@@ -491,7 +481,6 @@ class KvIndex:
     def _remove(self, state: _RankState, engine_hashes: Iterable[int]) -> None:
         by_engine = state.by_engine
         for engine_hash in engine_hashes:
-            self.events_applied += 1
             key = by_engine.pop(engine_hash, None)
             if key is not None:
                 self._drop(state, key)
@@ -656,10 +645,11 @@ class KvIndex:
         return self._routed_count
 
     def keys_indexed(self) -> int:
+        """Distinct block keys held per events, over every worker (inspection: tests)."""
         return len(self._held)
 
     def workers(self) -> Mapping[str, str]:
-        """Every worker the index knows, with its mode."""
+        """Every worker the index knows, with its mode (inspection: tests; /health asks mode() per worker)."""
         known = {where[0] for where in self._ranks} | set(self._modes)
         return {worker: self.mode(worker) for worker in sorted(known)}
 

@@ -29,8 +29,10 @@ from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUna
 from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
-from orchestrator.metrics import Metrics
+from orchestrator.metrics import KV_INDEX_MODES, Metrics
+from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
+from orchestrator.workers.kv_routing import KvRouting
 from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
@@ -58,6 +60,9 @@ class Worker:
         self.wake_monitor = trio.Event()
         self.log = RateLimitedLog(log, interval=10.0)
         self.identity_checked_at = float("-inf")
+        # Which instance of the worker runs (ServerInfo.instance_id), as the monitor last saw it: the KV event
+        # feed starts over when it changes, without reading ServerInfo itself.
+        self.instance = InstanceWatch()
         # The pool failed this worker's calls because it stopped answering; until it answers a health check
         # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
         self.unresponsive = False
@@ -99,8 +104,7 @@ class Worker:
 class WorkerPool:
     def __init__(self, *, loop_thread: LoopThread, metrics: Metrics, routing, model: str,
                  health_interval: float = 1.0, discovery_timeout: float = 10.0, removal_grace: float = 30.0,
-                 tls=None, stream_transport: str = "h2", keepalive=None, kv_index: KvIndex | None = None,
-                 kv_feed=None, kv_follow_roles: tuple[str, ...] | None = None):
+                 tls=None, stream_transport: str = "h2", keepalive=None, kv: KvRouting | None = None):
         self._loop_thread = loop_thread
         self._metrics = metrics
         self.model = model
@@ -112,22 +116,16 @@ class WorkerPool:
         self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
         self.identity_interval = max(5.0, health_interval * 10)
         self.staleness_s = routing.load_staleness_ms / 1000.0
-        self._policy_names = {role: getattr(routing, role) for role in ROLES}
-        # The KV index exists only when a role routes kv_aware (its event feeds and key computation cost nothing
-        # otherwise); every kv_aware role shares it.
-        kv = routing.kv_aware
-        if kv_index is None:
-            kv_index = kv_feed.index if kv_feed is not None else \
-                KvIndex(ttl_s=kv.approximate_ttl_s) if routing.kv_aware_roles else None
-        self.kv_index: KvIndex | None = kv_index
-        # The KV event feed into that index (orchestrator.workers.kv_events.KvEventFeed: `follow(address, client)`
-        # for as long as the worker is in the pool, `forget(address)`), for the workers of these roles: the
-        # kv_aware ones, and decode in conditional mode (a prompt may prefill where its prefix is); every role when
-        # none routes kv_aware. No feed: every worker approximate.
-        self.kv_feed = kv_feed
-        self.kv_follow_roles = kv_follow_roles if kv_follow_roles is not None else routing.kv_aware_roles or ROLES
-        knobs = KvAwareKnobs(overlap_weight=kv.overlap_weight, max_imbalance=kv.max_imbalance,
-                             max_kv_usage=kv.max_kv_usage)
+        # KV-aware routing's index and event feed (kv_routing.py), for the roles it names: a role routed kv_aware
+        # that the mode does not run (or with no KV routing given) is routed least loaded, and sets up nothing.
+        self.kv = kv
+        self.kv_index: KvIndex | None = kv.index if kv is not None else None
+        kv_roles = kv.roles if kv is not None else ()
+        self._policy_names = {role: "least_loaded" if policy == "kv_aware" and role not in kv_roles else policy
+                              for role in ROLES for policy in [getattr(routing, role)]}
+        tuning = routing.kv_aware
+        knobs = KvAwareKnobs(overlap_weight=tuning.overlap_weight, max_imbalance=tuning.max_imbalance,
+                             max_kv_usage=tuning.max_kv_usage)
         self._policies = {role: make_policy(name, self.staleness_s, index=self.kv_index, knobs=knobs)
                           for role, name in self._policy_names.items()}
         self._decisions = {(role, reason): metrics.routing_decisions.labels(role, reason)
@@ -169,10 +167,12 @@ class WorkerPool:
             log.info("worker removed: %s %s (%d in flight)", spec.role, spec.address, worker.inflight)
             self._on(worker, WorkerEvent.REMOVED, "")
             if self.kv_index is not None and not any(s.address == spec.address for s in snapshot.workers):
-                # out of the KV index at once, not when its requests are done: it gets no more of them
+                # out of the KV index and its series out of /metrics at once, not when its requests are done:
+                # it gets no more of them (its monitor, running until then, writes none: _index_metrics)
                 self.kv_index.forget(spec.address)
-                if self.kv_feed is not None:
-                    self.kv_feed.forget(spec.address)
+                if self.kv is not None and self.kv.feed is not None:
+                    self.kv.feed.forget(spec.address)
+                self._metrics.forget_worker(spec.address)
             self.retiring.add(worker)
             nursery.start_soon(self._retire, worker)
         self._notify()
@@ -195,8 +195,9 @@ class WorkerPool:
                     async with trio.open_nursery() as nursery:
                         if self._polls_load(worker):
                             nursery.start_soon(self._poll_load, worker, client)
-                        if self.kv_feed is not None and worker.role in self.kv_follow_roles:
-                            nursery.start_soon(self.kv_feed.follow, worker.address, client)
+                        kv = self.kv
+                        if kv is not None and kv.feed is not None and worker.role in kv.follow_roles:
+                            nursery.start_soon(kv.feed.follow, worker.address, client, worker.instance)
                         await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -231,7 +232,7 @@ class WorkerPool:
                     self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
             if worker.state != previous:
                 self._notify()
-            if self.kv_index is not None:
+            if self.kv_index is not None and worker.state is not WorkerState.REMOVING:
                 self._index_metrics(worker, self.kv_index)
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
@@ -245,26 +246,14 @@ class WorkerPool:
             log.warning("worker %s %s is unresponsive (no health answer, nothing received for %g s): failed its %d "
                         "open calls so that they retry or migrate", worker.role, worker.address, quiet_s, failed)
 
-    async def _instance_changed(self, worker: Worker, client: EngineClient) -> bool:
-        """A restart faster than one health interval shows only as a new ServerInfo.instance_id."""
+    async def _check_identity(self, worker: Worker, client: EngineClient) -> None:
+        # A restart faster than one health interval shows only as a new ServerInfo.instance_id: read it now and
+        # then (the watch forgets the old instance's capabilities).
         cached = client.cached_capabilities
         now = trio.current_time()
-        if cached is None or not cached.instance_id or now < worker.identity_checked_at + self.identity_interval:
-            return False
-        worker.identity_checked_at = now
-        try:
-            info = await client.server_info(timeout=max(1.0, self.health_interval * 2))
-        except EngineError:
-            return False  # the health check will notice a dead worker
-        if info.instance_id != cached.instance_id:
-            log.info("worker %s %s restarted: instance %s -> %s; reading its capabilities again", worker.role,
-                     worker.address, cached.instance_id, info.instance_id)
-            return True
-        return False
-
-    async def _check_identity(self, worker: Worker, client: EngineClient) -> None:
-        if await self._instance_changed(worker, client):
-            client.forget_capabilities()
+        if cached is not None and cached.instance_id and now >= worker.identity_checked_at + self.identity_interval:
+            worker.identity_checked_at = now
+            await worker.instance.check(client, timeout=max(1.0, self.health_interval * 2))
         try:
             caps = await client.capabilities()
         except EngineError as exc:
@@ -272,6 +261,7 @@ class WorkerPool:
             # discovery failure (a 503) instead of "no worker"; the next request retries discovery.
             self._on(worker, WorkerEvent.HEALTHY, f"capability discovery failing: {exc}")
             return
+        worker.instance.saw(caps.instance_id)
         if not caps.serves_role(worker.role):
             self._on(worker, WorkerEvent.IDENTITY_MISMATCH,
                      f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
@@ -299,7 +289,7 @@ class WorkerPool:
         metrics = self._metrics
         mode = index.mode(worker.address)
         metrics.kv_index_blocks.labels(worker.address).set(index.blocks(worker.address))
-        for each in ("events", "approximate"):
+        for each in KV_INDEX_MODES:
             metrics.kv_index_mode.labels(worker.address, each).set(1 if each == mode else 0)
         metrics.kv_index_routed.set(index.routed_entries())
 
@@ -354,35 +344,55 @@ class WorkerPool:
 
     def pick(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None
              ) -> Worker:
-        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes. A kv_aware
-        role's first pick for a request goes through `route` with the prompt's keys instead."""
+        """A routable worker of `role`, not in `exclude`, that `accepts` (the request's needs) takes, by that
+        role's policy. A kv_aware role's first pick for a request goes through `route` with the prompt's keys."""
+        return self._decide(role, exclude, accepts, ()).worker
+
+    def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
+              prompt: Sequence[int] = ()) -> Decision[Worker]:
+        """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
+        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
+        if self._policy_names[role] != "kv_aware":
+            prompt = ()
+        decision = self._decide(role, exclude, accepts, prompt)
+        if prompt:
+            address = decision.worker.address
+            self._metrics.routing_prompt_blocks.labels(address).inc(decision.prompt_blocks)
+            self._metrics.routing_cached_blocks.labels(address).inc(decision.cached_blocks)
+        self._decisions[role, decision.reason].inc()
+        return decision
+
+    def _decide(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None,
+                prompt: Sequence[int]) -> Decision[Worker]:
         candidates = self._candidates(role, exclude, accepts)
-        # One candidate is every policy's choice (the usual small deployment): no scoring for it.
-        chosen = candidates[0] if len(candidates) == 1 else self._policies[role].choose(candidates, trio.current_time())
+        # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
+        # prompt's keys are to be recorded and its DP rank chosen (kv_aware).
+        if len(candidates) == 1 and not prompt:
+            decision = Decision(candidates[0], "single")
+        else:
+            decision = self._policies[role].decide(candidates, trio.current_time(), prompt)
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
-        chosen.sent_since_load += 1
-        return chosen
+        decision.worker.sent_since_load += 1
+        return decision
 
     def kv_block_size(self, role: str) -> int | None:
-        """The KV block size a kv_aware role's prompt keys are cut in: the one its workers report (the first
-        known; workers of one role serve one model), None when the role is not kv_aware or none reported."""
-        if self._policy_names.get(role) != "kv_aware":
+        """The KV block size prompt keys for `role` are cut in: the one its workers report (the first known;
+        workers of one role serve one model); None without a KV index, or before any of them reported it."""
+        if self.kv_index is None:
             return None
-        return self._block_size_of(role)
-
-    def _block_size_of(self, role: str) -> int | None:
         for worker in self.workers.values():
             caps = worker.client.cached_capabilities if worker.role == role and worker.client is not None else None
             if caps is not None and caps.kv_block_size:
                 return caps.kv_block_size
         return None
 
-    def holding(self, role: str, keys: Sequence[int], prompt_tokens: int, max_uncached: int) -> Worker | None:
-        """The routable worker of `role` holding the most of the prompt's prefix, if it leaves at most
-        `max_uncached` prompt tokens to compute (conditional mode: a short remainder prefills on the decode
-        worker itself); None otherwise, or without a KV index."""
-        block_size = self._block_size_of(role)
-        if self.kv_index is None or not keys or block_size is None:
+    def holding(self, role: str, keys: Sequence[int], block_size: int, prompt_tokens: int, max_uncached: int
+                ) -> Worker | None:
+        """The routable worker of `role` holding the most of the prompt's prefix (`keys`, cut in `block_size`:
+        that role's, kv_block_size(role)), if it leaves at most `max_uncached` prompt tokens to compute
+        (conditional mode: a short remainder prefills on the decode worker itself); None otherwise, or without
+        a KV index."""
+        if self.kv_index is None or not keys:
             return None
         held: dict[str, int] = {}
         for (address, _), blocks in self.kv_index.overlap(keys, trio.current_time()).items():
@@ -392,28 +402,6 @@ class WorkerPool:
         if best is None or prompt_tokens - held[best.address] * block_size > max_uncached:
             return None
         return best
-
-    def route(self, role: str, exclude: tuple[Worker, ...] = (), accepts: Callable[[Worker], bool] | None = None,
-              prompt: Sequence[int] = ()) -> Decision[Worker]:
-        """pick(), with why and, on an attention-DP worker that takes a target rank, which rank holds the
-        prompt's prefix; the plan's picks where a role routes kv_aware (the decisions metric counts these)."""
-        candidates = self._candidates(role, exclude, accepts)
-        if self._policy_names[role] != "kv_aware":
-            prompt = ()
-        # One candidate is every policy's choice (the usual small deployment): no scoring for it, unless the
-        # prompt's keys are to be recorded and its DP rank chosen (kv_aware).
-        if len(candidates) == 1 and not prompt:
-            decision = Decision(candidates[0], "single")
-        else:
-            decision = self._policies[role].decide(candidates, trio.current_time(), prompt)
-            if prompt:
-                address = decision.worker.address
-                self._metrics.routing_prompt_blocks.labels(address).inc(decision.prompt_blocks)
-                self._metrics.routing_cached_blocks.labels(address).inc(decision.cached_blocks)
-        self._decisions[role, decision.reason].inc()
-        # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
-        decision.worker.sent_since_load += 1
-        return decision
 
     def _candidates(self, role: str, exclude: tuple[Worker, ...], accepts: Callable[[Worker], bool] | None
                     ) -> list[Worker]:
@@ -447,7 +435,8 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         """The operator's view of every worker (/health): state, and what its engine last reported."""
-        return [_describe(w, self.kv_index, self.kv_feed) for w in self._every_worker()]
+        feed = self.kv.feed if self.kv is not None else None
+        return [_describe(w, self.kv_index, feed) for w in self._every_worker()]
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]

@@ -39,10 +39,10 @@ class LoadSample:
     def blocks_per_request(self) -> float | None:
         return (self.used_kv_blocks or 0) / self.requests if self.requests else None
 
-    def kv_load(self, sent_since: int, per_request: float) -> float:
-        """The fraction of the KV cache in use, with each request sent since the sample assumed to take
-        `per_request` blocks (an average running request's)."""
-        return ((self.used_kv_blocks or 0) + sent_since * per_request) / (self.total_kv_blocks or 1)  # reports_kv
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the KV cache in use (where reports_kv)."""
+        return (self.used_kv_blocks or 0) / (self.total_kv_blocks or 1)
 
 
 class Candidate(Protocol):
@@ -104,31 +104,37 @@ class LeastLoaded:
         turn = next(self._tiebreak)
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
         # KV usage only where every candidate reports it: a fraction and a request count do not compare.
-        by_kv = all(s is not None and s.reports_kv for s in samples)
-        fallback = 1.0
-        if by_kv:
-            # What a request sent since a sample is assumed to take: that worker's average running request, or
-            # for an idle worker the others' (else a burst would all land on the idle one, its score never rising).
-            averages = [b for s in samples if s is not None and (b := s.blocks_per_request) is not None]
-            fallback = sum(averages) / len(averages) if averages else 1.0
+        requests, kv_blocks = _loads(candidates, samples, per_request_default=1.0)
+        # the fraction of its KV cache in use (the workers' caches may differ in size)
+        kv_used = [0.0] * len(candidates) if kv_blocks is None else \
+            [b / (s.total_kv_blocks or 1) for b, s in zip(kv_blocks, samples) if s is not None]
 
         def score(i: int) -> tuple[float, float, int]:
-            c, sample = candidates[i], samples[i]
-            rotation = (i - turn) % len(candidates)  # rotate ties
-            if sample is None:
-                return 0.0, float(c.inflight), rotation
-            requests = float(sample.requests + c.sent_since_load)
-            if not by_kv:
-                return 0.0, requests, rotation
-            per_request = sample.blocks_per_request
-            return sample.kv_load(c.sent_since_load, fallback if per_request is None else per_request), requests, \
-                rotation
+            return kv_used[i], requests[i], (i - turn) % len(candidates)  # (rotating ties)
 
         return candidates[min(range(len(candidates)), key=score)]
 
     def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
                ) -> Decision[CandidateT]:
         return Decision(self.choose(candidates, now), "policy")
+
+
+def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None], per_request_default: float
+           ) -> tuple[list[float], list[float] | None]:
+    """Each candidate's load as both policies score it: its requests (running + queued as its fresh sample
+    says, plus those we sent it since; without a fresh sample, ours in flight there) and, only where every
+    candidate reports KV usage, its KV blocks in use plus, for each request sent since the sample, an average
+    running request's blocks: its own, or for a worker running none the others' (else a burst would all land
+    on the idle one, its score never rising), or `per_request_default` when no worker runs any."""
+    requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
+                for c, s in zip(candidates, samples)]
+    reporting = [s for s in samples if s is not None and s.reports_kv]
+    if len(reporting) != len(samples):
+        return requests, None
+    averages = [a for a in (s.blocks_per_request for s in reporting) if a is not None]
+    fallback = sum(averages) / len(averages) if averages else per_request_default
+    return requests, [(s.used_kv_blocks or 0) + c.sent_since_load * (s.blocks_per_request or fallback)
+                      for c, s in zip(candidates, reporting)]
 
 
 class PrefixIndex(Protocol):
@@ -172,25 +178,15 @@ class KvAware:
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
         self._tiebreak = itertools.count()
 
-    def choose(self, candidates: Sequence[CandidateT], now: float) -> CandidateT:
-        return self.decide(candidates, now).worker
-
     def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
                ) -> Decision[CandidateT]:
         turn = next(self._tiebreak)
         blocks = len(prompt)
         overlap = self.index.overlap(prompt, now) if blocks else {}
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
-        requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
-                    for c, s in zip(candidates, samples)]
-        kv_samples = [s for s in samples if s is not None and s.reports_kv]
-        if len(kv_samples) == len(samples):  # every candidate reports KV usage
-            averages = [a for a in (s.blocks_per_request for s in kv_samples) if a is not None]
-            fallback = sum(averages) / len(averages) if averages else float(blocks)
-            loads = [(s.used_kv_blocks or 0) + c.sent_since_load * (s.blocks_per_request or fallback)
-                     for c, s in zip(candidates, kv_samples)]
-        else:
-            loads = [r * max(blocks, 1) for r in requests]
+        requests, kv_blocks = _loads(candidates, samples, per_request_default=float(blocks))
+        # without KV usage from every candidate: each request there taken to cost about as much as this one
+        loads = kv_blocks if kv_blocks is not None else [r * max(blocks, 1) for r in requests]
         least = min(requests)
         by_worker: dict[str, dict[int, int]] = {}
         for (address, dp_rank), n in overlap.items():
@@ -202,7 +198,7 @@ class KvAware:
             # blocks in use do not show) or with its KV cache this full takes no request while another does not.
             over = queued - least > self.knobs.max_imbalance or (
                 sample is not None and sample.reports_kv
-                and sample.kv_load(0, 0.0) > self.knobs.max_kv_usage)
+                and sample.kv_usage > self.knobs.max_kv_usage)
             cached.append(-held if over else held)  # negative: held but ruled out by the guard
             ranks.append(rank)
             if not over:
