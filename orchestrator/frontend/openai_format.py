@@ -1,5 +1,5 @@
 """Render OpenAI response objects and SSE chunks. Pure functions over plain values, through one JSON encoder
-(ChunkWriter says where a streamed token's event skips it, and why)."""
+(ChunkWriter says why a stream's events are spelled out instead)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ DONE = b"data: [DONE]\n\n"
 # token's text against 0.08 here); the output is the same.
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _json_string = encode_basestring  # what _dumps does with a str, without its checks
-_MARKER = "\x00text\x00"  # where a token's text goes in the template (any str would do: see ChunkWriter)
 
 
 def sse(payload: dict) -> bytes:
@@ -61,54 +60,59 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[
 class ChunkWriter:
     """SSE chunks for one streamed response (chat or completion).
 
-    Every chunk is a dict through the JSON encoder, except the one a streamed token costs: a text delta
-    without logprobs. That one is the same event rendered once, at the start, around a marker, and split
-    there: a token's event is then the two fragments around its JSON-encoded text. The encoder would cost
-    ~20x more per token, a quarter of serve's CPU per streamed token (docs/benchmarks.md).
+    The events of a stream differ from each other only in a few values, so they are spelled out as text
+    around the request's head (id, object, created, model), JSON-encoded once when the stream starts, instead
+    of built as dicts for the encoder: through the encoder, a one-token request's events (role, finish, usage)
+    and a token's event cost several times more (benchmarks/instruction_cost.py; docs/benchmarks.md). Only a
+    delta with logprobs goes through the encoder. tests/test_openai_format.py holds every event to what
+    the encoder gives for the same values.
     """
 
     def __init__(self, kind: str, request_id: str, model: str, created: int):
         self.kind = kind
-        self._head = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                      "created": int(created), "model": model}
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        # {"id", "object", "created", "model"} as the encoder writes them, then the choices array opened
+        self._head = (f'data: {{"id":{_json_string(request_id)},"object":"{obj}","created":{int(created)},'
+                      f'"model":{_json_string(model)},"choices":[')
         self._role_sent = kind != "chat"  # only a chat stream's first delta carries the role
-        # The usual event around its one variable part. The text comes after the head (id, model), so the
-        # marker's last occurrence is the text's, whatever the head holds.
-        marker = _json_string(_MARKER).encode()
-        template = self._event(self._text_choice(_MARKER, None))
-        self._text_head, found, self._text_tail = template.rpartition(marker)
-        if not found:
-            raise RuntimeError("the SSE text template lost its marker")
-
-    def _text_choice(self, text: str, logprobs: dict | None) -> dict:
-        if self.kind == "chat":
-            return {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}
-
-    def _event(self, choice: dict) -> bytes:
-        return sse({**self._head, "choices": [choice]})
+        # A streamed token's event, a text delta without logprobs, around its one variable part (its JSON string)
+        self._text_head = self._head + ('{"index":0,"delta":{"content":' if kind == "chat" else '{"index":0,"text":')
+        self._text_tail = ('}' if kind == "chat" else "") + ',"logprobs":null,"finish_reason":null}]}\n\n'
+        self._text_head_bytes, self._text_tail_bytes = self._text_head.encode(), self._text_tail.encode()
+        self._between = self._text_tail + self._text_head  # from one token's event to the next one's text
 
     def delta(self, text: str, logprobs: dict | None = None) -> bytes:
-        if self._role_sent and logprobs is None:  # a streamed token, the hot path: see the class docstring
-            return self._text_head + _json_string(text).encode() + self._text_tail
-        choice = self._text_choice(text, logprobs)
-        if not self._role_sent:
-            choice["delta"] = {"role": "assistant", "content": text}
+        if self._role_sent and logprobs is None:  # a streamed token, the hot path
+            return self._text_head_bytes + _json_string(text).encode() + self._text_tail_bytes
+        if self.kind == "chat":
+            role = "" if self._role_sent else '"role":"assistant",'
             self._role_sent = True
-        return self._event(choice)
+            choice = '{"index":0,"delta":{' + role + '"content":' + _json_string(text) + "}"
+        else:
+            choice = '{"index":0,"text":' + _json_string(text)
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        return (self._head + choice + ',"logprobs":' + lp + ',"finish_reason":null}]}\n\n').encode()
 
     def deltas(self, texts: Sequence[str]) -> bytes:
         """One event per text, without logprobs, as one buffer (written together: they arrived together)."""
-        return b"".join([self.delta(text) for text in texts])
+        if not self._role_sent:  # the first carries the role
+            first = self.delta(texts[0])
+            return first + self.deltas(texts[1:]) if len(texts) > 1 else first
+        return (self._text_head + self._between.join(map(_json_string, texts)) + self._text_tail).encode()
 
     def finish(self, reason: str) -> bytes:
         if self.kind == "chat":
-            delta = {} if self._role_sent else {"role": "assistant", "content": ""}
-            return self._event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason})
-        return self._event({"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+            choice = '{"index":0,"delta":' + ("{}" if self._role_sent else '{"role":"assistant","content":""}')
+        else:
+            choice = '{"index":0,"text":""'
+        return (self._head + choice + ',"logprobs":null,"finish_reason":' + _json_string(reason)
+                + "}]}\n\n").encode()
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
-        return sse({**self._head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+        prompt, completion = int(prompt_tokens), int(completion_tokens)
+        details = "" if cached_tokens is None else f',"prompt_tokens_details":{{"cached_tokens":{int(cached_tokens)}}}'
+        return (f'{self._head}],"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
+                f'"total_tokens":{prompt + completion}{details}}}}}\n\n').encode()
 
 
 def error_event(body: dict) -> bytes:

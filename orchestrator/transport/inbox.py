@@ -32,7 +32,10 @@ class TrioInbox:
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._reader = trio.lowlevel.ParkingLot()  # the reader, while it waits in get_batch
+        # The reader's task while it is parked in get_batch, else None. One reader, woken by rescheduling it
+        # directly: a trio ParkingLot does the same with ~14 more Python calls per streamed request
+        # (benchmarks/instruction_cost.py, docs/benchmarks.md).
+        self._reader: trio.lowlevel.Task | None = None
         self._closed = False
         self._error: BaseException | None = None
         self.direct: Callable[[list], list | None] | None = None  # the reader's direct handler, if any
@@ -50,7 +53,7 @@ class TrioInbox:
         """What is queued goes to the reader: to its `direct` handler while it waits, else by waking it."""
         # Only while the reader is parked: then it is not handling a batch of its own, so the handler never runs
         # concurrently with it, and what the handler declines still reaches it in order.
-        if self._reader and self.direct is not None:
+        if self._reader is not None and self.direct is not None:
             batch = list(self._items)
             self._items.clear()
             rest = self.direct(batch)
@@ -60,22 +63,26 @@ class TrioInbox:
         self._wake_reader()
 
     def _wake_reader(self) -> None:
-        self._reader.unpark_all()  # it leaves the lot at once: a second hand_over before it runs only queues
+        # Forget the reader as it is woken: a second hand_over before it runs only queues.
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            trio.lowlevel.reschedule(reader)
 
     async def get_batch(self) -> list[Any]:
         """Everything queued so far (at least one item); [] once closed and drained.
 
         Raises the error the stream was closed with, after its items were read. Either it parks
         until woken (that park is the checkpoint), or it finds items at once and yields to the
-        scheduler once, so a fast stream cannot starve other tasks. Cancelled while parked, it leaves
-        the lot (trio does that) and what arrives meanwhile stays queued for the next call.
+        scheduler once, so a fast stream cannot starve other tasks. Cancelled while parked, it is
+        forgotten as the reader (`_abort`) and what arrives meanwhile stays queued for the next call.
         """
         items = self._items
         if items or self._closed:
             await trio.lowlevel.checkpoint()
         else:
             while not items and not self._closed:
-                await self._reader.park()
+                self._reader = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
         batch = list(items)
         items.clear()
         if batch:
@@ -88,3 +95,7 @@ class TrioInbox:
 
     def _taken(self) -> None:
         """The reader took what was queued (H2Stream gives the worker its flow-control credit back here)."""
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._reader = None  # cancelled while parked: nobody to wake or to hand batches to directly
+        return trio.lowlevel.Abort.SUCCEEDED
