@@ -14,7 +14,8 @@ same zero-cost simulated workers (started from this checkout) in turn, with PYTH
 starts with instrumentation off (start-up is not counted), takes warm-up requests, then counts
 instructions over `--requests` streams per max_tokens value, in `--rounds` rounds where the trees take
 turns. Per request: a + b * tokens fitted through the max_tokens values; the medians over rounds are
-printed with each tree's ratio to the first.
+printed with each tree's ratio to the first. Idle: instructions per second with no request, health checks
+every second (the shipped default), counted once per tree.
 
 What it does not show: time spent waiting in the kernel, and any effect of serve running ~50x slower
 under valgrind than the workers (more tokens arrive per read than in real time). It answers "did the
@@ -31,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import trio
@@ -91,6 +93,20 @@ async def count(serve: CountedServe, max_tokens: list[int], requests: int, concu
     return points
 
 
+def idle_instructions(serve: CountedServe, seconds: float) -> float:
+    """Instructions per second serve spends with no request at all (health polls, timers); stops serve."""
+    try:
+        time.sleep(2.0)  # past start-up and the first polls
+        callgrind(serve.process.pid, "-i", "on")
+        time.sleep(2.0)
+        callgrind(serve.process.pid, "-z")
+        before, start = instructions(serve.process.pid), time.monotonic()
+        time.sleep(seconds)
+        return (instructions(serve.process.pid) - before) / (time.monotonic() - start)
+    finally:
+        serve.close()
+
+
 async def warm_up(serve: CountedServe, max_tokens: list[int], concurrency: int) -> None:
     for tokens in max_tokens:
         await run_slots(concurrency, 2, ThroughOrchestrator(serve.url, tokens))
@@ -105,6 +121,8 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=2, help="rounds in which the trees take turns")
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="how long idle instructions are counted, health checks every second (0: not)")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -115,6 +133,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="orch-instructions-"))
     workers = SimWorkers(tmp)
     results: dict[tuple[str, Path], list[list[tuple[float, float]]]] = {}
+    idle: dict[tuple[str, Path], float] = {}
     try:
         for mode in args.modes:
             roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
@@ -122,6 +141,12 @@ def main(argv=None) -> int:
             # Health polls run on a timer, so slow serve would count more of them: one poll a minute.
             config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
                                   limits={"health_interval_s": 60.0})
+            if args.idle_seconds > 0:
+                idle_config = write_config(tmp / f"{mode}-idle.yaml", mode, {r: [a] for r, a in addresses.items()},
+                                           limits={"health_interval_s": 1.0})  # the shipped default
+                for index, tree in enumerate(trees):
+                    idle[(mode, tree)] = idle_instructions(CountedServe(tree, idle_config, tmp, f"{mode}-{index}-idle"),
+                                                           args.idle_seconds)
             for round_ in range(args.rounds):
                 for index, tree in enumerate(trees):
                     serve = CountedServe(tree, config, tmp, f"{mode}-{index}-{round_}")
@@ -137,15 +162,17 @@ def main(argv=None) -> int:
     finally:
         workers.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    report(results, trees, args)
+    report(results, idle, trees, args)
     return 0
 
 
-def report(results, trees: list[Path], args) -> None:
+def report(results, idle: dict[tuple[str, Path], float], trees: list[Path], args) -> None:
     print(f"instructions executed by `orchestrator serve` (callgrind Ir), {args.requests} streams per point, "
           f"c={args.concurrency}, {args.rounds} rounds, medians; ratio = tree / {trees[0]}")
     header = f"{'mode':<14} {'tree':<28} {'a: Ir/request':>14} {'b: Ir/token':>12}"
-    header += "".join(f" {f'{t} tok: Ir/req':>17}" for t in args.max_tokens) + "   ratios a / b"
+    header += "".join(f" {f'{t} tok: Ir/req':>17}" for t in args.max_tokens)
+    header += f" {'idle Ir/s':>12}" if idle else ""
+    header += "   ratios a / b" + (" / idle" if idle else "")
     print(header)
     for mode in args.modes:
         first = None
@@ -154,10 +181,13 @@ def report(results, trees: list[Path], args) -> None:
             fits = [fit_line(points) for points in rounds]
             a, b = statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
             per_point = [statistics.median(r[i][1] for r in rounds) for i in range(len(args.max_tokens))]
-            first = first or (a, b)
+            idle_rate = idle.get((mode, tree), 0.0)
+            first = first or (a, b, idle_rate)
             name = str(tree) if len(str(tree)) <= 28 else "..." + str(tree)[-25:]
             line = f"{mode:<14} {name:<28} {a:>14,.0f} {b:>12,.0f}" + "".join(f" {p:>17,.0f}" for p in per_point)
-            print(line + f"   {a / first[0]:.3f} / {b / first[1]:.3f}")
+            line += f" {idle_rate:>12,.0f}" if idle else ""
+            line += f"   {a / first[0]:.3f} / {b / first[1]:.3f}"
+            print(line + (f" / {idle_rate / first[2]:.3f}" if idle and first[2] else ""))
 
 
 if __name__ == "__main__":
