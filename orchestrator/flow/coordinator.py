@@ -29,6 +29,7 @@ from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
+from orchestrator.flow.worker_choice import WorkerChoice
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
@@ -87,46 +88,16 @@ class Coordinator:
             path, roles = "local", ("decode",)
         else:
             path, roles = "disaggregated", ("prefill", "decode")
-        # -- KV-aware routing (issue 32; orchestrator/workers/routing.py KvAware): the prompt's block keys, only
-        # where a role routes kv_aware, computed once per block size they are cut in (a role's workers' own);
-        # conditional mode may prefill on a decode worker holding the prefix.
-        kv_roles = self.kv_roles
-        keys_by_size: dict[int, list[int]] = {}
-
-        def keys_for(role: str) -> tuple[list[int], int]:
-            """The prompt's keys cut in `role`'s KV block size, and that size (no keys before it is known)."""
-            block_size = self.pool.kv_block_size(role)
-            if block_size is None:
-                return [], 0
-            if block_size not in keys_by_size:
-                keys_by_size[block_size] = self._prompt_keys(api, prompt_ids, block_size)
-            return keys_by_size[block_size], block_size
-
-        holder = None
-        if kv_roles and mode == "conditional" and path == "disaggregated" and not api.images:
-            holder = self.pool.holding("decode", *keys_for("decode"), len(prompt_ids),
-                                       self.config.conditional.max_local_prefill_length)
-            if holder is not None:
-                path, roles = "local", ("decode",)
-
-        target_ranks: dict[Worker, int] = {}
-
-        def pick(role: str) -> Worker:
-            accepts = (lambda w: w is holder) if holder is not None and role == "decode" else None
-            keys = keys_for(role)[0] if role in kv_roles else []
-            if not keys:  # (route() would count a decision that was not kv_aware)
-                return self.pool.pick(role, accepts=accepts)
-            decision = self.pool.route(role, prompt=keys, accepts=accepts)
-            if decision.rank is not None:
-                target_ranks[decision.worker] = decision.rank
-            return decision.worker
-
-        workers = tuple(pick(role) for role in roles)
-        # -- end KV-aware routing
+        # Conditional mode may still run a longer prompt whole where a decode worker holds its prefix (kv_aware).
+        choice = WorkerChoice(self.pool, self.kv_roles, lambda size: self._prompt_keys(api, prompt_ids, size))
+        if (self.kv_roles and mode == "conditional" and path == "disaggregated" and not api.images
+                and choice.find_holder(len(prompt_ids), self.config.conditional.max_local_prefill_length)):
+            path, roles = "local", ("decode",)
+        workers = tuple(choice.pick(role) for role in roles)
         caps = tuple([await self._capabilities(w) for w in workers])
         if path == "local" and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
-            path, workers = "disaggregated", (pick("prefill"), *workers)
+            path, workers = "disaggregated", (choice.pick("prefill"), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
         check_worker_media(api, touched, disaggregated=path == "disaggregated")
@@ -138,7 +109,7 @@ class Coordinator:
                                 max_output_tokens=min(outputs) if outputs else None)
         full = full_leg(api, request_id=request_id, model=caps[-1].model_id or api.model, prompt_ids=prompt_ids,
                         limits=limits)
-        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, target_ranks)
+        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, choice.target_ranks)
 
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], block_size: int) -> list[int]:
         """The prompt's KV block keys cut in `block_size`, images laid out as the KV events showed them."""

@@ -1,0 +1,45 @@
+"""Which workers one planned request goes to (docs/kv-routing.md).
+
+A role routed `round_robin` or `least_loaded` is the pool's `pick`. A role routed `kv_aware` is the pool's
+`route` with the prompt's KV block keys, which are cut here at most once per block size (a role's workers'
+own) and only for such a role: other policies pay nothing for them. In conditional mode a longer prompt may
+still run whole on the decode worker that holds its prefix (`find_holder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.workers.pool import Worker, WorkerPool
+
+
+class WorkerChoice:
+    def __init__(self, pool: WorkerPool, kv_roles: tuple[str, ...], cut_keys: Callable[[int], list[int]]):
+        self.pool, self.kv_roles, self._cut_keys = pool, kv_roles, cut_keys
+        self._keys_by_size: dict[int, list[int]] = {}
+        self.holder: Worker | None = None  # conditional mode: the decode worker chosen for holding the prefix
+        self.target_ranks: dict[Worker, int] = {}  # the attention-DP rank that holds the prefix, per worker
+
+    def keys(self, role: str) -> tuple[list[int], int]:
+        """The prompt's keys cut in `role`'s KV block size, and that size (none before the size is known)."""
+        block_size = self.pool.kv_block_size(role)
+        if block_size is None:
+            return [], 0
+        if block_size not in self._keys_by_size:
+            self._keys_by_size[block_size] = self._cut_keys(block_size)
+        return self._keys_by_size[block_size], block_size
+
+    def find_holder(self, prompt_tokens: int, max_uncached: int) -> Worker | None:
+        """A decode worker whose cached prefix leaves at most `max_uncached` tokens to compute, if any."""
+        self.holder = self.pool.holding("decode", *self.keys("decode"), prompt_tokens, max_uncached)
+        return self.holder
+
+    def pick(self, role: str) -> Worker:
+        accepts = None if self.holder is None or role != "decode" else (lambda w: w is self.holder)
+        keys = self.keys(role)[0] if role in self.kv_roles else []
+        if not keys:  # (route() would count a decision that was not kv_aware)
+            return self.pool.pick(role, accepts=accepts)
+        decision = self.pool.route(role, prompt=keys, accepts=accepts)
+        if decision.rank is not None:
+            self.target_ranks[decision.worker] = decision.rank
+        return decision.worker
