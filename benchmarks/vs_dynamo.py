@@ -1,7 +1,7 @@
 """The orchestrator side by side with NVIDIA Dynamo 1.6.1: frontend CPU per request and per token, memory.
 
     bash scripts/setup-dynamo-bench.sh        # Dynamo 1.6.1 into .venv-dynamo, once
-    python benchmarks/vs_dynamo.py [--modes aggregated disaggregated] [--rounds 4] [--requests 128]
+    python benchmarks/vs_dynamo.py [--modes aggregated disaggregated] [--rounds 6] [--requests 128]
                                    [--max-tokens 1 64] [--concurrency 16] [--streams 1024]
 
 Both systems run on this machine at the same time, each in front of workers that cost no GPU time:
@@ -372,6 +372,10 @@ def report(cpu: dict[str, tuple[dict, dict, dict]], memory: dict[str, dict[str, 
                        for k in range(len(args.max_tokens))]
         print(f"{mode:14} {'ratio ours/theirs':17} {a_ratio:9.2f} {b_ratio:9.2f} "
               + " ".join(f"{r:10.2f}" for r in per_request))
+        a_pairs = [fit_line(o)[0] / fit_line(t)[0] for o, t in zip(ours, theirs)]
+        b_pairs = [fit_line(o)[1] / fit_line(t)[1] for o, t in zip(ours, theirs)]
+        print(f"{'':14} paired ratios over the rounds: a {min(a_pairs):.2f}-{max(a_pairs):.2f}, "
+              f"b {min(b_pairs):.2f}-{max(b_pairs):.2f}")
         for name in ("orchestrator", dynamo_name):
             fits = summarise(rounds[name])["fits"]
             a_values, b_values = [a * 1e3 for a, _ in fits], [b * 1e6 for _, b in fits]
@@ -395,7 +399,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="*", default=["aggregated", "disaggregated"],
                         choices=["aggregated", "disaggregated"])
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
     parser.add_argument("--requests", type=int, default=128, help="streams per max_tokens value, system and round "
                                                                    "(default 128)")
     parser.add_argument("--concurrency", type=int, default=16)
