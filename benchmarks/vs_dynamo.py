@@ -9,7 +9,8 @@ Both systems run on this machine at the same time, each in front of workers that
 (`python -m dynamo.frontend`, its HTTP server, preprocessor and router in one process) in front of Dynamo's
 mock engine (`python -m dynamo.mocker --speedup-ratio 0`), with prefill and decode mockers for the
 disaggregated mode. Dynamo runs without etcd or NATS: file discovery, the TCP request plane and the ZMQ event
-plane, its logs at warn (ours at WARNING).
+plane, its logs at warn (ours at WARNING). Dynamo's frontend still writes one INFO line per request (its
+request span target is enabled whatever DYN_LOG says); ours writes none, at any level.
 
 One load generator for both (benchmarks/overhead.py's slots; the same streamed chat completion, the same prompt,
 ignore_eos, usage in the last event) at `--concurrency`. For each max_tokens value, `--requests` streams go
@@ -61,6 +62,7 @@ from overhead import PROMPT, run_slots
 ROOT = Path(__file__).resolve().parent.parent
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 DYNAMO_VERSION = "1.6.1"
+DYNAMO_LOG = "warn"
 MEMORY_WORKERS = 4  # per side in the memory run: each simulated worker batches at most 256 requests
 
 
@@ -169,7 +171,7 @@ class Dynamo:
         run = tmp / f"dynamo-{mode}-{workers}"
         run.mkdir()
         # file discovery under this run's own directory; Dynamo's model-card cache under it too, not in ~/.cache
-        env = {"DYN_LOG": "warn", "DYN_FILE_KV": str(run / "discovery"), "HOME": str(run),
+        env = {"DYN_LOG": DYNAMO_LOG, "DYN_FILE_KV": str(run / "discovery"), "HOME": str(run),
                "XDG_CACHE_HOME": str(run / "cache")}
         planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
         engine = ["-m", "dynamo.mocker", "--model-path", str(dynamo_model_dir(tmp)), "--model-name", "tiny-chat",
