@@ -270,7 +270,7 @@ async def memory_at(system, streams: int, max_tokens: int) -> dict[str, float]:
     await run_slots(8, 2, one)  # warm-up
     await trio.sleep(1.0)
     rest = rss_mib(system.pid)
-    state = {"started": 0, "streaming": 0, "done": 0}
+    state = {"streaming": 0, "done": 0}
     samples: list[float] = []
     per_token: list[float] = []
 
@@ -280,7 +280,6 @@ async def memory_at(system, streams: int, max_tokens: int) -> dict[str, float]:
     async def stream(i: int) -> None:
         connection = Connection(system.url)
         try:
-            state["started"] += 1
             start = time.perf_counter()
             ttft, tokens = await one(i, 0, connection, first_token)
             per_token.append((time.perf_counter() - start - ttft) / max(tokens - 1, 1))
@@ -288,19 +287,13 @@ async def memory_at(system, streams: int, max_tokens: int) -> dict[str, float]:
             state["done"] += 1
             await connection.aclose()
 
-    async def sample(cancel: trio.CancelScope) -> None:
-        while state["done"] < streams:
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(stream, i)
+        while state["done"] < streams:  # sampled in this task while the streams run in theirs
             if state["streaming"] == streams and state["done"] == 0:
                 samples.append(rss_mib(system.pid))
             await trio.sleep(0.1)
-        cancel.cancel()
-
-    async with trio.open_nursery() as nursery:
-        sampler = trio.CancelScope()
-        for i in range(streams):
-            nursery.start_soon(stream, i)
-        with sampler:
-            await sample(sampler)
     if not samples:
         raise RuntimeError(f"{system.name}: never had all {streams} streams streaming at once; pace the tokens "
                            f"slower (--sim-time-scale / --mocker-speedup-ratio) or use longer streams")
@@ -354,6 +347,13 @@ def paired_ratio(ours: list[list[tuple[float, float]]], theirs: list[list[tuple[
 
 
 def report(cpu: dict[str, tuple[dict, dict, dict]], memory: dict[str, dict[str, float]] | None, args) -> None:
+    if cpu:
+        report_cpu(cpu, args)
+    if memory:
+        report_memory(memory, args)
+
+
+def report_cpu(cpu: dict[str, tuple[dict, dict, dict]], args) -> None:
     dynamo_name = Dynamo.name
     print(f"Frontend CPU (run time of its threads), c={args.concurrency}, streamed chat completions, max_tokens "
           f"{args.max_tokens}, {args.requests} requests per value and round, {args.rounds} interleaved rounds "
@@ -383,18 +383,21 @@ def report(cpu: dict[str, tuple[dict, dict, dict]], memory: dict[str, dict[str, 
             a_values, b_values = [a * 1e3 for a, _ in fits], [b * 1e6 for _, b in fits]
             print(f"{'':14} {name}: over the rounds a {min(a_values):.3f}-{max(a_values):.3f} ms, "
                   f"b {min(b_values):.1f}-{max(b_values):.1f} us/tok")
-    if memory:
-        print(f"\nFrontend memory (VmRSS) with {args.streams} streams open at once, aggregated, {MEMORY_WORKERS} "
-              f"workers per side, {args.memory_max_tokens} tokens per stream")
-        print(f"{'frontend':17} {'at rest MiB':>12} {f'{args.streams} streams MiB':>18} {'KiB/stream':>11} "
-              f"{'ms/token seen':>14} {'samples':>8}")
-        for name, m in memory.items():
-            per_stream = (m["peak"] - m["rest"]) * 1024 / args.streams
-            print(f"{name:17} {m['rest']:12.1f} {m['peak']:18.1f} {per_stream:11.1f} {m['ms_per_token']:14.0f} "
-                  f"{m['samples']:8.0f}")
-        ours, theirs = memory["orchestrator"], memory[dynamo_name]
-        print(f"{'ratio ours/theirs':17} {ours['rest'] / theirs['rest']:12.2f} {ours['peak'] / theirs['peak']:18.2f} "
-              f"{(ours['peak'] - ours['rest']) / (theirs['peak'] - theirs['rest']):11.2f}")
+
+
+def report_memory(memory: dict[str, dict[str, float]], args) -> None:
+    dynamo_name = Dynamo.name
+    print(f"\nFrontend memory (VmRSS) with {args.streams} streams open at once, aggregated, {MEMORY_WORKERS} "
+          f"workers per side, {args.memory_max_tokens} tokens per stream")
+    print(f"{'frontend':17} {'at rest MiB':>12} {f'{args.streams} streams MiB':>18} {'KiB/stream':>11} "
+          f"{'ms/token seen':>14} {'samples':>8}")
+    for name, m in memory.items():
+        per_stream = (m["peak"] - m["rest"]) * 1024 / args.streams
+        print(f"{name:17} {m['rest']:12.1f} {m['peak']:18.1f} {per_stream:11.1f} {m['ms_per_token']:14.0f} "
+              f"{m['samples']:8.0f}")
+    ours, theirs = memory["orchestrator"], memory[dynamo_name]
+    print(f"{'ratio ours/theirs':17} {ours['rest'] / theirs['rest']:12.2f} {ours['peak'] / theirs['peak']:18.2f} "
+          f"{(ours['peak'] - ours['rest']) / (theirs['peak'] - theirs['rest']):11.2f}")
 
 
 def main(argv=None) -> int:
