@@ -321,6 +321,7 @@ def measure_memory(tmp: Path, args) -> dict[str, dict[str, float]]:
     results = {}
     # one deployment at a time: the other's paced streams would compete for the two cores
     for name in ("orchestrator", "dynamo"):
+        system: Orchestrator | Dynamo
         if name == "orchestrator":
             system = Orchestrator(tmp, "aggregated", MEMORY_WORKERS, args.sim_time_scale)
         else:
