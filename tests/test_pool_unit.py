@@ -79,6 +79,5 @@ async def test_a_load_sample_keeps_the_queued_requests_apart():
     WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=2, queued_requests=5, used_kv_blocks=80,
                                                     total_kv_blocks=1000))
     sample = worker.load_sample
-    assert sample is not None and (sample.requests, sample.queued) == (7, 5)
+    assert sample is not None and (sample.requests, sample.queued, sample.running) == (7, 5, 2)
     assert (sample.used_kv_blocks, sample.total_kv_blocks, worker.sent_since_load) == (80, 1000, 0)
-    assert sample.blocks_per_request == 40  # over the 2 running ones

@@ -38,10 +38,9 @@ class LoadSample:
         return self.used_kv_blocks is not None and bool(self.total_kv_blocks)
 
     @property
-    def blocks_per_request(self) -> float | None:
-        """The KV blocks of an average running request (queued ones hold none), None when none runs."""
-        running = self.requests - self.queued
-        return (self.used_kv_blocks or 0) / running if running > 0 else None
+    def running(self) -> int:
+        """The requests the engine has admitted (those holding the KV blocks in use)."""
+        return self.requests - self.queued
 
     @property
     def kv_usage(self) -> float:
@@ -141,7 +140,7 @@ def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None]
     reporting = [s for s in samples if s is not None and s.reports_kv]
     if len(reporting) != len(samples):
         return requests, None
-    running = sum(s.requests - s.queued for s in reporting)
+    running = sum(s.running for s in reporting)
     used = sum(s.used_kv_blocks or 0 for s in reporting)
     per_request = used / running if running > 0 and used > 0 else per_request_default
     return requests, [(s.used_kv_blocks or 0) + (s.queued + c.sent_since_load) * per_request
