@@ -174,15 +174,15 @@ class KvAwareKnobs:
 class KvAware:
     """cost(worker) = overlap_weight x (prompt blocks not cached there) + load(worker), in KV blocks.
 
-    load = KV blocks in use (+ the blocks of requests sent since the sample) where every candidate reports
-    KV usage, else its requests x this prompt's blocks (each request there taken to cost about as much as
-    this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a candidate far
-    busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a popular prefix
-    spreads over the workers instead of queueing on the one that holds it. On an attention-DP worker that
-    accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that does not
-    (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the index
-    (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of it.
-    """
+    load = KV blocks in use (+ an average request's blocks for each one queued or sent since the sample) where
+    every candidate reports KV usage, else its requests x this prompt's blocks (each request there taken to cost
+    about as much as this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a
+    candidate far busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a
+    popular prefix spreads over the workers instead of queueing on the one that holds it. On an attention-DP
+    worker that accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that
+    does not (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the
+    index (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of
+    it."""
 
     def __init__(self, index: PrefixIndex, staleness_s: float, knobs: KvAwareKnobs = KvAwareKnobs()):
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
