@@ -24,9 +24,10 @@ class FakeWorker:
     sent_since_load: int = 0
     targets_dp_rank: bool = False
     dp_size: int = 1
+    queued: int = 0  # of `requests`, those the engine has not admitted yet (holding no KV blocks)
 
     def fresh_load(self, now, staleness):
-        return LoadSample(now, self.requests, self.used_kv, self.total_kv)
+        return LoadSample(now, self.requests, self.used_kv, self.total_kv, self.queued)
 
 
 def keys(tokens):
@@ -67,6 +68,14 @@ def test_the_cost_weighs_uncached_blocks_against_load_in_blocks():
     assert KvAware(index, 1.0).decide(workers, 0.0, PROMPT).worker.address == "a"
     chosen = KvAware(index, 1.0, KvAwareKnobs(overlap_weight=4.0)).decide(workers, 0.0, PROMPT)
     assert chosen.worker.address == "b" and chosen.reason == "prefix"
+
+
+def test_the_load_in_blocks_charges_queued_requests_an_average_running_requests_blocks():
+    # a: 1 running (40 blocks) and 4 queued behind it, which hold no blocks yet; b: 2 running (140 blocks).
+    # The average running request holds 60: a = 40 + 4 x 60 = 280 > b = 140, though a has fewer in use.
+    workers = [FakeWorker("a", 5, used_kv=40, total_kv=1000, queued=4), FakeWorker("b", 2, used_kv=140, total_kv=1000)]
+    decision = KvAware(events_index(a=0, b=0), 1.0).decide(workers, 0.0, PROMPT)
+    assert decision.worker.address == "b" and decision.reason == "load"
 
 
 def test_ties_go_to_the_lesser_load_then_in_rotation():

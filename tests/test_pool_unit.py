@@ -9,7 +9,8 @@ from orchestrator.config import RoutingConfig
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.metrics import Metrics
-from orchestrator.workers.pool import WorkerPool
+from orchestrator.openengine.v1 import server_pb2
+from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.workers.states import WorkerState
 
 
@@ -68,3 +69,15 @@ async def test_the_configured_keepalive_reaches_every_worker_connection():
             keepalive = cast(EngineClient, pool.workers[spec].client)._channel.keepalive
             assert (keepalive.interval_s, keepalive.timeout_s) == (7.0, 3.0)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_load_sample_keeps_the_queued_requests_apart():
+    """Queued requests hold no KV blocks yet: routing charges them an average request's blocks (routing._loads),
+    so the sample must say how many of its requests are queued."""
+    worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
+    worker.sent_since_load = 3
+    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=2, queued_requests=5, used_kv_blocks=80,
+                                                    total_kv_blocks=1000))
+    sample = worker.load_sample
+    assert sample is not None and (sample.requests, sample.queued, sample.running) == (7, 5, 2)
+    assert (sample.used_kv_blocks, sample.total_kv_blocks, worker.sent_since_load) == (80, 1000, 0)

@@ -10,7 +10,7 @@ class FakeWorker:
     address: str
     inflight: int = 0
     sent_since_load: int = 0
-    sample: tuple | None = None  # LoadSample's fields: (at, requests[, used_kv_blocks, total_kv_blocks])
+    sample: tuple | None = None  # LoadSample's fields: (at, requests[, used_kv_blocks, total_kv_blocks, queued])
 
     def fresh_load(self, now, staleness):
         if self.sample is None or now - self.sample[0] > staleness:
@@ -55,6 +55,39 @@ def test_a_burst_does_not_all_land_on_an_idle_worker_when_scoring_by_kv():
         chosen.sent_since_load += 1
         picks.append(chosen.address)
     assert 8 <= picks.count("idle") <= 12, picks  # they share it, the idle one first
+
+
+def test_queued_requests_count_though_they_hold_no_kv_blocks_yet():
+    """An engine admits its queue between steps: a worker in a long step shows the blocks of its last admission
+    while requests queue behind it. Each queued one is charged an average running request's blocks."""
+    stepping = FakeWorker("stepping", sample=(10.0, 7, 50, 1000, 6))  # 1 running (50 blocks), 6 queued
+    other = FakeWorker("other", sample=(10.0, 2, 200, 1000))  # 2 running (100 blocks each), none queued
+    # the average running request holds 250 / 3 blocks: 50 + 6 x 83 > 200
+    assert LeastLoaded(0.5).choose([stepping, other], now=10.1).address == "other"
+
+
+def test_requests_arriving_during_a_step_spread_over_the_workers():
+    """Fresh samples at every pick (as in bench reuse), every worker in a step that admits nothing until it
+    ends: by blocks in use alone all twelve went to the one whose running request is smallest."""
+    used = {"a": 126, "b": 50, "c": 113, "d": 71}
+    queued = dict.fromkeys(used, 0)
+    workers = [FakeWorker(name) for name in used]
+    policy = LeastLoaded(0.5)
+    for _ in range(12):
+        for worker in workers:  # one running request each, and what queued behind it
+            name = worker.address
+            worker.sample = (10.0, 1 + queued[name], used[name], 1000, queued[name])
+        queued[policy.choose(workers, now=10.0).address] += 1
+    assert sorted(queued.values()) == [3, 3, 3, 3], queued
+
+
+def test_a_queued_request_costs_the_average_over_all_workers_not_its_workers_own():
+    """A request costs what it costs wherever it waits: by its own worker's average, one running a single short
+    request would look nearly free per queued request and draw the queue again."""
+    short = FakeWorker("short", sample=(10.0, 4, 10, 1000, 3))  # 1 running (10 blocks), 3 queued
+    long = FakeWorker("long", sample=(10.0, 1, 200, 1000))  # 1 running (200 blocks)
+    # average 105: 10 + 3 x 105 > 200 (by its own average, 10 + 3 x 10 < 200)
+    assert LeastLoaded(0.5).choose([short, long], now=10.1).address == "long"
 
 
 def test_least_loaded_falls_back_to_local_inflight_when_samples_are_stale():

@@ -207,7 +207,7 @@ class _Worker:
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample:
         s = self.scheduler  # GetLoad as the sim answers it with load metrics on (requests and KV blocks)
-        return LoadSample(now, s.running + len(s.waiting), s.used_blocks, s.total_blocks)
+        return LoadSample(now, s.running + len(s.waiting), s.used_blocks, s.total_blocks, queued=len(s.waiting))
 
 
 class _EventFeed:

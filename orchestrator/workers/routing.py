@@ -2,9 +2,10 @@
 
 Pure policies over candidate lists; the pool keeps the inputs (load samples, local in-flight
 counts) fresh. Least loaded scores a worker by the KV cache it has in use when every candidate's
-engine reports it (TensorRT-LLM fills used/total_kv_blocks when started with load metrics), else by its
-engine-reported running + queued requests; in both, the requests we sent it since that sample count
-too, so a burst does not all land on one stale minimum.
+engine reports it (TensorRT-LLM fills used/total_kv_blocks when started with load metrics), its queued
+requests, which hold none yet, charged an average request's blocks; else by its engine-reported running +
+queued requests; in both, the requests we sent it since that sample count too, so a burst does not all
+land on one stale minimum.
 
 KV aware (`KvAware`) adds what each worker already holds of the prompt (the KV index,
 orchestrator.workers.kv_index, fed by the engines' KV events or, for a worker without events, by our own
@@ -30,14 +31,16 @@ class LoadSample:
     requests: int  # running + queued
     used_kv_blocks: int | None = None  # both None unless the engine reports KV usage
     total_kv_blocks: int | None = None
+    queued: int = 0  # of `requests`, those waiting to be scheduled: they hold no KV blocks yet
 
     @property
     def reports_kv(self) -> bool:
         return self.used_kv_blocks is not None and bool(self.total_kv_blocks)
 
     @property
-    def blocks_per_request(self) -> float | None:
-        return (self.used_kv_blocks or 0) / self.requests if self.requests else None
+    def running(self) -> int:
+        """The requests the engine has admitted (those holding the KV blocks in use)."""
+        return self.requests - self.queued
 
     @property
     def kv_usage(self) -> float:
@@ -123,17 +126,24 @@ def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None]
            ) -> tuple[list[float], list[float] | None]:
     """Each candidate's load as both policies score it: its requests (running + queued as its fresh sample
     says, plus those we sent it since; without a fresh sample, ours in flight there) and, only where every
-    candidate reports KV usage, its KV blocks in use plus, for each request sent since the sample, an average
-    running request's blocks: its own, or for a worker running none the others' (else a burst would all land
-    on the idle one, its score never rising), or `per_request_default` when no worker runs any."""
+    candidate reports KV usage, its KV blocks in use plus, for each request holding none yet (queued in the
+    engine, or sent since the sample), the blocks of an average request running on any of them (or
+    `per_request_default` when none runs any).
+
+    Blocks in use alone herd: an engine admits its queue between steps, so a worker in a long step keeps
+    showing the blocks of its last admission while its queue grows, and gets every request until the step
+    ends. The average is over all the candidates' running requests, not each worker's own: a request costs
+    what it costs wherever it waits, and one worker running one short request would otherwise look nearly
+    free per queued request and draw the queue again."""
     requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
                 for c, s in zip(candidates, samples)]
     reporting = [s for s in samples if s is not None and s.reports_kv]
     if len(reporting) != len(samples):
         return requests, None
-    averages = [a for a in (s.blocks_per_request for s in reporting) if a is not None]
-    fallback = sum(averages) / len(averages) if averages else per_request_default
-    return requests, [(s.used_kv_blocks or 0) + c.sent_since_load * (s.blocks_per_request or fallback)
+    running = sum(s.running for s in reporting)
+    used = sum(s.used_kv_blocks or 0 for s in reporting)
+    per_request = used / running if running > 0 and used > 0 else per_request_default
+    return requests, [(s.used_kv_blocks or 0) + (s.queued + c.sent_since_load) * per_request
                       for c, s in zip(candidates, reporting)]
 
 
@@ -164,15 +174,15 @@ class KvAwareKnobs:
 class KvAware:
     """cost(worker) = overlap_weight x (prompt blocks not cached there) + load(worker), in KV blocks.
 
-    load = KV blocks in use (+ the blocks of requests sent since the sample) where every candidate reports
-    KV usage, else its requests x this prompt's blocks (each request there taken to cost about as much as
-    this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a candidate far
-    busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a popular prefix
-    spreads over the workers instead of queueing on the one that holds it. On an attention-DP worker that
-    accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that does not
-    (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the index
-    (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of it.
-    """
+    load = KV blocks in use (+ an average request's blocks for each one queued or sent since the sample) where
+    every candidate reports KV usage, else its requests x this prompt's blocks (each request there taken to cost
+    about as much as this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a
+    candidate far busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a
+    popular prefix spreads over the workers instead of queueing on the one that holds it. On an attention-DP
+    worker that accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that
+    does not (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the
+    index (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of
+    it."""
 
     def __init__(self, index: PrefixIndex, staleness_s: float, knobs: KvAwareKnobs = KvAwareKnobs()):
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
