@@ -79,5 +79,14 @@ async def test_a_load_sample_keeps_the_queued_requests_apart():
     WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=2, queued_requests=5, used_kv_blocks=80,
                                                     total_kv_blocks=1000))
     sample = worker.load_sample
-    assert sample is not None and (sample.requests, sample.queued, sample.running) == (7, 5, 2)
+    assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (7, 5, 2)
     assert (sample.used_kv_blocks, sample.total_kv_blocks, worker.sent_since_load) == (80, 1000, 0)
+
+
+async def test_a_load_sample_from_tensorrt_llm_counts_its_queued_requests_in_without_telling_them_apart():
+    """UPSTREAM load-kv: TensorRT-LLM's running_requests is its active count and queued_requests stays unset, so
+    routing must not take the requests for admitted ones holding the blocks in use (routing._loads)."""
+    worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
+    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=7, used_kv_blocks=80, total_kv_blocks=1000))
+    sample = worker.load_sample
+    assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (7, None, 7)

@@ -108,3 +108,14 @@ def test_make_policy_refuses_unknown_names():
     assert isinstance(make_policy("round_robin", 1), RoundRobin)
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random", 1)
+
+
+def test_a_queue_behind_few_kv_blocks_counts_where_the_engine_does_not_tell_queued_from_running():
+    """UPSTREAM load-kv: TensorRT-LLM counts its queued requests in running_requests and leaves queued_requests
+    unset. a: 14 requests, of which only those admitted hold its 400 blocks; b: 6 requests holding 600. An average
+    request holds 1000 / 20 = 50 blocks, so a's requests weigh 700, more than its blocks in use and than b's 600."""
+    a, b = FakeWorker("a", sample=(10.0, 14, 400, 10_000)), FakeWorker("b", sample=(10.0, 6, 600, 10_000))
+    assert LeastLoaded(0.5).choose([a, b], now=10.1).address == "b"
+    # As many requests on each: the one with fewer blocks in use is the less loaded.
+    c, d = FakeWorker("c", sample=(10.0, 6, 600, 10_000)), FakeWorker("d", sample=(10.0, 6, 700, 10_000))
+    assert LeastLoaded(0.5).choose([c, d], now=10.1).address == "c"

@@ -206,8 +206,10 @@ class _Worker:
         self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample:
-        s = self.scheduler  # GetLoad as the sim answers it with load metrics on (requests and KV blocks)
-        return LoadSample(now, s.running + len(s.waiting), s.used_blocks, s.total_blocks, queued=len(s.waiting))
+        # GetLoad as TensorRT-LLM answers it with load metrics on (UPSTREAM load-kv): requests, the queued ones
+        # counted in but not told apart, and KV blocks
+        s = self.scheduler
+        return LoadSample(now, s.running + len(s.waiting), s.used_blocks, s.total_blocks)
 
 
 class _EventFeed:

@@ -303,7 +303,7 @@ class WorkerPool:
         kv = load.HasField("used_kv_blocks") and load.HasField("total_kv_blocks") and load.total_kv_blocks > 0
         worker.load_sample = LoadSample(trio.current_time(), load.running_requests + load.queued_requests,
                                         load.used_kv_blocks if kv else None, load.total_kv_blocks if kv else None,
-                                        queued=load.queued_requests)
+                                        queued=load.queued_requests if load.HasField("queued_requests") else None)
         worker.sent_since_load = 0
         if worker.load_sample.requests:
             worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again

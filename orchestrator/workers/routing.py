@@ -3,9 +3,10 @@
 Pure policies over candidate lists; the pool keeps the inputs (load samples, local in-flight
 counts) fresh. Least loaded scores a worker by the KV cache it has in use when every candidate's
 engine reports it (TensorRT-LLM fills used/total_kv_blocks when started with load metrics), its queued
-requests, which hold none yet, charged an average request's blocks; else by its engine-reported running +
-queued requests; in both, the requests we sent it since that sample count too, so a burst does not all
-land on one stale minimum.
+requests, which hold none yet, charged an average request's blocks (where the engine does not tell them
+apart, as TensorRT-LLM does not, its requests at that average weigh at least as much as its blocks); else by
+its engine-reported running + queued requests; in both, the requests we sent it since that sample count too,
+so a burst does not all land on one stale minimum.
 
 KV aware (`KvAware`) adds what each worker already holds of the prompt (the KV index,
 orchestrator.workers.kv_index, fed by the engines' KV events or, for a worker without events, by our own
@@ -31,16 +32,18 @@ class LoadSample:
     requests: int  # running + queued
     used_kv_blocks: int | None = None  # both None unless the engine reports KV usage
     total_kv_blocks: int | None = None
-    queued: int = 0  # of `requests`, those waiting to be scheduled: they hold no KV blocks yet
+    # Of `requests`, those waiting to be scheduled (they hold no KV blocks yet); None when the engine does not
+    # say: TensorRT-LLM's GetLoad counts them in running_requests and leaves queued_requests unset.
+    queued: int | None = None
 
     @property
     def reports_kv(self) -> bool:
         return self.used_kv_blocks is not None and bool(self.total_kv_blocks)
 
     @property
-    def running(self) -> int:
-        """The requests the engine has admitted (those holding the KV blocks in use)."""
-        return self.requests - self.queued
+    def admitted(self) -> int:
+        """The requests holding the KV blocks in use: all of them where the engine does not tell the queued apart."""
+        return self.requests - (self.queued or 0)
 
     @property
     def kv_usage(self) -> float:
@@ -126,25 +129,35 @@ def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None]
            ) -> tuple[list[float], list[float] | None]:
     """Each candidate's load as both policies score it: its requests (running + queued as its fresh sample
     says, plus those we sent it since; without a fresh sample, ours in flight there) and, only where every
-    candidate reports KV usage, its KV blocks in use plus, for each request holding none yet (queued in the
-    engine, or sent since the sample), the blocks of an average request running on any of them (or
-    `per_request_default` when none runs any).
+    candidate reports KV usage, its load in KV blocks: the blocks in use, with each request that holds none yet
+    (queued in the engine, or sent since the sample) charged the blocks of an average admitted request on any of
+    them (or `per_request_default` when none holds any).
 
     Blocks in use alone herd: an engine admits its queue between steps, so a worker in a long step keeps
     showing the blocks of its last admission while its queue grows, and gets every request until the step
-    ends. The average is over all the candidates' running requests, not each worker's own: a request costs
-    what it costs wherever it waits, and one worker running one short request would otherwise look nearly
-    free per queued request and draw the queue again."""
+    ends. The average is over all the candidates, not each worker's own: a request costs what it costs
+    wherever it waits, and one worker running one short request would otherwise look nearly free per queued
+    request and draw the queue again. TensorRT-LLM does not say which of its requests are queued (UPSTREAM
+    load-kv): there a worker's requests at the average weigh at least as much as its blocks in use, so a queue
+    behind few blocks still counts."""
     requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
                 for c, s in zip(candidates, samples)]
     reporting = [s for s in samples if s is not None and s.reports_kv]
     if len(reporting) != len(samples):
         return requests, None
-    running = sum(s.running for s in reporting)
+    admitted = sum(s.admitted for s in reporting)
     used = sum(s.used_kv_blocks or 0 for s in reporting)
-    per_request = used / running if running > 0 and used > 0 else per_request_default
-    return requests, [(s.used_kv_blocks or 0) + (s.queued + c.sent_since_load) * per_request
-                      for c, s in zip(candidates, reporting)]
+    per_request = used / admitted if admitted > 0 and used > 0 else per_request_default
+
+    def blocks(sample: LoadSample, sent: int) -> float:
+        held = float(sample.used_kv_blocks or 0)
+        if sample.queued is None:  # queued requests hidden in `requests`
+            held = max(held, sample.requests * per_request)
+        else:
+            held += sample.queued * per_request
+        return held + sent * per_request
+
+    return requests, [blocks(s, c.sent_since_load) for c, s in zip(candidates, reporting)]
 
 
 class PrefixIndex(Protocol):
