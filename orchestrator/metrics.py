@@ -10,6 +10,7 @@ and memory summed over live ones (FrontendProcesses).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -170,7 +171,10 @@ class Metrics:
                   (self.routing_cached_blocks, (worker,)),
                   *((self.kv_index_mode, (worker, mode)) for mode in KV_INDEX_MODES)]
         for metric, labels in series:
-            metric.remove(*labels)  # (nothing when never created: a worker never routed to)
+            # A series never created (a worker never routed to) is no error; prometheus_client before 0.22 raised
+            # KeyError for it, which here would end the pool's task.
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self._rendered)

@@ -102,3 +102,16 @@ def test_a_token_meter_shows_a_long_stream_while_it_runs():
     meter.flush()
     assert sample(metrics, "orchestrator_output_tokens_total", mode="aggregated") == 100
     assert sample(metrics, "orchestrator_inter_token_latency_seconds_count", mode="aggregated") == 100
+
+
+def test_forgetting_a_worker_never_routed_to_is_no_error_even_where_prometheus_raises(monkeypatch):
+    """prometheus_client before 0.22 raised KeyError removing a series never created; forget_worker runs in the
+    pool's task, which must not end for it."""
+    from prometheus_client import Counter, Gauge
+
+    def remove_unknown(self, *labels):
+        raise KeyError(labels)
+
+    monkeypatch.setattr(Gauge, "remove", remove_unknown)
+    monkeypatch.setattr(Counter, "remove", remove_unknown)
+    Metrics().forget_worker("grpc://127.0.0.1:9")

@@ -115,3 +115,11 @@ def test_a_token_event_is_what_the_encoder_gives_whatever_the_request_id_and_mod
             choice = parse(chunk_writer.delta(text))
             assert choice["id"] == request_id + "\x00text\x00" and choice["model"] == model
             assert choice["choices"][0].get("delta", {}).get("content", choice["choices"][0].get("text")) == text
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_no_texts_make_no_events(kind):
+    writer = fmt.ChunkWriter(kind, "id", "m", 1)
+    assert writer.deltas([]) == b""
+    writer.delta("a")  # (a chat stream's role is sent)
+    assert writer.deltas([]) == b""

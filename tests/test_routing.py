@@ -38,7 +38,7 @@ def test_least_loaded_scores_by_kv_usage_when_every_engine_reports_it():
     long_ones = FakeWorker("long", sample=(10.0, 2, 900, 1000))
     short_ones = FakeWorker("short", sample=(10.0, 6, 100, 1000))
     assert LeastLoaded(0.5).choose([long_ones, short_ones], now=10.1).address == "short"
-    short_ones.sent_since_load = 50  # each assumed to take an average running request's blocks: 50 x 16.7
+    short_ones.sent_since_load = 50  # each charged an average admitted request's blocks: 50 x (1000 / 8)
     assert LeastLoaded(0.5).choose([long_ones, short_ones], now=10.1).address == "long"
     no_kv = FakeWorker("no-kv", sample=(10.0, 3))  # one engine without KV figures: all compare by requests
     assert LeastLoaded(0.5).choose([long_ones, FakeWorker("short", sample=(10.0, 6, 100, 1000)), no_kv],
@@ -61,7 +61,7 @@ def test_queued_requests_count_though_they_hold_no_kv_blocks_yet():
     """An engine admits its queue between steps: a worker in a long step shows the blocks of its last admission
     while requests queue behind it. Each queued one is charged an average running request's blocks."""
     stepping = FakeWorker("stepping", sample=(10.0, 7, 50, 1000, 6))  # 1 running (50 blocks), 6 queued
-    other = FakeWorker("other", sample=(10.0, 2, 200, 1000))  # 2 running (100 blocks each), none queued
+    other = FakeWorker("other", sample=(10.0, 2, 200, 1000))  # 2 requests holding 200 blocks (queued not said)
     # the average running request holds 250 / 3 blocks: 50 + 6 x 83 > 200
     assert LeastLoaded(0.5).choose([stepping, other], now=10.1).address == "other"
 
@@ -85,7 +85,7 @@ def test_a_queued_request_costs_the_average_over_all_workers_not_its_workers_own
     """A request costs what it costs wherever it waits: by its own worker's average, one running a single short
     request would look nearly free per queued request and draw the queue again."""
     short = FakeWorker("short", sample=(10.0, 4, 10, 1000, 3))  # 1 running (10 blocks), 3 queued
-    long = FakeWorker("long", sample=(10.0, 1, 200, 1000))  # 1 running (200 blocks)
+    long = FakeWorker("long", sample=(10.0, 1, 200, 1000))  # 1 request holding 200 blocks (queued not said)
     # average 105: 10 + 3 x 105 > 200 (by its own average, 10 + 3 x 10 < 200)
     assert LeastLoaded(0.5).choose([short, long], now=10.1).address == "long"
 
@@ -119,3 +119,14 @@ def test_a_queue_behind_few_kv_blocks_counts_where_the_engine_does_not_tell_queu
     # As many requests on each: the one with fewer blocks in use is the less loaded.
     c, d = FakeWorker("c", sample=(10.0, 6, 600, 10_000)), FakeWorker("d", sample=(10.0, 6, 700, 10_000))
     assert LeastLoaded(0.5).choose([c, d], now=10.1).address == "c"
+
+
+def test_a_nearly_full_kv_cache_counts_as_full_whatever_the_request_counts():
+    """From TensorRT-LLM (queued requests not told apart) many short requests weigh more than a few long ones;
+    a worker whose cache is 90% in use still counts as full: a new request may not fit there and would wait."""
+    long = FakeWorker("long", sample=(10.0, 2, 900, 1000))
+    short = FakeWorker("short", sample=(10.0, 20, 100, 1000))
+    assert LeastLoaded(0.5).choose([long, short], now=10.1).address == "short"
+    # Below the mark the estimate decides: short's 20 requests at the average weigh more than long's 850 blocks.
+    long = FakeWorker("long", sample=(10.0, 2, 850, 1000))
+    assert LeastLoaded(0.5).choose([long, short], now=10.1).address == "long"

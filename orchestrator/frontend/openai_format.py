@@ -95,6 +95,8 @@ class ChunkWriter:
 
     def deltas(self, texts: Sequence[str]) -> bytes:
         """One event per text, without logprobs, as one buffer (written together: they arrived together)."""
+        if not texts:
+            return b""
         if not self._role_sent:  # the first carries the role
             first = self.delta(texts[0])
             return first + self.deltas(texts[1:]) if len(texts) > 1 else first

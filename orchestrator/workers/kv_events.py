@@ -407,7 +407,10 @@ class KvEventFeed:
             info = await client.capabilities()
             sources = await client.kv_event_sources()
         except EngineError as exc:
-            self.detail[worker] = f"KV event sources unavailable: {cause_chain(exc)}"
+            if follower.active:  # (forgotten while it asked: its /health entry is gone and stays gone)
+                self.detail[worker] = f"KV event sources unavailable: {cause_chain(exc)}"
+            return None
+        if not follower.active:
             return None
         try:
             valid = validate_sources(sources, max(1, info.data_parallel_size), info.kv_block_size)

@@ -101,6 +101,9 @@ class RoundRobin:
         return Decision(self.choose(candidates, now), "policy")
 
 
+NEARLY_FULL_KV = 0.9  # least loaded: a worker reporting this much of its KV cache in use counts as full
+
+
 class LeastLoaded:
     def __init__(self, staleness_s: float):
         self.staleness_s = staleness_s
@@ -114,6 +117,13 @@ class LeastLoaded:
         # the fraction of its KV cache in use (the workers' caches may differ in size)
         kv_used = [0.0] * len(candidates) if kv_blocks is None else \
             [b / (s.total_kv_blocks or 1) for b, s in zip(kv_blocks, samples) if s is not None]
+        # A cache the engine reports nearly full counts as full: a new request may not fit there and would wait
+        # for blocks, whatever the estimate says (from an engine that does not tell its queued requests apart,
+        # the estimate may charge a worker's many short requests more than another's few long ones). Only where
+        # the others are estimated past full too does it take the request.
+        if kv_blocks is not None:
+            kv_used = [max(used, 1.0) if s is not None and s.kv_usage >= NEARLY_FULL_KV else used
+                       for used, s in zip(kv_used, samples)]
 
         def score(i: int) -> tuple[float, float, int]:
             return kv_used[i], requests[i], (i - turn) % len(candidates)  # (rotating ties)
@@ -187,8 +197,9 @@ class KvAwareKnobs:
 class KvAware:
     """cost(worker) = overlap_weight x (prompt blocks not cached there) + load(worker), in KV blocks.
 
-    load = KV blocks in use (+ an average request's blocks for each one queued or sent since the sample) where
-    every candidate reports KV usage, else its requests x this prompt's blocks (each request there taken to cost
+    load = KV blocks in use (+ an average request's blocks for each one queued or sent since the sample; from an
+    engine that does not tell its queued requests apart, at least its requests x that average) where every
+    candidate reports KV usage, else its requests x this prompt's blocks (each request there taken to cost
     about as much as this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a
     candidate far busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a
     popular prefix spreads over the workers instead of queueing on the one that holds it. On an attention-DP
@@ -215,11 +226,11 @@ class KvAware:
         for (address, dp_rank), n in overlap.items():
             by_worker.setdefault(address, {})[dp_rank] = n
         cached, ranks, eligible = [], [], []
-        for i, (c, sample, queued) in enumerate(zip(candidates, samples, requests)):
+        for i, (c, sample, requests_there) in enumerate(zip(candidates, samples, requests)):
             held, rank = _held(c, by_worker.get(c.address))
             # The guard: a worker this far above the least loaded one (in requests, queued ones included, which
             # blocks in use do not show) or with its KV cache this full takes no request while another does not.
-            over = queued - least > self.knobs.max_imbalance or (
+            over = requests_there - least > self.knobs.max_imbalance or (
                 sample is not None and sample.reports_kv
                 and sample.kv_usage > self.knobs.max_kv_usage)
             cached.append(-held if over else held)  # negative: held but ruled out by the guard
