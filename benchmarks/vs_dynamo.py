@@ -57,7 +57,7 @@ from orchestrator.testkit.processes import OrchestratorServers, SimWorkers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_cost import cpu_seconds, fit_line, idle_cpu_ms_per_s
-from overhead import PROMPT, run_slots
+from overhead import ThroughOrchestrator, run_slots
 
 ROOT = Path(__file__).resolve().parent.parent
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
@@ -70,23 +70,13 @@ def replay_key(max_tokens: int) -> str:
     return f"tokens-{max_tokens}"
 
 
-class Streams:
-    """Streamed chat completions of `max_tokens` tokens; counts the content events and tokens it saw."""
+class Streams(ThroughOrchestrator):
+    """The same streamed chat completions to either frontend: Dynamo's mocker replays the tokens `nvext` names
+    (ours ignores the field), and the events are read in a way that fits both frontends' SSE."""
 
     def __init__(self, url: str, max_tokens: int):
-        self.url = url
-        self.body = {"model": "tiny-chat", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                     "stream_options": {"include_usage": True},
-                     "messages": [{"role": "user", "content": PROMPT}],
-                     "nvext": {"annotations": [f"output_replay_id:{replay_key(max_tokens)}"]}}
-        self.events = 0
-        self.tokens = 0
-
-    async def open_slot(self) -> Connection:
-        return Connection(self.url)
-
-    async def close_slot(self, connection: Connection) -> None:
-        await connection.aclose()
+        super().__init__(url, max_tokens)
+        self.body["nvext"] = {"annotations": [f"output_replay_id:{replay_key(max_tokens)}"]}
 
     async def __call__(self, i: int, j: int, connection: Connection, on_first=None) -> tuple[float, int]:
         start = time.perf_counter()
