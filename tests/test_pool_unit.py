@@ -90,3 +90,17 @@ async def test_a_load_sample_from_tensorrt_llm_counts_its_queued_requests_in_wit
     WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=7, used_kv_blocks=80, total_kv_blocks=1000))
     sample = worker.load_sample
     assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (7, None, 7)
+
+
+async def test_a_load_sample_from_the_sibling_server_counts_its_queue_once():
+    """UPSTREAM r3-load: revision-3 TensorRT-LLM sets queued_requests, but its running_requests (a request
+    tracker's count) already holds them: 4 in the batch and 5 queued are 9 requests, not 14. An engine whose
+    running_requests are only those in the batch adds its queue."""
+    worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
+    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=9, queued_requests=5, prefill_batch_size=1,
+                                                    decode_batch_size=3, used_kv_blocks=80, total_kv_blocks=1000))
+    sample = worker.load_sample
+    assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (9, 5, 4)
+    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=4, queued_requests=5, prefill_batch_size=1,
+                                                    decode_batch_size=3))
+    assert worker.load_sample is not None and worker.load_sample.requests == 9

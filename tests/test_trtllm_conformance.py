@@ -116,6 +116,9 @@ UPSTREAM = {
                             "sample is missing or older than 30 s: the engine is fine"),
     "load-kv": ("R1 control.py @ 06cb2191b0be GetLoad", "used/total_kv_blocks only with load metrics on (per DP "
                 "rank with include_per_rank); running_requests is the active count; queued_requests unset"),
+    "r3-load": ("R3 servicer.py @ 58132ce1 GetLoad (open PR #16336)",
+                "running_requests = max(the executor's active count, the request tracker's, which counts the queue "
+                "too); queued_requests = the executor's request queue; prefill/decode_batch_size with stats"),
     "server-info-extra": ("R1 control.py @ 06cb2191b0be GetServerInfo; node.py @ 2361706f3283",
                           "extra: trtllm_supports_dp_rank_targeting, trtllm_supports_subagent_affinity, "
                           "trtllm_kv_event_hash_algo ('v2_sha256_64', with ZMQ KV events), trtllm_node; "
@@ -774,3 +777,24 @@ async def test_cached_prompt_tokens_reach_the_client(tmp_path, mode, sim_workers
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < usage["prompt_tokens"] == first["prompt_tokens"]  # whole blocks; never the last token
     assert f'orchestrator_cached_prompt_tokens_total{{mode="{mode}"}} {float(cached)}' in metrics
+
+
+@pytest.mark.parametrize("revision", [1, 3])
+async def test_the_simulator_reports_a_queue_as_each_server_does(revision, sim_workers, engine_client):
+    """UPSTREAM load-kv, r3-load: both count a request waiting for KV blocks in running_requests; only the
+    sibling server also reports it as queued_requests. (4 blocks of 32 tokens: one request of 5 + 100 tokens
+    takes them all, the next one waits.)"""
+    from sim_helpers import collect, full_request
+
+    flags = ("--time-scale", "0.5", "--total-kv-blocks", "4", *(REVISION_3 if revision == 3 else ()))
+    worker = sim_workers.start("aggregated", *flags)
+    async with engine_client(worker.address) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(collect, client, full_request(f"q{i}", max_tokens=100))
+            load = await wait_for_load(client, lambda info: info.running_requests == 2 and info.used_kv_blocks == 4)
+            if revision == 3:
+                assert load.queued_requests == 1
+            else:
+                assert not load.HasField("queued_requests")
+            nursery.cancel_scope.cancel()

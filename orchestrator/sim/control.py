@@ -127,9 +127,10 @@ class ControlService(SimWorkerState):
         _prefill_tokens, decode_batch = s.last_step
         return server_pb2.LoadInfo(
             instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns(),
-            # TensorRT-LLM's running_requests is its active count, queued ones included; it leaves
-            # queued_requests unset (UPSTREAM load-kv)
+            # TensorRT-LLM's running_requests is its active count, queued ones included; revision 1 leaves
+            # queued_requests unset (UPSTREAM load-kv), the sibling server sets it too (UPSTREAM r3-load)
             running_requests=s.running + len(s.waiting),
+            queued_requests=len(s.waiting) if self.persona.schema_revision >= 3 else None,
             active_kv_sessions=len(self.sessions.sessions), used_kv_blocks=s.used_blocks,
             total_kv_blocks=s.total_blocks, running_tokens=sum(r.prompt_len + r.generated for r in s.decoding),
             waiting_tokens=sum(r.prompt_len for r in s.waiting), prefill_batch_size=len(s.prefilling),

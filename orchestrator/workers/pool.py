@@ -301,9 +301,17 @@ class WorkerPool:
     @staticmethod
     def _on_load(worker: Worker, load) -> None:
         kv = load.HasField("used_kv_blocks") and load.HasField("total_kv_blocks") and load.total_kv_blocks > 0
-        worker.load_sample = LoadSample(trio.current_time(), load.running_requests + load.queued_requests,
-                                        load.used_kv_blocks if kv else None, load.total_kv_blocks if kv else None,
-                                        queued=load.queued_requests if load.HasField("queued_requests") else None)
+        # Revision-1 TensorRT-LLM counts its queued requests in running_requests and leaves queued_requests unset
+        # (UPSTREAM load-kv). The sibling server (revision 3) sets queued_requests, but its running_requests is the
+        # larger of the executor's active count and its own request tracker's, which counts the queue as well
+        # (UPSTREAM r3-load): where the batch sizes say what runs, the requests are at least those plus the queue
+        # and no more than what running_requests already counts.
+        queued = load.queued_requests if load.HasField("queued_requests") else None
+        requests = load.running_requests + (queued or 0)
+        if queued is not None and (load.HasField("prefill_batch_size") or load.HasField("decode_batch_size")):
+            requests = max(load.running_requests, load.prefill_batch_size + load.decode_batch_size + queued)
+        worker.load_sample = LoadSample(trio.current_time(), requests, load.used_kv_blocks if kv else None,
+                                        load.total_kv_blocks if kv else None, queued=queued)
         worker.sent_since_load = 0
         if worker.load_sample.requests:
             worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again
