@@ -119,7 +119,6 @@ class WorkerPool:
         # KV-aware routing's index and event feed (kv_routing.py), for the roles it names: a role routed kv_aware
         # that the mode does not run (or with no KV routing given) is routed least loaded, and sets up nothing.
         self.kv = kv
-        self.kv_index: KvIndex | None = kv.index if kv is not None else None
         kv_roles = kv.roles if kv is not None else ()
         self._policy_names = {role: "least_loaded" if policy == "kv_aware" and role not in kv_roles else policy
                               for role in ROLES for policy in [getattr(routing, role)]}
@@ -383,6 +382,11 @@ class WorkerPool:
         # Counted at the pick, not when the leg starts: a burst planned at once must see its own picks.
         decision.worker.sent_since_load += 1
         return decision
+
+    @property
+    def kv_index(self) -> KvIndex | None:
+        """The KV index every kv_aware role's policy reads (None without KV routing)."""
+        return self.kv.index if self.kv is not None else None
 
     def kv_block_size(self, role: str) -> int | None:
         """The KV block size prompt keys for `role` are cut in: the one its workers report (the first known;
