@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
-from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
+from orchestrator.roles import ROLES
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded", "kv_aware")

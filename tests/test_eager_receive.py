@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.net.eager_receive import EagerReceiver
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

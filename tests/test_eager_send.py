@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.transport.eager_send import EagerSender
+from orchestrator.net.eager_send import EagerSender
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
