@@ -1,4 +1,4 @@
-"""EagerReceiver (orchestrator/transport/eager_receive.py): reads what trio's receive_some would, and every read is a
+"""EagerReceiver (orchestrator/net/eager_receive.py): reads what trio's receive_some would, and every read is a
 checkpoint, as trio's is."""
 
 from __future__ import annotations
