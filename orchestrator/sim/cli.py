@@ -106,6 +106,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--drop-kv-events", type=int, default=0, metavar="N",
                         help="lose every Nth KV event batch after numbering it, so subscribers see a sequence gap")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
+    faults.add_argument("--health-delay", type=float, default=0.0, help="answer every Health check this late (s)")
+    faults.add_argument("--report-health-state", type=int, default=None,
+                        help="answer Health with this HealthState number, known or not")
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
     faults.add_argument("--report-schema-revision", type=int, default=None,
                         help="report this ServerInfo.schema_revision instead of the persona's")
@@ -146,7 +149,8 @@ def config_from_args(args: argparse.Namespace):
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, status_delay_s=args.status_delay,
         drop_kv_sessions=args.drop_kv_sessions,
-        not_ready=args.not_ready, fail_model_info=args.fail_model_info,
+        not_ready=args.not_ready, health_delay_s=args.health_delay,
+        report_health_state=args.report_health_state, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
         eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
         load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout, attention_dp_size=args.attention_dp_size,

@@ -22,11 +22,12 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import grpc
 import trio
 
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
-from orchestrator.engine.client import HealthState
+from orchestrator.engine.numbering import Health
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
@@ -38,6 +39,9 @@ from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSa
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 log = logging.getLogger(__name__)
+
+# Health checks in a row that time out, with nothing arriving from the worker meanwhile, before it is unhealthy.
+HEALTH_MISSES = 2
 
 
 class Worker:
@@ -66,6 +70,7 @@ class Worker:
         # The pool failed this worker's calls because it stopped answering; until it answers a health check
         # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
         self.unresponsive = False
+        self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
 
     @property
@@ -207,10 +212,9 @@ class WorkerPool:
         polls_load = self._polls_load(worker)
         while True:
             previous = worker.state
+            # Unanswered for one interval is a miss (at least 1 s: a busy box is not a dead one)
+            timeout = max(1.0, self.health_interval)
             try:
-                # Unanswered for one interval is unhealthy: with the next check at most an interval away, a
-                # frozen worker's streams move on within two intervals (at least 1 s: a busy box is not a dead one)
-                timeout = max(1.0, self.health_interval)
                 if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
                     state, load = await client.health_and_load(timeout=timeout)
                     if not isinstance(load, EngineError):
@@ -218,17 +222,18 @@ class WorkerPool:
                 else:
                     state = await client.health(timeout=timeout)
             except EngineError as exc:
-                self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
-                if isinstance(exc, WorkerUnavailable):
-                    self._fail_calls_if_silent(worker, client, timeout, exc)
+                self._on_health_error(worker, client, timeout, exc)
             else:
                 worker.unresponsive = False
-                if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                worker.health_misses = 0
+                if state.serving:
                     if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
                     await self._check_identity(worker, client)
                 else:
-                    self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
+                    # NOT_READY, STARTING, the sibling server's DRAINING (it finishes what it runs, takes nothing
+                    # new), or a state its numbering does not define: no new requests until it says READY.
+                    self._on(worker, WorkerEvent.UNHEALTHY, _health_detail(state, client))
             if worker.state != previous:
                 self._notify()
             if self.kv_index is not None and worker.state is not WorkerState.REMOVING:
@@ -236,6 +241,32 @@ class WorkerPool:
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
+
+    def _on_health_error(self, worker: Worker, client: EngineClient, timeout: float, exc: EngineError) -> None:
+        """A health check that failed. A timed-out check is a miss, not a verdict: under a full load (1,024
+        streams) or on a starved host the answer comes late while the worker works. A worker whose streams
+        brought us messages within the check's own timeout is alive, whatever its health check says; one that
+        missed HEALTH_MISSES checks in a row with nothing arriving is unhealthy (and its calls are failed: a
+        frozen process keeps its connection open). A refused connection or an error answer counts at once."""
+        timed_out = isinstance(exc, WorkerUnavailable) and exc.grpc_status is grpc.StatusCode.DEADLINE_EXCEEDED
+        if timed_out and client.heard_within(timeout):
+            worker.health_misses = 0
+            self.metrics_health_late(worker)
+            worker.log("worker %s %s: health check unanswered in %g s while its streams flow: kept in the pool",
+                       worker.role, worker.address, timeout)
+            return
+        worker.health_misses += 1
+        if timed_out and worker.health_misses < HEALTH_MISSES:
+            self.metrics_health_late(worker)
+            worker.log("worker %s %s: health check unanswered in %g s (%d in a row): kept in the pool until %d",
+                       worker.role, worker.address, timeout, worker.health_misses, HEALTH_MISSES)
+            return
+        self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
+        if isinstance(exc, WorkerUnavailable):
+            self._fail_calls_if_silent(worker, client, timeout, exc)
+
+    def metrics_health_late(self, worker: Worker) -> None:
+        self._metrics.health_checks_late.labels(worker.address).inc()
 
     @staticmethod
     def _fail_calls_if_silent(worker: Worker, client: EngineClient, quiet_s: float, error: EngineError) -> None:
@@ -453,6 +484,13 @@ class WorkerPool:
 
     def _every_worker(self) -> list[Worker]:
         return [*self.workers.values(), *self.retiring]
+
+
+def _health_detail(state: Health, client: EngineClient) -> str:
+    if state is Health.UNKNOWN:
+        return (f"health state {client.last_health_value}, which its numbering ({client.numbering.value}) does "
+                "not define")
+    return f"health {state.wire_name}"
 
 
 def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> dict:
