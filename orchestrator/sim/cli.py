@@ -106,7 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--drop-kv-events", type=int, default=0, metavar="N",
                         help="lose every Nth KV event batch after numbering it, so subscribers see a sequence gap")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
-    faults.add_argument("--health-delay", type=float, default=0.0, help="answer every Health check this late (s)")
+    faults.add_argument("--health-delay", type=float, default=0.0,
+                        help="answer Health this late (s) while requests run")
     faults.add_argument("--report-health-state", type=int, default=None,
                         help="answer Health with this HealthState number, known or not")
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")

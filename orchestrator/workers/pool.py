@@ -212,6 +212,7 @@ class WorkerPool:
         polls_load = self._polls_load(worker)
         while True:
             previous = worker.state
+            recheck_now = False
             # Unanswered for one interval is a miss (at least 1 s: a busy box is not a dead one)
             timeout = max(1.0, self.health_interval)
             try:
@@ -222,7 +223,7 @@ class WorkerPool:
                 else:
                     state = await client.health(timeout=timeout)
             except EngineError as exc:
-                self._on_health_error(worker, client, timeout, exc)
+                recheck_now = self._on_health_error(worker, client, timeout, exc)
             else:
                 worker.unresponsive = False
                 worker.health_misses = 0
@@ -238,34 +239,38 @@ class WorkerPool:
                 self._notify()
             if self.kv_index is not None and worker.state is not WorkerState.REMOVING:
                 self._index_metrics(worker, self.kv_index)
+            if recheck_now:
+                continue  # a silent worker's second chance comes at once: a frozen one is found one timeout later
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
 
-    def _on_health_error(self, worker: Worker, client: EngineClient, timeout: float, exc: EngineError) -> None:
+    def _on_health_error(self, worker: Worker, client: EngineClient, timeout: float, exc: EngineError) -> bool:
         """A health check that failed. A timed-out check is a miss, not a verdict: under a full load (1,024
         streams) or on a starved host the answer comes late while the worker works. A worker whose streams
         brought us messages within the check's own timeout is alive, whatever its health check says; one that
         missed HEALTH_MISSES checks in a row with nothing arriving is unhealthy (and its calls are failed: a
-        frozen process keeps its connection open). A refused connection or an error answer counts at once."""
+        frozen process keeps its connection open). A refused connection or an error answer counts at once.
+        Returns whether to check again at once (a tolerated miss with nothing arriving)."""
         timed_out = isinstance(exc, WorkerUnavailable) and exc.grpc_status is grpc.StatusCode.DEADLINE_EXCEEDED
         if timed_out and client.heard_within(timeout):
             worker.health_misses = 0
-            self.metrics_health_late(worker)
+            self._count_late(worker)
             worker.log("worker %s %s: health check unanswered in %g s while its streams flow: kept in the pool",
                        worker.role, worker.address, timeout)
-            return
+            return False
         worker.health_misses += 1
         if timed_out and worker.health_misses < HEALTH_MISSES:
-            self.metrics_health_late(worker)
+            self._count_late(worker)
             worker.log("worker %s %s: health check unanswered in %g s (%d in a row): kept in the pool until %d",
                        worker.role, worker.address, timeout, worker.health_misses, HEALTH_MISSES)
-            return
+            return True
         self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
         if isinstance(exc, WorkerUnavailable):
-            self._fail_calls_if_silent(worker, client, timeout, exc)
+            self._fail_calls_if_silent(worker, client, timeout * HEALTH_MISSES, exc)
+        return False
 
-    def metrics_health_late(self, worker: Worker) -> None:
+    def _count_late(self, worker: Worker) -> None:
         self._metrics.health_checks_late.labels(worker.address).inc()
 
     @staticmethod
