@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 from google.protobuf.message import Message
 
@@ -120,6 +121,13 @@ class GenerateStream:
             if not self._pending:
                 raise StopAsyncIteration
         return self._pending.pop(0)
+
+
+@attrs.frozen
+class OversizeMessage:
+    """A stream message not parsed because it was bigger than the caller's limit."""
+
+    size: int
 
 
 class EngineClient:
@@ -277,14 +285,21 @@ class EngineClient:
         return list(response.sources)
 
     @asynccontextmanager
-    async def subscribe_kv_events(self, ranks: tuple[int, ...] = ()) -> AsyncIterator[Any]:
+    async def subscribe_kv_events(self, ranks: tuple[int, ...] = (), *, max_message_bytes: int | None = None
+                                  ) -> AsyncIterator[Any]:
         """Control.SubscribeKvEvents, a server stream: read SubscribeKvEventsResponse messages with
         `get_batch()` ([] once the stream ended; a failed call raises EngineError). Leaving the block cancels
-        it. Either transport streams it (transport/calls.py)."""
+        it. Either transport streams it (transport/calls.py). A message above `max_message_bytes` is not parsed:
+        the stream hands out an OversizeMessage in its place."""
         self._check_open("SubscribeKvEvents")
         request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=list(ranks))
-        async with self._channel.stream(_SUBSCRIBE_KV_EVENTS_PATH, request.SerializeToString(),
-                                        kv_pb2.SubscribeKvEventsResponse.FromString) as stream:
+
+        def decode(payload: bytes) -> Any:
+            if max_message_bytes is not None and len(payload) > max_message_bytes:
+                return OversizeMessage(len(payload))
+            return kv_pb2.SubscribeKvEventsResponse.FromString(payload)
+
+        async with self._channel.stream(_SUBSCRIBE_KV_EVENTS_PATH, request.SerializeToString(), decode) as stream:
             yield stream
 
     # ---- capabilities and readiness ------------------------------------------------------------

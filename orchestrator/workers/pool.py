@@ -29,7 +29,7 @@ from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpe
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
 from orchestrator.engine.numbering import Health
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.log import RateLimitedLog, bounded, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
 from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
@@ -499,15 +499,16 @@ def _health_detail(state: Health, client: EngineClient) -> str:
 
 
 def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> dict:
-    view: dict = {"address": worker.address, "role": worker.role, "state": worker.state, "detail": worker.detail,
+    view: dict = {"address": worker.address, "role": worker.role, "state": worker.state,
+                  "detail": bounded(worker.detail),
                   "inflight": worker.inflight}
     if kv_index is not None:
         # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
         view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
                             "blocks": kv_index.blocks(worker.address)}
         why = kv_feed.detail.get(worker.address) if kv_feed is not None else None
-        if why:  # why its events are not used (no sources, invalid ones, a failing subscription)
-            view["kv_index"]["detail"] = why
+        if why:  # why its events are not used (no sources, invalid ones, a failing subscription, refused events)
+            view["kv_index"]["detail"] = bounded(why)
     caps = worker.client.cached_capabilities if worker.client is not None else None
     if caps is not None:
         view["engine"] = {"name": caps.engine, "instance_id": caps.instance_id, "role": caps.role,
