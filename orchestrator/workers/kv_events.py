@@ -281,9 +281,10 @@ class KvEventFeed:
                 follower.log("worker %s: KV events cannot be followed, routing it approximately: %s", worker,
                              cause_chain(failure))
                 return info.instance_id
-            self.detail[worker] = f"KV event stream lost: {cause_chain(failure)}"
-            follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
-                         cause_chain(failure))
+            else:
+                self.detail[worker] = f"KV event stream lost: {cause_chain(failure)}"
+                follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
+                             cause_chain(failure))
         else:  # the identity watch ended it: the worker restarted, its cache is empty
             self.detail[worker] = "the worker restarted"
             self.index.cleared_routed(worker)
