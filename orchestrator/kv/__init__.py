@@ -8,8 +8,9 @@ from orchestrator.kv.handoff import (
     check_session,
     decode_needs_media,
     first_gen_tokens,
+    produced_by_context,
 )
 from orchestrator.kv.lease import KvLease
 
 __all__ = ["SESSION_ATTRIBUTES", "TRTLLM_HANDOFF_PROFILE", "HandoffError", "KvLease", "check_session",
-           "decode_needs_media", "first_gen_tokens"]
+           "decode_needs_media", "first_gen_tokens", "produced_by_context"]
