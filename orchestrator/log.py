@@ -45,7 +45,8 @@ def bounded(text: str, limit: int = MAX_CAUSE_CHARS) -> str:
 def cause_chain(exc: BaseException, limit: int = MAX_CAUSE_CHARS) -> str:
     """`outer: msg <- inner: msg <- ...` following __cause__ / __context__, at most `limit` characters in all
     (each cause bounded on its own, so that a huge inner message does not hide the outer ones)."""
-    parts, seen = [], set()
+    parts: list[str] = []
+    seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen and len(parts) < 16:
         seen.add(id(current))

@@ -59,7 +59,7 @@ class Health(enum.StrEnum):
         return f"HEALTH_STATE_{self.name}"
 
 
-_HEALTH = {
+_HEALTH: dict[Numbering, dict[int, Health]] = {
     Numbering.V0_1_0: {_HS.HEALTH_STATE_UNSPECIFIED: Health.UNSPECIFIED, _HS.HEALTH_STATE_STARTING: Health.STARTING,
                        _HS.HEALTH_STATE_READY: Health.READY, _HS.HEALTH_STATE_DEGRADED: Health.DEGRADED,
                        _HS.HEALTH_STATE_NOT_READY: Health.NOT_READY},
@@ -80,7 +80,8 @@ def numbering_of(info: server_pb2.ServerInfo) -> Numbering:
 
 
 def _has_unknown_field(message: Message, number: int) -> bool:
-    return any(field.field_number == number for field in UnknownFieldSet(message))
+    fields = UnknownFieldSet(message)
+    return any(fields[i].field_number == number for i in range(len(fields)))
 
 
 def health_of(numbering: Numbering, value: int) -> Health:

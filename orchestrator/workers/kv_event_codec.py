@@ -51,7 +51,7 @@ RANK_MARGIN_BLOCKS = 1024
 DEFAULT_RANK_BOUND = 200_000
 MAX_RANK_BOUND = 1_000_000
 MAX_WORKER_BOUND = 2_000_000
-SLICE_BLOCKS = 2048  # blocks applied between two yields of the event loop
+SLICE_BLOCKS = 128  # blocks applied between two yields of the event loop (a millisecond or two)
 REFUSALS = ("oversize", "over_bound", "bad_rank", "malformed", "lost")
 
 
@@ -348,6 +348,16 @@ def _stored(index: KvIndex, where: tuple[str, int], event: Stored, start: int) -
         raise KvStreamBroken(f"a BlockStored event cannot be keyed: {exc}", "malformed") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # token ids or image keys of the wrong kind
         raise KvStreamBroken(f"a malformed BlockStored event: {type(exc).__name__}: {exc}", "malformed") from None
+
+
+def clear_slices(index: KvIndex, worker: str) -> Iterator[None]:
+    """Clear `worker`'s event entries, yielding after each SLICE_BLOCKS blocks (a refused flood leaves a rank at its
+    bound: tens of thousands of entries, too many to drop in one step of the event loop)."""
+    for rank, hashes in index.engine_hashes(worker).items():
+        for start in range(0, len(hashes), SLICE_BLOCKS):
+            index.removed_engine((worker, rank), hashes[start:start + SLICE_BLOCKS])
+            yield
+    index.cleared(worker)
 
 
 def apply_now(index: KvIndex, where: tuple[str, int], batch: Batch, bound: int = MAX_RANK_BOUND) -> None:

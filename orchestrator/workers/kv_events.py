@@ -65,6 +65,8 @@ from orchestrator.workers.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 
+MAX_REFUSED_BACKOFF_S = 30.0
+
 def _permanent(exc: BaseException) -> bool:
     """A failure that trying again cannot fix: the call is not served (UNIMPLEMENTED, events off), or our
     transport cannot stream it."""
@@ -150,6 +152,9 @@ class _Follower:
     active: bool = True
     image_keys: bool = True  # its events key image blocks (revision 1 with mm_keys)
     bound: int = codec.DEFAULT_RANK_BOUND  # blocks one of its ranks may hold (kv_event_codec.rank_bound)
+    # After a refusal the worker is followed anew later each time (doubling, up to MAX_REFUSED_BACKOFF_S): a
+    # worker that floods us is not read as fast as it can send.
+    refused_backoff: float = 0.0
 
 
 class KvEventFeed:
@@ -213,8 +218,9 @@ class KvEventFeed:
                 if wait_for_restart is not None:
                     await instance.changed_from(wait_for_restart)
                     self.index.cleared_routed(worker)  # restarted: what we routed there is gone from its cache
+                    follower.refused_backoff = 0.0
                 else:
-                    await trio.sleep(self.retry_s)
+                    await trio.sleep(max(self.retry_s, follower.refused_backoff))
         finally:
             if self._followers.get(worker) is follower:  # (not forgotten, nor followed anew since)
                 # Nobody keeps its event entries from now on: they go, and what we route there counts instead.
@@ -271,7 +277,9 @@ class KvEventFeed:
                     nursery.start_soon(guarded, self._follow_zmq, source)
         if not follower.active:
             return None
-        self._clear(worker)
+        await self._clear_in_slices(follower)
+        if not follower.active:
+            return None
         if failures:
             failure = failures[0]
             if isinstance(failure, KvStreamBroken) and failure.reason:
@@ -317,11 +325,19 @@ class KvEventFeed:
         metric say so; it is followed anew after retry_s."""
         worker = follower.worker
         self.stats.refused += 1
+        follower.refused_backoff = min(MAX_REFUSED_BACKOFF_S, max(self.retry_s, 2 * follower.refused_backoff))
         if self.metrics is not None:
             self.metrics.kv_events_refused.labels(worker, refusal.reason).inc()
         self.detail[worker] = f"KV events refused ({refusal.reason}): {refusal}"
         follower.log("worker %s: KV events refused (%s), its index is cleared until rebuilt: %s", worker,
                      refusal.reason, refusal)
+
+    async def _clear_in_slices(self, follower: _Follower) -> None:
+        self.stats.clears += 1
+        for _ in codec.clear_slices(self.index, follower.worker):
+            await trio.lowlevel.checkpoint()
+            if not follower.active:
+                return
 
     def _clear(self, worker: str, rank: int | None = None) -> None:
         self.stats.clears += 1
