@@ -276,12 +276,13 @@ def decode_proto_batch(batch: Any, ranks: Sequence[int]) -> Batch:
     if batch.data_parallel_rank not in ranks:
         raise KvStreamBroken(f"a batch of rank {batch.data_parallel_rank}, not one of {list(ranks)[:8]}", "bad_rank")
     try:
-        return Batch(tuple(_proto_event(event) for event in batch.events), image_keys=False)
+        events = (_proto_event(event) for event in batch.events)
+        return Batch(tuple(event for event in events if event is not None), image_keys=False)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a hash that is not decimal text
         raise KvStreamBroken(f"a malformed KV event: {type(exc).__name__}: {exc}", "malformed") from None
 
 
-def _proto_event(event: Any) -> KvEvent:
+def _proto_event(event: Any) -> KvEvent | None:
     kind = event.WhichOneof("event")
     if kind == "block_stored":
         stored = event.block_stored
@@ -292,7 +293,7 @@ def _proto_event(event: Any) -> KvEvent:
         return Removed([_proto_hash(h) for h in event.block_removed.block_hashes])
     if kind == "all_blocks_cleared":
         return Cleared()
-    raise KvStreamBroken(f"an unknown KV event kind {kind!r}", "malformed")
+    return None  # a kind a later schema adds (an unknown field to us): not one that changes what is held
 
 
 def _proto_hash(value: Any) -> int:
