@@ -138,3 +138,33 @@ async def test_a_worker_advertising_thousands_of_ranks_gets_no_socket_and_health
             nursery.cancel_scope.cancel()
     finally:
         feed.close()
+
+
+async def test_a_huge_malformed_payload_becomes_a_bounded_health_detail_and_log_line(caplog):
+    """One 20 MB malformed payload became a 73 MB /health body and a 60 MB log line (the decoder's exception repr
+    carried the bytes). Here 3 MB of a string where a block hash belongs (under the message limit)."""
+    import logging
+
+    from orchestrator.log import MAX_CAUSE_CHARS, BoundedFormatter
+
+    port = free_port()
+    context = zmq.Context()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=5, zmq_context=context)
+    publisher = Publisher(context, port)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed.follow, WORKER, ScriptedWorker([port]), InstanceWatch())
+            await until(lambda: index.mode(WORKER) == "events")
+            await trio.sleep(0.3)
+            publisher.send([{**stored(1, 1), "block_hashes": ["x" * 3_000_000]}])
+            await until(lambda: feed.stats.refused == 1)
+            nursery.cancel_scope.cancel()
+    finally:
+        publisher.socket.close(linger=0)
+        feed.close()
+        context.term()
+    assert len(feed.detail[WORKER]) <= MAX_CAUSE_CHARS + 100
+    lines = [BoundedFormatter("%(message)s").format(r) for r in caplog.records if "refused" in r.getMessage()]
+    assert lines and all(len(line) <= 4 * MAX_CAUSE_CHARS for line in lines)
+    assert all(len(r.getMessage()) < 10_000 for r in caplog.records if r.levelno >= logging.WARNING)
