@@ -460,3 +460,42 @@ async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_fe
             servicer.instance_id = "refusing-2"  # restarted: the pool sees it and the feed subscribes again
             await wait_for(lambda: servicer.subscriptions == 2)
             nursery.cancel_scope.cancel()
+
+
+class SendsAHugeKvEventMessage(RefusesKvEventStream):
+    """A revision-3 worker whose SubscribeKvEvents sends one batch of ~5 MiB (200,000 stored blocks)."""
+
+    async def SubscribeKvEvents(self, request, context):
+        self.subscriptions += 1
+        hashes = [kv_pb2.KvBlockHash(value=str(n).encode(), encoding="decimal_int64") for n in range(200_000)]
+        yield kv_pb2.SubscribeKvEventsResponse(batch=kv_pb2.KvEventBatch(
+            data_parallel_rank=0, sequence_number=1,
+            events=[kv_pb2.KvEvent(block_stored=kv_pb2.BlockStored(block_hashes=hashes, token_ids=[7] * 400_000,
+                                                                    block_size=2))]))
+        await _asyncio_sleep(30)  # (the servicer runs on asyncio) the stream stays open
+
+
+async def _asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_an_oversize_subscribe_kv_events_message_is_refused_unparsed(engine_client, transport):
+    """Issue 43: the same flood through SubscribeKvEvents grew RSS from 73 to 658 MB. A message above the feed's
+    limit (kv_event_codec.MAX_MESSAGE_BYTES) is not parsed: the worker's events are refused, /health says why."""
+    metrics = Metrics()
+    servicer = SendsAHugeKvEventMessage()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=5, identity_check_s=0.2, metrics=metrics)
+    with grpc_aio_server(control=servicer) as worker:
+        async with engine_client(worker.address, stream_transport=transport) as client, \
+                trio.open_nursery() as nursery:
+            await client.wait_until_ready(deadline=20)
+            nursery.start_soon(feed.follow, worker.address, client)
+            await wait_for(lambda: feed.stats.refused == 1)
+            assert feed.detail[worker.address].startswith("KV events refused (oversize)")
+            assert index.blocks(worker.address) == 0
+            nursery.cancel_scope.cancel()
+    assert metrics.kv_events_refused.labels(worker.address, "oversize")._value.get() == 1
