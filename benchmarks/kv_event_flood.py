@@ -200,7 +200,10 @@ async def http_main(args: argparse.Namespace) -> None:
             await load(2.0)  # warm up
             fresh = rss_mb()
             quiet = await load(args.quiet_seconds)
-            publisher = context.Process(target=publish, args=(port, args.batch_blocks, args.seconds, time.time(),
+            # --unfollowed: the same publisher on a port nobody follows, to tell the attacker's own CPU (on this box)
+            # from what following it costs us
+            flood_port = free_port() if args.unfollowed else port
+            publisher = context.Process(target=publish, args=(flood_port, args.batch_blocks, args.seconds, time.time(),
                                                               sent))
             publisher.start()
             peaks = {"rss": 0.0, "blocks": 0}
@@ -225,7 +228,8 @@ async def http_main(args: argparse.Namespace) -> None:
             publisher.join(timeout=args.seconds + 30)
         workers.close()
     print(f"flood: {args.seconds:g} s of {args.batch_blocks}-block BlockStored batches at a worker reporting "
-          f"total_kv_blocks {TOTAL_KV_BLOCKS}; {args.clients} clients, max_tokens 8, sim time scale {args.time_scale}")
+          f"total_kv_blocks {TOTAL_KV_BLOCKS}; {args.clients} clients, max_tokens 8, sim time scale {args.time_scale}"
+          f"{'; UNFOLLOWED (control: nobody subscribes to the publisher)' if args.unfollowed else ''}")
     print(f"batches sent {sent.value} ({sent.value * args.batch_blocks:,} blocks); /health said: {sorted(details)}")
     print(f"index peak {peaks['blocks']:,} blocks (bound {rank_bound(TOTAL_KV_BLOCKS, 1):,})")
     print(f"RSS fresh {fresh:.0f} MB  peak during the flood {peaks['rss']:.0f} MB  (+{peaks['rss'] - fresh:.0f} MB)")
@@ -243,5 +247,7 @@ if __name__ == "__main__":
     parser.add_argument("--http", action="store_true", help="the whole orchestrator, with HTTP clients")
     parser.add_argument("--clients", type=int, default=8, help="--http: concurrent clients, closed loop")
     parser.add_argument("--time-scale", type=float, default=0.2, help="--http: the simulated worker's time scale")
+    parser.add_argument("--unfollowed", action="store_true",
+                        help="--http: publish on a port the worker does not advertise (the attacker's CPU alone)")
     parsed = parser.parse_args()
     trio.run(http_main if parsed.http else main, parsed)

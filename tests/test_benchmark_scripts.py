@@ -79,3 +79,12 @@ def test_kv_event_flood_prints_the_bound_held_the_rss_and_the_loop_lateness():
     assert 0 < peak <= bound, out
     assert re.search(r"RSS fresh \d+ MB  peak during the flood \d+ MB", out), out
     assert "loop lateness quiet:" in out and "loop lateness flooded:" in out and "p99 flooded / quiet" in out
+
+
+def test_kv_event_flood_over_http_prints_request_latency_quiet_and_flooded():
+    out = run("kv_event_flood.py", "--http", "--seconds", "2", "--quiet-seconds", "1", "--clients", "2",
+              "--time-scale", "0")
+    found = re.search(r"index peak ([\d,]+) blocks \(bound ([\d,]+)\)", out)
+    assert found is not None, out
+    assert int(found.group(1).replace(",", "")) <= int(found.group(2).replace(",", "")), out
+    assert "request latency quiet:" in out and "request latency flooded:" in out and "p99 flooded / quiet" in out
