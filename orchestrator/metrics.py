@@ -40,6 +40,8 @@ OUTCOMES = ("ok", "error", "client_error", "disconnected")
 KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
 KV_INDEX_MODES = ("events", "approximate")  # orchestrator.workers.kv_index.MODES, a label of kv_index_mode
 KEY_LIMIT_CODES = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")  # frontend/limits.py
+# Why a worker's KV events were refused (workers/kv_event_codec.py REFUSALS), a label of kv_events_refused
+KV_REFUSALS = ("oversize", "over_bound", "bad_rank", "malformed")
 ROUTING_REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")  # workers/routing.py REASONS
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -107,6 +109,12 @@ class Metrics:
         self.kv_index_routed = Gauge("orchestrator_kv_index_routed_entries", "Approximate entries (block x worker "
                                      "we routed it to) alive in the KV index", registry=r,
                                      multiprocess_mode="livemostrecent")
+        self.health_checks_late = Counter("orchestrator_health_checks_late", "Health checks that timed out without "
+                                          "taking the worker out of the pool (its streams flowed, or fewer misses "
+                                          "in a row than it takes), by worker", ["worker"], registry=r)
+        self.kv_events_refused = Counter("orchestrator_kv_events_refused", "KV event batches or messages refused "
+                                         "from a worker (oversize, over its bound, a wrong rank), by worker and "
+                                         "reason", ["worker", "reason"], registry=r)
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
                                        "finished them: EOS or a stop)", registry=r)
@@ -168,7 +176,8 @@ class Metrics:
                 self.kv_index_mode.labels(worker, mode).set(0)
             return
         series = [(self.kv_index_blocks, (worker,)), (self.routing_prompt_blocks, (worker,)),
-                  (self.routing_cached_blocks, (worker,)),
+                  (self.routing_cached_blocks, (worker,)), (self.health_checks_late, (worker,)),
+                  *((self.kv_events_refused, (worker, reason)) for reason in KV_REFUSALS),
                   *((self.kv_index_mode, (worker, mode)) for mode in KV_INDEX_MODES)]
         for metric, labels in series:
             # A series never created (a worker never routed to) is no error; prometheus_client before 0.22 raised

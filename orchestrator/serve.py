@@ -128,7 +128,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     limits = config.limits
     tracer = tracing.from_config(config)
     async with LoopThread.open() as loop_thread, tracer.running():
-        kv = kv_routing(config)
+        kv = kv_routing(config, metrics)
         try:
             pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
                               health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,

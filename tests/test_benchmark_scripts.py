@@ -69,3 +69,22 @@ def test_http2_framing_prints_ours_against_h2():
     out = run("http2_framing.py", "--streams", "50", "--frames", "400")
     assert re.search(r"^ours \(engine/http2.py\)\s+[\d.]+\s+[\d.]+$", out, re.M), out
     assert re.search(r"^ours/h2: per call [\d.]+x, per frame [\d.]+x$", out, re.M), out
+
+
+def test_kv_event_flood_prints_the_bound_held_the_rss_and_the_loop_lateness():
+    out = run("kv_event_flood.py", "--seconds", "1.5", "--quiet-seconds", "0.5")
+    found = re.search(r"index peak ([\d,]+) blocks \(bound ([\d,]+)\)", out)
+    assert found is not None, out
+    peak, bound = (int(n.replace(",", "")) for n in found.groups())
+    assert 0 < peak <= bound, out
+    assert re.search(r"RSS fresh \d+ MB  peak during the flood \d+ MB", out), out
+    assert "loop lateness quiet:" in out and "loop lateness flooded:" in out and "p99 flooded / quiet" in out
+
+
+def test_kv_event_flood_over_http_prints_request_latency_quiet_and_flooded():
+    out = run("kv_event_flood.py", "--http", "--seconds", "2", "--quiet-seconds", "1", "--clients", "2",
+              "--time-scale", "0")
+    found = re.search(r"index peak ([\d,]+) blocks \(bound ([\d,]+)\)", out)
+    assert found is not None, out
+    assert int(found.group(1).replace(",", "")) <= int(found.group(2).replace(",", "")), out
+    assert "request latency quiet:" in out and "request latency flooded:" in out and "p99 flooded / quiet" in out

@@ -19,6 +19,7 @@ from orchestrator.engine import (
     WorkerUnavailable,
 )
 from orchestrator.engine.errors import StreamStalled
+from orchestrator.engine.numbering import Health
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.testkit.plugin import free_port, wait_for_load
@@ -283,11 +284,11 @@ async def test_health_and_load_share_one_round_trip_and_report_the_load(sim_work
     worker = sim_workers.start("aggregated", "--time-scale", "1")
     async with engine_client(worker.address) as client:
         state, load = await client.health_and_load(timeout=5)
-        assert state == lifecycle_pb2.HEALTH_STATE_READY and load.running_requests == 0
+        assert state is Health.READY and load.running_requests == 0
         async with client.generate(request("busy", max_tokens=2000)) as stream:
             await stream.__anext__()
             state, load = await client.health_and_load(timeout=5)
-            assert state == lifecycle_pb2.HEALTH_STATE_READY and load.running_requests == 1
+            assert state is Health.READY and load.running_requests == 1
 
 
 async def test_health_and_load_returns_a_failed_get_load_and_raises_a_failed_health(engine_client):
@@ -301,7 +302,7 @@ async def test_health_and_load_returns_a_failed_get_load_and_raises_a_failed_hea
     with control_server(HealthOnly(), threads=2) as port:
         async with engine_client(f"grpc://127.0.0.1:{port}") as client:
             state, load = await client.health_and_load(timeout=5)
-        assert state == lifecycle_pb2.HEALTH_STATE_READY
+        assert state is Health.READY
         assert isinstance(load, EngineError) and load.rpc == "GetLoad" and f"127.0.0.1:{port}" in str(load)
     async with engine_client(f"grpc://127.0.0.1:{free_port()}") as client:
         with pytest.raises(WorkerUnavailable) as info:
@@ -331,7 +332,7 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
     with control_server(Slow()) as port:
         try:
             async with engine_client(f"grpc://127.0.0.1:{port}") as client:
-                assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY
+                assert await client.health(timeout=3) is Health.READY
                 # grpcio sends its timeout rounded up to the next unit and the server measures from arrival:
                 # 3.008 s was seen (under load), so 0.1 s of slack above the 3 s asked for
                 assert seen[0] is not None and 0 < seen[0] <= 3.1
@@ -339,7 +340,7 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
                     await client.load(timeout=0.3)
                 assert info.value.grpc_status == grpc.StatusCode.DEADLINE_EXCEEDED and info.value.retryable
                 release.set()
-                assert await client.health(timeout=3) == lifecycle_pb2.HEALTH_STATE_READY  # still serves
+                assert await client.health(timeout=3) is Health.READY  # still serves
         finally:
             release.set()  # before the server stops: its GetLoad thread is waiting on it
 
@@ -347,7 +348,7 @@ async def test_a_unary_call_carries_its_deadline_to_the_server_and_fails_after_i
 async def test_with_h2_streams_no_grpcio_channel_is_opened(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", "--time-scale", "0")
     async with engine_client(worker.address) as client:
-        assert await client.health() == lifecycle_pb2.HEALTH_STATE_READY
+        assert await client.health() is Health.READY
         assert (await client.capabilities()).model_id
         from orchestrator.transport.h2_channel import H2Channel
 

@@ -8,8 +8,6 @@ closed on image blocks; sources are validated as Dynamo's TensorRT-LLM sidecar v
 
 from __future__ import annotations
 
-from typing import cast
-
 import grpc
 import pytest
 import trio
@@ -21,16 +19,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2, lifecycle_pb2, model_pb2, openengine_pb2_grpc, server_pb2
 from orchestrator.processes import free_port
-from orchestrator.workers.kv_events import (
-    InvalidKvSource,
-    KvEventFeed,
-    KvStreamBroken,
-    ZmqSource,
-    apply_proto_events,
-    apply_wire_events,
-    decode_batch,
-    validate_sources,
-)
+from orchestrator.workers.kv_events import KvEventFeed
 from orchestrator.workers.kv_index import KvIndex, PromptImage, image_identity, prompt_block_keys
 from orchestrator.workers.kv_routing import KvRouting
 from sim_helpers import IMAGE_TOKEN_ID, collect, data_uri, full_request, png_bytes
@@ -403,102 +392,6 @@ async def test_a_worker_that_leaves_the_pool_leaves_the_index_at_once(sim_worker
         nursery.cancel_scope.cancel()
 
 
-# ---- pure: validation and decoding --------------------------------------------------------------------------
-
-def zmq_source(**changes) -> kv_pb2.KvEventSource:
-    source = kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host="10.0.0.5", port=5557,
-                                  protocol="tcp"), topic="kv", replay_endpoint="tcp://10.0.0.5:5560",
-                                  data_parallel_rank=0, encoding="msgpack", schema_version=1)
-    for name, value in changes.items():
-        if name in ("host", "port", "protocol"):
-            setattr(source.endpoint_addr, name, value)
-        elif value is None:
-            source.ClearField(name)
-        else:
-            setattr(source, name, value)
-    return source
-
-
-def test_a_valid_zmq_source_per_rank_is_accepted_with_its_endpoints():
-    sources = [zmq_source(data_parallel_rank=1, port=5558, replay_endpoint=""), zmq_source()]
-    assert validate_sources(sources, 2, 32) == [
-        ZmqSource(0, "tcp://10.0.0.5:5557", b"kv", "tcp://10.0.0.5:5560"),
-        ZmqSource(1, "tcp://10.0.0.5:5558", b"kv", "")]
-    assert cast(ZmqSource, validate_sources([zmq_source(host="fd00::1")], 1, 32)[0]).endpoint == "tcp://[fd00::1]:5557"
-    assert validate_sources([], 1, None) == []  # events off: nothing to follow, not an error
-
-
-@pytest.mark.parametrize("changes, cause", [
-    ({"transport": "nats"}, "transport"),
-    ({"encoding": "json"}, "msgpack"),
-    ({"schema_version": 2}, "schema_version"),
-    ({"data_parallel_rank": None}, "omitted data_parallel_rank"),
-    ({"data_parallel_rank": 1}, "outside"),
-    ({"host": "*"}, "routable"),
-    ({"host": "0.0.0.0"}, "routable"),
-    ({"host": "::"}, "routable"),
-    ({"host": ""}, "routable"),
-    ({"port": 0}, "routable"),
-    ({"protocol": "ipc"}, "routable"),
-    ({"replay_endpoint": "tcp://*:5560"}, "replay"),
-])
-def test_an_invalid_source_is_refused_as_dynamos_sidecar_refuses_it(changes, cause):
-    with pytest.raises(InvalidKvSource, match=cause):
-        validate_sources([zmq_source(**changes)], 1, 32)
-
-
-def test_sources_must_cover_every_rank_once_and_need_a_block_size():
-    with pytest.raises(InvalidKvSource, match="2 data-parallel ranks"):
-        validate_sources([zmq_source()], 2, 32)
-    with pytest.raises(InvalidKvSource, match="duplicate rank 0"):
-        validate_sources([zmq_source(), zmq_source(port=5558)], 2, 32)
-    with pytest.raises(InvalidKvSource, match="kv_block_size"):
-        validate_sources([zmq_source()], 1, None)
-    grpc = kv_pb2.KvEventSource(transport="grpc", data_parallel_rank=0, encoding="protobuf", schema_version=1)
-    with pytest.raises(InvalidKvSource, match="mix"):
-        validate_sources([zmq_source(), grpc], 2, 32)
-    assert [s.rank for s in validate_sources([grpc], 1, 32)] == [0]
-
-
-def test_wire_events_are_applied_and_bad_payloads_break_the_stream():
-    import msgpack
-
-    index = KvIndex()
-    tokens = list(range(64))
-    events = [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": tokens,
-               "block_size": 32, "lora_id": None, "medium": "GPU", "lora_name": None}]
-    assert apply_wire_events(index, ("w", 0), decode_batch(msgpack.packb([1.0, events, 0])))
-    keys = prompt_block_keys(tokens, 32)
-    assert index.overlap(keys, 0.0) == {("w", 0): 2}
-    # another tier's copy of the same blocks is not the GPU's: neither stored nor removed here
-    apply_wire_events(index, ("w", 0), [{"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU"}])
-    assert index.overlap(keys, 0.0) == {("w", 0): 2}
-    apply_wire_events(index, ("w", 0), [{"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}])
-    assert index.overlap(keys, 0.0) == {("w", 0): 1}
-    apply_wire_events(index, ("w", 0), [{"type": "AllBlocksCleared"}])
-    assert index.overlap(keys, 0.0) == {}
-    # an image position without mm_keys: not keyed from events (the worker's images go approximate)
-    image = [{"type": "BlockStored", "block_hashes": [13], "parent_block_hash": None, "block_size": 2,
-              "token_ids": [1, "ab" * 32], "lora_id": None, "medium": "GPU", "lora_name": None}]
-    assert apply_wire_events(index, ("w", 0), image) is False
-    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, "events", 0])):
-        with pytest.raises(KvStreamBroken):
-            decode_batch(bad)
-    with pytest.raises(KvStreamBroken, match="unknown KV event type"):
-        apply_wire_events(index, ("w", 0), [{"type": "Snapshot"}])
-    with pytest.raises(KvStreamBroken, match="cannot be keyed"):
-        apply_wire_events(index, ("w", 0), [{**events[0], "token_ids": tokens[:40]}])
-
-
-def test_a_malformed_revision_3_event_breaks_the_stream_not_the_server():
-    """A hash that is not decimal text raised ValueError out of the follow task and through the pool's
-    nursery; like a malformed revision-1 event, it is a broken stream (cleared, followed anew)."""
-    event = kv_pb2.KvEvent(block_removed=kv_pb2.BlockRemoved(
-        block_hashes=[kv_pb2.KvBlockHash(value=b"not-a-number", encoding="decimal_int64")]))
-    with pytest.raises(KvStreamBroken, match="malformed"):
-        apply_proto_events(KvIndex(), ("w", 0), [event])
-
-
 async def test_a_worker_that_leaves_the_pool_leaves_the_metrics(sim_workers):
     """Its per-worker KV series (the index's blocks and mode, the routed and cached prompt blocks) go with it:
     a fleet that churns does not grow /metrics without bound, nor show workers that are gone."""
@@ -567,3 +460,42 @@ async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_fe
             servicer.instance_id = "refusing-2"  # restarted: the pool sees it and the feed subscribes again
             await wait_for(lambda: servicer.subscriptions == 2)
             nursery.cancel_scope.cancel()
+
+
+class SendsAHugeKvEventMessage(RefusesKvEventStream):
+    """A revision-3 worker whose SubscribeKvEvents sends one batch of ~5 MiB (200,000 stored blocks)."""
+
+    async def SubscribeKvEvents(self, request, context):
+        self.subscriptions += 1
+        hashes = [kv_pb2.KvBlockHash(value=str(n).encode(), encoding="decimal_int64") for n in range(200_000)]
+        yield kv_pb2.SubscribeKvEventsResponse(batch=kv_pb2.KvEventBatch(
+            data_parallel_rank=0, sequence_number=1,
+            events=[kv_pb2.KvEvent(block_stored=kv_pb2.BlockStored(block_hashes=hashes, token_ids=[7] * 400_000,
+                                                                    block_size=2))]))
+        await _asyncio_sleep(30)  # (the servicer runs on asyncio) the stream stays open
+
+
+async def _asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_an_oversize_subscribe_kv_events_message_is_refused_unparsed(engine_client, transport):
+    """Issue 43: the same flood through SubscribeKvEvents grew RSS from 73 to 658 MB. A message above the feed's
+    limit (kv_event_codec.MAX_MESSAGE_BYTES) is not parsed: the worker's events are refused, /health says why."""
+    metrics = Metrics()
+    servicer = SendsAHugeKvEventMessage()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=5, identity_check_s=0.2, metrics=metrics)
+    with grpc_aio_server(control=servicer) as worker:
+        async with engine_client(worker.address, stream_transport=transport) as client, \
+                trio.open_nursery() as nursery:
+            await client.wait_until_ready(deadline=20)
+            nursery.start_soon(feed.follow, worker.address, client)
+            await wait_for(lambda: feed.stats.refused == 1)
+            assert feed.detail[worker.address].startswith("KV events refused (oversize)")
+            assert index.blocks(worker.address) == 0
+            nursery.cancel_scope.cancel()
+    assert metrics.kv_events_refused.labels(worker.address, "oversize")._value.get() == 1

@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.sim.kv_events import wire_event
 from orchestrator.sim.prefix_cache import PrefixCache, prompt_tokens
-from orchestrator.workers.kv_events import apply_wire_events
+from orchestrator.workers.kv_event_codec import apply_now, decode_wire_batch
 from orchestrator.workers.kv_index import (
     IMAGE_BIT,
     EventBlockError,
@@ -379,3 +379,10 @@ def test_a_routing_decision_past_the_index_capacity_is_not_recorded_and_does_not
         index.routed((f"w{worker}", 0), [2, 4], now=0.0)
     index.routed(("one-too-many", 0), [2, 4], now=0.0)  # raised ValueError, failing the request, before
     assert ("one-too-many", 0) not in index.overlap([2, 4], now=0.0)
+
+
+def apply_wire_events(index: KvIndex, where: tuple[str, int], events: list) -> None:
+    """Revision-1 wire events into the index, as the feed applies a batch of them."""
+    import msgpack
+
+    apply_now(index, where, decode_wire_batch(msgpack.packb([0.0, events, where[1]]), where[1]))

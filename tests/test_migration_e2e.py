@@ -85,11 +85,12 @@ async def test_a_worker_killed_mid_stream_loses_no_stream_and_changes_no_text(tm
     assert migrated >= 1, "the kill landed mid-stream on some requests"
 
 
-async def test_the_streams_of_a_frozen_decode_worker_migrate_within_two_health_intervals(tmp_path, sim_workers,
-                                                                                          orchestrator_servers):
+async def test_the_streams_of_a_frozen_decode_worker_migrate_within_three_health_intervals(tmp_path, sim_workers,
+                                                                                            orchestrator_servers):
     """SIGSTOP keeps the worker's connection open, so nothing fails by itself: the streams on it used to stall
     for the keepalive's 30 s + 10 s. The pool's health check finds it unresponsive (no answer within one
-    interval, nothing received meanwhile) and fails its calls at once; they migrate or retry elsewhere."""
+    interval, nothing received meanwhile) twice in a row (the second check at once: one miss alone is a loaded or
+    starved worker, issue 43) and fails its calls; they migrate or retry elsewhere."""
     import signal
 
     interval = 1.0
@@ -141,5 +142,6 @@ async def test_the_streams_of_a_frozen_decode_worker_migrate_within_two_health_i
     print(f"{len(finishes)} streams, {migrated:.0f} migrated; longest gap after the freeze {max(gaps):.2f} s")
     assert not failures and finishes and all(finish == "length" for finish in finishes), (failures, finishes)
     assert migrated >= 1
-    # the issue's target: 2 health intervals to notice, plus the migration (a new prefill; generous on 2 cores)
-    assert max(gaps) <= 2 * interval + 1.5, max(gaps)
+    # up to an interval until the next check, two timed-out checks (workers/pool.py HEALTH_MISSES), plus the
+    # migration (a new prefill; generous on 2 cores)
+    assert max(gaps) <= 3 * interval + 1.5, max(gaps)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
-from orchestrator.engine.client import HealthState
+from orchestrator.engine.numbering import Health
 from orchestrator.kv import generation_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
@@ -246,7 +246,7 @@ async def test_sigterm_drains_in_flight_work_then_exits_cleanly(sim_workers, eng
             await stream.__anext__()
             worker.process.signal(signal.SIGTERM)
             with trio.fail_after(5):
-                while await client.health() != HealthState.HEALTH_STATE_NOT_READY:  # v0.1.0: no DRAINING
+                while await client.health() != Health.NOT_READY:  # v0.1.0: no DRAINING
                     await trio.sleep(0.02)
             refused = await refusal(client, full_request("late", max_tokens=3))
             assert refused.retryable and refused.grpc_status == grpc.StatusCode.UNAVAILABLE
@@ -259,11 +259,11 @@ async def test_sigterm_drains_in_flight_work_then_exits_cleanly(sim_workers, eng
 async def test_warmup_reports_starting_then_ready(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--warmup", "0.6")
     async with engine_client(worker.address) as client:
-        assert await client.health() == HealthState.HEALTH_STATE_STARTING
+        assert await client.health() == Health.STARTING
         refused = await refusal(client, full_request("early"))
         assert refused.retryable
         await client.wait_until_ready(deadline=10, retry_interval=0.1)
-        assert await client.health() == HealthState.HEALTH_STATE_READY
+        assert await client.health() == Health.READY
 
 
 async def test_lora_rpcs_answer_unimplemented_with_a_message(sim_workers):
@@ -321,7 +321,7 @@ async def test_load_reports_follow_the_load_metrics_setting(sim_workers, engine_
         with pytest.raises(EngineError) as info:
             await b.load()
         assert info.value.grpc_status == grpc.StatusCode.UNAVAILABLE
-        assert await b.health() == HealthState.HEALTH_STATE_READY  # the engine itself is fine
+        assert await b.health() == Health.READY  # the engine itself is fine
 
 
 @pytest.mark.parametrize("revision, backend, outcome", [

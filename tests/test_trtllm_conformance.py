@@ -147,6 +147,23 @@ UPSTREAM = {
                             "the gRPC server names itself (transport grpc, encoding protobuf) and streams one event "
                             "per KvEventBatch, numbered per rank from 1; hashes are decimal_int64 text; a block with "
                             "an image position cannot be carried and fails closed as AllBlocksCleared"),
+    # Two numberings (orchestrator/engine/numbering.py; tests/test_foreign_wire_values.py)
+    "numbering-r1": ("R1 control.py @ 06cb2191b0be3da4297abb13d5082a5e39b3b460 GetServerInfo; proto/manifest.json "
+                     "@ 4c5eefe973fb", "schema_revision = bindings' SCHEMA_REVISION (1), schema_release the BSR "
+                     "release; KvConnectorInfo.schema_version at field 8; v0.1.0 numbers ERROR_CODE_INTERNAL 11 and "
+                     "HEALTH_STATE_NOT_READY 4, with no DRAINING"),
+    "numbering-sibling": ("R3 servicer.py @ 58132ce1f654bfede8e530f78e31979596c5c34e GetServerInfo / "
+                          "_kv_connector_info / Health / Generate; _schema_pin.py (OPENENGINE_COMMIT)",
+                          "schema_revision = the pinned openengine's SCHEMA_REVISION (3 at a66ff6f), schema_release "
+                          "its commit; KvConnectorInfo always sets supports_drain (its 8) and schema_version 1 (its "
+                          "9); Health says DRAINING (4) while the tracker drains, else READY or NOT_READY (5); an "
+                          "engine failure is ERROR_CODE_INTERNAL (12)"),
+    "r3-cancelled-handoff": ("R3 servicer.py @ 58132ce1f654bfede8e530f78e31979596c5c34e Generate (prefill role); "
+                             "converters.py @ 58132ce1f654 encode_handoff",
+                             "on `finished`, whatever the finish reason, the result's disaggregated_params are "
+                             "encoded as PrefillReady: a context phase cancelled while it ran hands off the "
+                             "request's own context_only params (no ctx_request_id, opaque_state or first tokens) "
+                             "with the server's configured ctx_info_endpoint"),
     "kv-events-validation": ("DYN engine.rs @ e419430b8943 validate_kv_sources / validate_kv_source (open PRs "
                              "#14349, #15087)", "transport zmq with encoding msgpack, schema_version 1, a "
                              "data_parallel_rank below data_parallel_size, one source per rank and no duplicate, an "
@@ -156,7 +173,7 @@ UPSTREAM = {
 
 
 def test_kv_event_sources_are_accepted_and_refused_as_dynamos_sidecar_does():
-    from orchestrator.workers.kv_events import InvalidKvSource, ZmqSource, validate_sources
+    from orchestrator.workers.kv_event_codec import InvalidKvSource, ZmqSource, validate_sources
 
     # UPSTREAM kv-events-r1-sources (what the revision-1 server advertises) and kv-events-validation
     source = kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host="node-1", port=5557,
@@ -239,7 +256,8 @@ def test_handoffs_trtllm_would_refuse_are_refused_by_name(breakage, words):
 def _r3_session(requires_media: bool) -> kv_pb2.KvSessionRef:
     session = kv_pb2.KvSessionRef(session_id="77", handoff_profile=TRTLLM_HANDOFF_PROFILE)
     session.attributes_struct[TRTLLM_HANDOFF_PROFILE] = json.dumps(
-        {"ctx_request_id": "77", "requires_decode_media": requires_media, "first_gen_tokens": [5]})
+        {"ctx_request_id": "77", "requires_decode_media": requires_media, "first_gen_tokens": [5],
+         "ctx_info_endpoint": "10.0.0.5:8000"})
     return session
 
 
@@ -797,3 +815,43 @@ async def test_the_simulator_reports_a_queue_as_each_server_does(revision, sim_w
             else:
                 assert not load.HasField("queued_requests")
             nursery.cancel_scope.cancel()
+
+
+def test_a_cancelled_context_phases_handoff_is_never_pulled():
+    """UPSTREAM r3-cancelled-handoff: the handoff names the request's own parameters, not a session a context phase
+    produced; pulling it would make the decode engine wait out its KV receive timeout."""
+    from orchestrator.kv import produced_by_context
+    from orchestrator.sim.handoff import Handoff, encode, encode_unproduced
+
+    cancelled = encode_unproduced("req-1", "10.0.0.5:8000")
+    with pytest.raises(HandoffError, match="no session a context phase produced"):
+        check_session(cancelled)
+    assert not produced_by_context(cancelled)
+    produced = encode(Persona("trtllm", 3), Handoff("17", "10.0.0.5", 8000, None, (5,)))
+    check_session(produced)
+    assert produced_by_context(produced)
+
+
+async def test_a_prefill_cancelled_while_its_context_phase_runs_sends_no_generation_leg(
+        tmp_path, sim_workers, orchestrator_in_process, engine_client):
+    """UPSTREAM r3-cancelled-handoff, against the sibling persona: a client gone while the prefill runs makes
+    the servicer yield a PrefillReady for a session nobody holds. The orchestrator's release used to send a
+    generation-only leg for it ("the handoff names no reachable context worker")."""
+    from sim_helpers import recent_requests
+
+    prefill = sim_workers.start("prefill", *REVISION_3, "--time-scale", "500")  # a long context phase
+    decode = sim_workers.start("decode", *REVISION_3, *FAST)
+    # the request's deadline cancels it while the context phase runs (as a client that leaves does)
+    config = write_config(tmp_path / "cancel.yaml", "disaggregated",
+                          {"prefill": [prefill.address], "decode": [decode.address]},
+                          limits={"worker_startup_timeout_s": 30, "health_interval_s": 0.2, "request_timeout_s": 0.3})
+    async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for i in range(3):
+            response = await http.post("/v1/chat/completions", json=chat_body("weather " * 200, max_tokens=4, seed=i))
+            assert response.status_code == 504, response.text
+        await trio.sleep(1.0)  # the aborted prefills ended; a release leg would have reached the decode worker
+        metrics = (await http.get("/metrics")).text
+    prefills = [r for r in await recent_requests(engine_client, prefill) if r["kind"] == "context_only"]
+    legs = [r for r in await recent_requests(engine_client, decode) if r["kind"] == "generation_only"]
+    assert len(prefills) == 3 and legs == []
+    assert 'orchestrator_kv_cleanups_total{way="decode_pull"} 0.0' in metrics

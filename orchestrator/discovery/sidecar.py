@@ -60,7 +60,6 @@ def etcd_tls(args: argparse.Namespace):
 
 async def register(args: argparse.Namespace) -> int:
     from orchestrator.engine import EngineClient, EngineError, LoopThread
-    from orchestrator.engine.client import HealthState
 
     async with LoopThread.open() as loop_thread, EngineClient.open(args.worker, loop_thread) as client:
         try:
@@ -88,7 +87,7 @@ async def register(args: argparse.Namespace) -> int:
             while True:
                 try:
                     state = await client.health(timeout=2.0)
-                    healthy["now"] = state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED)
+                    healthy["now"] = state.serving
                 except EngineError:
                     healthy["now"] = False
                 await trio.sleep(HEALTH_POLL_S)

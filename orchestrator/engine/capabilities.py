@@ -163,7 +163,7 @@ class WorkerCapabilities:
         capacity = server.capacity
         return cls(
             instance_id=server.instance_id,
-            role=str(Role.from_engine_role(server.engine_role) or UNSPECIFIED_ROLE),
+            role=_role_name(server.engine_role),
             engine=f"{server.engine_name} {server.engine_version}".strip(),
             schema_revision=server.schema_revision,
             models=tuple(server.supported_models),
@@ -185,6 +185,15 @@ class WorkerCapabilities:
             extra=tuple(sorted((key, json.dumps(value, sort_keys=True))
                                for key, value in json_format.MessageToDict(server.extra).items())),
         )
+
+
+def _role_name(value: int) -> str:
+    """A role we know, "unspecified" (serves any), or a number no schema names, which serves none (the pool
+    calls that worker misconfigured instead of sending it anything)."""
+    role = Role.from_engine_role(value)
+    if role is not None:
+        return str(role)
+    return UNSPECIFIED_ROLE if value == server_pb2.ENGINE_ROLE_UNSPECIFIED else f"unknown engine role {value}"
 
 
 class _Attempt(Generic[T]):

@@ -17,19 +17,23 @@ status that has not come 30 s later is not waited for: the call is cancelled the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 from google.protobuf.message import Message
 
 from orchestrator.engine import events as ev
 from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
 from orchestrator.engine.errors import ClientClosed, EngineError, ErrorCode, IncompatibleWorker, WorkerNotReady
+from orchestrator.engine.numbering import Health, Numbering, error_code_of, health_of, health_text, numbering_of
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.transport.calls import STREAM_TRANSPORTS, CallStream, WorkerChannel
+from orchestrator.transport.errors import ERROR_CODE_DRAINING
 from orchestrator.transport.grpcio_channel import GrpcioChannel
 from orchestrator.transport.h2_channel import H2Channel
 from orchestrator.transport.keepalive import KeepalivePolicy
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 # field, never on this number.
 CLIENT_SCHEMA_REVISION = 3
 HealthState = lifecycle_pb2.HealthState
+_FIRST_DIFFERING_HEALTH = 4  # v0.1.0's NOT_READY, the drain numbering's DRAINING (engine/numbering.py)
 
 def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
     """Refuse a worker whose schema revision we cannot speak (explicit, never an assert)."""
@@ -118,6 +123,13 @@ class GenerateStream:
         return self._pending.pop(0)
 
 
+@attrs.frozen
+class OversizeMessage:
+    """A stream message not parsed because it was bigger than the caller's limit."""
+
+    size: int
+
+
 class EngineClient:
     """One worker's OpenEngine client. Its calls go through one WorkerChannel (transport/calls.py): our own
     HTTP/2 client on trio (`stream_transport="h2"`, the default) or grpc.aio on the loop thread ("grpcio")."""
@@ -130,6 +142,13 @@ class EngineClient:
         self._closed = False
         self._capabilities = SingleFlightCache(
             self._discover, nursery=nursery, timeout=discovery_timeout, worker=self.name)
+        # How this worker numbers its enums (engine/numbering.py), from its ServerInfo; v0.1.0 until read.
+        self.numbering = Numbering.V0_1_0
+        self._numbering_read = False
+        # When the last Generate message arrived from this worker (time.monotonic(), from any thread): a worker
+        # that streams tokens is alive, whatever its health check says under load (workers/pool.py).
+        self.heard_at = float("-inf")
+        self.last_health_value = 0  # the number the last health answer carried
 
     @classmethod
     @asynccontextmanager
@@ -182,8 +201,18 @@ class EngineClient:
         see H2Channel.fail_if_silent; how many calls. With grpcio, its keepalive (30 s + 10 s) does it: 0."""
         return self._channel.fail_if_silent(quiet_s, why)
 
+    def heard_within(self, seconds: float) -> bool:
+        """Whether a Generate message arrived from the worker in the last `seconds`."""
+        return time.monotonic() - self.heard_at < seconds
+
     def _decode_event(self, payload: bytes) -> ev.Event | None:
-        return ev.decode_bytes(payload, worker=self.name)
+        self.heard_at = time.monotonic()
+        event = ev.decode_bytes(payload, worker=self.name)
+        if isinstance(event, ev.Failed) and self.numbering is not Numbering.V0_1_0:
+            event.error.code = error_code_of(self.numbering, event.error.code)
+            if event.error.code == ERROR_CODE_DRAINING:
+                event.error.retryable = True  # it stopped taking requests: another worker may
+        return event
 
     # ---- control -----------------------------------------------------------------------------
     async def _unary(self, rpc: str, request, timeout: float | None, metadata: tuple[tuple[str, str], ...] = ()):
@@ -191,12 +220,15 @@ class EngineClient:
         return await self._channel.unary(f"/openengine.v1.Control/{rpc}", request.SerializeToString(),
                                          _CONTROL_RESPONSES[rpc].FromString, timeout=timeout, metadata=metadata)
 
-    async def health(self, *, timeout: float | None = 5.0, probe: bool = False) -> int:
+    async def health(self, *, timeout: float | None = 5.0, probe: bool = False) -> Health:
+        """The worker's health state, read by its numbering (Health.UNKNOWN for a number it does not define)."""
         response = await self._unary("Health", lifecycle_pb2.HealthRequest(include_inference_probe=probe), timeout)
-        return response.state
+        return await self._health_of(response.state, timeout)
 
     async def server_info(self, *, timeout: float | None = 10.0) -> server_pb2.ServerInfo:
-        return await self._unary("GetServerInfo", server_pb2.GetServerInfoRequest(), timeout)
+        info = await self._unary("GetServerInfo", server_pb2.GetServerInfoRequest(), timeout)
+        self.numbering, self._numbering_read = numbering_of(info), True
+        return info
 
     async def model_info(self, model: str = "", *, timeout: float | None = 10.0) -> model_pb2.ModelInfo:
         return await self._unary("GetModelInfo", model_pb2.GetModelInfoRequest(model=model), timeout)
@@ -204,7 +236,8 @@ class EngineClient:
     async def load(self, *, timeout: float | None = 5.0) -> server_pb2.LoadInfo:
         return await self._unary("GetLoad", server_pb2.GetLoadRequest(), timeout)
 
-    async def health_and_load(self, *, timeout: float | None = 5.0) -> tuple[int, server_pb2.LoadInfo | EngineError]:
+    async def health_and_load(self, *, timeout: float | None = 5.0
+                              ) -> tuple[Health, server_pb2.LoadInfo | EngineError]:
         """Health and GetLoad side by side (one round trip). Raises what health() raises; a failed GetLoad is
         returned in place of the load."""
         self._check_open("Health")
@@ -221,7 +254,18 @@ class EngineClient:
             nursery.start_soon(call, "GetLoad", server_pb2.GetLoadRequest())
         if isinstance(results["Health"], EngineError):
             raise results["Health"]
-        return results["Health"].state, results["GetLoad"]
+        return await self._health_of(results["Health"].state, timeout), results["GetLoad"]
+
+    async def _health_of(self, value: int, timeout: float | None) -> Health:
+        """A health answer by the worker's numbering. Where the numberings differ (4 and up) and this worker's is
+        not known yet (health comes before discovery), its ServerInfo says which it is."""
+        self.last_health_value = value
+        if value >= _FIRST_DIFFERING_HEALTH and not self._numbering_read:
+            try:
+                await self.server_info(timeout=timeout)
+            except EngineError:
+                pass  # read by v0.1.0's: not ready either way
+        return health_of(self.numbering, value)
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
                     timeout: float | None = 5.0,
@@ -241,14 +285,21 @@ class EngineClient:
         return list(response.sources)
 
     @asynccontextmanager
-    async def subscribe_kv_events(self, ranks: tuple[int, ...] = ()) -> AsyncIterator[Any]:
+    async def subscribe_kv_events(self, ranks: tuple[int, ...] = (), *, max_message_bytes: int | None = None
+                                  ) -> AsyncIterator[Any]:
         """Control.SubscribeKvEvents, a server stream: read SubscribeKvEventsResponse messages with
         `get_batch()` ([] once the stream ended; a failed call raises EngineError). Leaving the block cancels
-        it. Either transport streams it (transport/calls.py)."""
+        it. Either transport streams it (transport/calls.py). A message above `max_message_bytes` is not parsed:
+        the stream hands out an OversizeMessage in its place."""
         self._check_open("SubscribeKvEvents")
         request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=list(ranks))
-        async with self._channel.stream(_SUBSCRIBE_KV_EVENTS_PATH, request.SerializeToString(),
-                                        kv_pb2.SubscribeKvEventsResponse.FromString) as stream:
+
+        def decode(payload: bytes) -> Any:
+            if max_message_bytes is not None and len(payload) > max_message_bytes:
+                return OversizeMessage(len(payload))
+            return kv_pb2.SubscribeKvEventsResponse.FromString(payload)
+
+        async with self._channel.stream(_SUBSCRIBE_KV_EVENTS_PATH, request.SerializeToString(), decode) as stream:
             yield stream
 
     # ---- capabilities and readiness ------------------------------------------------------------
@@ -265,6 +316,7 @@ class EngineClient:
     def forget_capabilities(self) -> None:
         """The worker may have restarted (new instance, new build): discover again on next use."""
         self._capabilities.invalidate()
+        self._numbering_read = False
 
     @property
     def cached_capabilities(self) -> WorkerCapabilities | None:
@@ -295,14 +347,14 @@ class EngineClient:
                 last, last_error = cause_chain(exc), exc
                 retry_log("waiting for worker %s (attempt %d): %s", self.name, attempt, last)
             else:
-                if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                if state.serving:
                     check_revision(await self.server_info(), worker=self.name)
                     self._capabilities.invalidate()
                     caps = await self.capabilities()
                     log.info("worker %s ready: %s role=%s model=%s", self.name, caps.engine, caps.role,
                              caps.model_id)
                     return caps
-                last, last_error = f"health state {HealthState.Name(state)}", None
+                last, last_error = health_text(self.numbering, self.last_health_value), None
                 retry_log("waiting for worker %s (attempt %d): %s", self.name, attempt, last)
             if trio.current_time() + retry_interval > give_up_at:
                 raise WorkerNotReady(

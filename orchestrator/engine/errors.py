@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from orchestrator.openengine.v1 import error_pb2
 from orchestrator.transport.errors import (
+    ERROR_CODE_DRAINING,
     EngineError,
     ErrorCode,
     WorkerUnavailable,
@@ -19,8 +20,8 @@ from orchestrator.transport.errors import (
 )
 
 __all__ = [
-    "ClientClosed", "DiscoveryFailed", "EngineError", "ErrorCode", "IncompatibleWorker", "StreamStalled",
-    "WorkerNotReady", "WorkerUnavailable", "code_name", "from_engine_error", "from_grpc_status",
+    "ERROR_CODE_DRAINING", "ClientClosed", "DiscoveryFailed", "EngineError", "ErrorCode", "IncompatibleWorker",
+    "StreamStalled", "WorkerNotReady", "WorkerUnavailable", "code_name", "from_engine_error", "from_grpc_status",
     "from_rpc_error", "grpc_status_from_number",
 ]
 

@@ -10,7 +10,7 @@ import re
 
 from orchestrator import errors
 from orchestrator.engine import EngineError, WorkerUnavailable
-from orchestrator.engine.errors import ErrorCode, StreamStalled
+from orchestrator.engine.errors import ERROR_CODE_DRAINING, ErrorCode, StreamStalled
 
 
 class ApiError(Exception):
@@ -83,7 +83,9 @@ def from_engine_error(error: EngineError) -> ApiError:
         return ApiError(500, scrub(f"the worker already runs a request with this engine request id ({error.message})"
                                    "; engine request ids are the orchestrator's own, so this is an orchestrator bug "
                                    "or two orchestrators sharing an id prefix"), code="duplicate_engine_request")
-    status = _ENGINE_STATUS.get(error.code, 500)
+    # DRAINING: the sibling server stopped taking requests (engine/numbering.py); a code no schema names: the
+    # worker failed in a way we cannot read, a bad gateway naming its number (never a 500: we did not fail).
+    status = _ENGINE_STATUS.get(error.code, 503 if error.code == ERROR_CODE_DRAINING else 502)
     code = error.code_name.removeprefix("ERROR_CODE_").lower()
     message = error.message if status < 500 else scrub(f"the engine failed ({error.code_name}): {error.message}")
     retry_after = 1 if status in (429, 503) else None

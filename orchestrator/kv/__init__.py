@@ -8,9 +8,10 @@ from orchestrator.kv.handoff import (
     check_session,
     decode_needs_media,
     first_gen_tokens,
+    produced_by_context,
 )
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.legs import generation_leg, release_leg
 
 __all__ = ["SESSION_ATTRIBUTES", "TRTLLM_HANDOFF_PROFILE", "HandoffError", "KvLease", "check_session",
-           "decode_needs_media", "first_gen_tokens", "generation_leg", "release_leg"]
+           "decode_needs_media", "first_gen_tokens", "generation_leg", "produced_by_context", "release_leg"]

@@ -1,7 +1,8 @@
 """The KV handoff codec, pure: is a KvSessionRef usable, and what must travel with it.
 
 `check_session` accepts what TensorRT-LLM's own validator accepts (revision 1: an endpoint with a port
-or an opaque_state, and a request name; revision 3: its named JSON profile). `decode_needs_media` says
+or an opaque_state, and a request name; revision 3: its named JSON profile, naming the context request it
+ran); `produced_by_context` says whether a session may be pulled at all. `decode_needs_media` says
 whether the generation leg resends the prefill's media. Upstream facts: tests/test_trtllm_conformance.py.
 """
 
@@ -77,6 +78,9 @@ def check_session(session: kv_pb2.KvSessionRef) -> None:
     if payload is not None:
         if not (session.session_id or payload.get("ctx_request_id") or payload.get("disagg_request_id")):
             raise HandoffError("the kv session names no request (session_id, ctx_request_id, disagg_request_id)")
+        why = _not_produced(payload)
+        if why:
+            raise HandoffError(f"kv session {session.session_id!r} names no session a context phase produced: {why}")
         return
     endpoint = _endpoint_text(session)
     if endpoint:
@@ -93,6 +97,29 @@ def check_session(session: kv_pb2.KvSessionRef) -> None:
                            "attributes_struct.ctx_info_endpoint) nor attributes_struct.opaque_state")
     if not session.session_id and "disagg_request_id" not in fields:
         raise HandoffError("the kv session carries neither a session_id nor a disagg_request_id")
+
+
+def produced_by_context(session: kv_pb2.KvSessionRef) -> bool:
+    """Whether the session is one a context phase really produced, so that a generation leg (ours, or a release
+    leg) can pull it. The sibling server yields a PrefillReady on `finished` whatever the finish reason: a
+    context phase cancelled while it ran hands off the request's own parameters (UPSTREAM r3-cancelled-handoff),
+    and a generation leg sent for it waits out the engine's KV receive timeout. Revision 1 sends its real
+    Finished instead; its sessions are usable when check_session says so."""
+    try:
+        check_session(session)
+    except HandoffError:
+        return False
+    return True
+
+
+def _not_produced(payload: dict) -> str:
+    """Why a revision-3 handoff is not a context phase's (empty when it is): the engine names the context
+    request it ran (ctx_request_id) and where its KV is (opaque_state or ctx_info_endpoint)."""
+    if payload.get("ctx_request_id") in (None, ""):
+        return "no ctx_request_id (the context phase did not run to its end: cancelled)"
+    if not (payload.get("opaque_state") or payload.get("ctx_info_endpoint")):
+        return "neither opaque_state nor ctx_info_endpoint"
+    return ""
 
 
 def _has_value(value) -> bool:

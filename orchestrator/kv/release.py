@@ -15,6 +15,7 @@ import trio
 from orchestrator import tracing
 from orchestrator.engine import EngineError, Failed
 from orchestrator.errors import NoWorkerAvailable
+from orchestrator.kv.handoff import produced_by_context
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.legs import release_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
@@ -31,6 +32,13 @@ class KvReleaser:
     async def release_unpulled(self, lease: KvLease, full: g.GenerateRequest, decode_worker) -> None:
         """The session will not be read by any decode leg (cancelled, failed, retries exhausted, refused)."""
         if lease.settled:
+            return
+        if not produced_by_context(lease.session):
+            # No context worker holds it (the sibling server's handoff of a cancelled context phase): a release
+            # leg would only wait out the decode engine's KV receive timeout, stalling it.
+            log.info("kv session %s on %s is not pulled: it names no session a context phase produced",
+                     lease.session.session_id, lease.prefill_worker.address)
+            lease.released = True
             return
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s

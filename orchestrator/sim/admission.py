@@ -101,7 +101,8 @@ class AdmissionService(SimWorkerState):
                 if self.persona.errors_as_status and not failure.in_stream and failure.code in _STATUS_OF:
                     await context.abort(_STATUS_OF[failure.code], failure.message)
                 yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
-                    code=failure.code, message=failure.message, retryable=failure.retryable))
+                    code=cast(error_pb2.ErrorCode, self.persona.wire_error_code(failure.code)),
+                    message=failure.message, retryable=failure.retryable))
                 return
             timeout = self.config.stall_timeout
             if timeout is not None:

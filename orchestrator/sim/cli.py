@@ -80,6 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     events.add_argument("--kv-events-replay-port", type=int, default=None,
                         help="revision 1: also serve replay on a ROUTER socket at this base port (0: a free one)")
     events.add_argument("--kv-events-topic", default="", help="revision 1: the topic frame of every message")
+    events.add_argument("--kv-events-advertise-port", type=int, default=None, metavar="PORT",
+                        help="fault: advertise PORT (+ rank) as the publishers' port, where another process may "
+                             "publish what it likes (a hostile worker: benchmarks/kv_event_flood.py --http)")
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
     p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
     p.add_argument("--drain-grace", type=float, default=30.0)
@@ -106,6 +109,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--drop-kv-events", type=int, default=0, metavar="N",
                         help="lose every Nth KV event batch after numbering it, so subscribers see a sequence gap")
     faults.add_argument("--not-ready", action="store_true", help="report HEALTH_STATE_NOT_READY forever")
+    faults.add_argument("--health-delay", type=float, default=0.0,
+                        help="answer Health this late (s) while requests run")
+    faults.add_argument("--report-health-state", type=int, default=None,
+                        help="answer Health with this HealthState number, known or not")
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
     faults.add_argument("--report-schema-revision", type=int, default=None,
                         help="report this ServerInfo.schema_revision instead of the persona's")
@@ -128,12 +135,13 @@ def config_from_args(args: argparse.Namespace):
     for flag, value, low in (("--attention-dp-size", args.attention_dp_size, 1),
                              ("--kv-events-port", args.kv_events_port, 0),
                              ("--kv-events-replay-port", args.kv_events_replay_port, 0),
+                             ("--kv-events-advertise-port", args.kv_events_advertise_port, 1),
                              ("--drop-kv-events", args.drop_kv_events, 0)):
         if value is not None and not low <= value <= 65535:
             raise SimFlagError(f"{flag} must be an integer from {low} to 65535, got {value}")
     kv_events = KvEventsConfig(enabled=args.kv_events, port=args.kv_events_port,
                                replay_port=args.kv_events_replay_port, topic=args.kv_events_topic,
-                               drop_every=args.drop_kv_events)
+                               drop_every=args.drop_kv_events, advertise_port=args.kv_events_advertise_port)
     return SimConfig(
         role=args.role, host=args.host, port=args.port, model=args.model, model_dir=args.model_dir,
         profile=PROFILES[args.profile], time_scale=args.time_scale, instance_id=args.instance_id,
@@ -146,7 +154,8 @@ def config_from_args(args: argparse.Namespace):
         error_retryable=args.error_retryable, crash_after_tokens=args.crash_after_tokens,
         stall_after_tokens=args.stall_after_tokens, status_delay_s=args.status_delay,
         drop_kv_sessions=args.drop_kv_sessions,
-        not_ready=args.not_ready, fail_model_info=args.fail_model_info,
+        not_ready=args.not_ready, health_delay_s=args.health_delay,
+        report_health_state=args.report_health_state, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
         eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
         load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout, attention_dp_size=args.attention_dp_size,

@@ -49,6 +49,8 @@ class SimConfig:
     status_delay_s: float = 0.0  # after a call's last response, before its status (the servicer resumes late)
     drop_kv_sessions: bool = False
     not_ready: bool = False
+    health_delay_s: float = 0.0  # every Health answer this late while requests run (a loaded servicer)
+    report_health_state: int | None = None  # fault: answer Health with this number, whatever it means
     fail_model_info: bool = False
     eos_probability: float = 0.0
     seed: int = 0

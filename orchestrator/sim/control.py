@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import cast
 
 import grpc
 from google.protobuf import struct_pb2
@@ -26,7 +28,8 @@ class ControlService(SimWorkerState):
     """Control RPCs; mixed into SimWorker (orchestrator.sim.server), which owns the state."""
 
     def health_state(self) -> lifecycle_pb2.HealthState:
-        # openengine v0.1.0 has no DRAINING state: TensorRT-LLM says NOT_READY once its engine stops serving.
+        """In v0.1.0's numbering. It has no DRAINING state: revision-1 TensorRT-LLM says NOT_READY once its engine
+        stops serving (the sibling server's DRAINING is the persona's wire_health)."""
         if self.draining or self.config.not_ready:
             return HS.HEALTH_STATE_NOT_READY
         if time.monotonic() - self.started_at < self.config.warmup_s:
@@ -34,9 +37,14 @@ class ControlService(SimWorkerState):
         return HS.HEALTH_STATE_READY
 
     async def Health(self, request, context):
-        state = self.health_state()
+        if self.config.health_delay_s > 0 and not self.scheduler.idle:
+            # fault: a health answer late while requests run (a servicer's loop busy streaming 1,024 of them)
+            await asyncio.sleep(self.config.health_delay_s)
+        ours = self.health_state()
+        state = cast(lifecycle_pb2.HealthState, self.persona.wire_health(ours, draining=self.draining)
+                     if self.config.report_health_state is None else self.config.report_health_state)
         return lifecycle_pb2.HealthResponse(state=state, checks=[
-            lifecycle_pb2.HealthCheck(name="engine", state=state, message=HS.Name(state))])
+            lifecycle_pb2.HealthCheck(name="engine", state=state, message=HS.Name(ours))])
 
     async def GetServerInfo(self, request, context):
         c = self.config
@@ -46,6 +54,11 @@ class ControlService(SimWorkerState):
             supported_protocols=[kv_transfer.PROTOCOL], supports_remote_prefill=True,
             supports_decode_pull=not self.persona.trtllm or self.persona.schema_revision >= 3,
             supports_abort_cleanup=c.abort_cleanup, schema_version=c.schema_revision)
+        if self.persona.drain_numbering:
+            # The sibling's KvConnectorInfo: supports_drain at 8 and schema_version 1 at 9 (servicer.py
+            # _kv_connector_info), which v0.1.0 numbers schema_version = 8 and leaves 9 free.
+            kv.ClearField("schema_version")
+            kv.MergeFromString(bytes([8 << 3, 1, 9 << 3, 1]))
         if self.persona.session_profile:
             kv.handoff_profile = handoff.TRTLLM_PROFILE
             kv.supports_client_bootstrap = False

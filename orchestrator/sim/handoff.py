@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from urllib.parse import urlsplit
 
@@ -53,6 +54,22 @@ class Handoff:
 def new_opaque_state(handoff_key: str, host: str, port: int, nonce: str) -> str:
     # Opaque to everyone but the engine; ours carries the KV endpoint, as an inline build's state does.
     return base64.b64encode(json.dumps({"ctx": handoff_key, "kv": f"{host}:{port}", "nonce": nonce}).encode()).decode()
+
+
+def encode_unproduced(request_id: str, endpoint: str | None) -> kv_pb2.KvSessionRef:
+    """The sibling server's handoff for a context phase that did not run to its end (cancelled): the request's
+    own DisaggregatedParams (context_only, its disagg_request_id, no ctx_request_id, no opaque_state, no first
+    tokens) and the server's configured ctx_info_endpoint (servicer.py _context_info_endpoint), encoded as
+    converters.encode_handoff does."""
+    disagg_id = str(int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") & ((1 << 63) - 1))
+    payload = {"ctx_request_id": None, "disagg_request_id": disagg_id, "ctx_dp_rank": None,
+               "ctx_info_endpoint": endpoint, "opaque_state": None, "first_gen_tokens": None,
+               "first_gen_log_probs": None, "draft_tokens": None, "ctx_usage": None, "conversation_id": None,
+               "schedule_style": "context_first", "requires_decode_media": False}
+    session = kv_pb2.KvSessionRef(session_id=disagg_id, transfer_backend="tensorrt_llm", dp_rank=0,
+                                  handoff_profile=TRTLLM_PROFILE)
+    session.attributes_struct[TRTLLM_PROFILE] = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return session
 
 
 def encode(persona: Persona, h: Handoff) -> kv_pb2.KvSessionRef:
@@ -168,9 +185,12 @@ def _decode_profile(session: kv_pb2.KvSessionRef, attributes: dict, has_media: b
     located = _split(str(payload.get("ctx_info_endpoint") or ""))
     if located is None:
         raise HandoffInvalid("TensorRT-LLM handoff has no usable ctx_info_endpoint")
-    key = str(payload.get("ctx_request_id") or "")
-    if not key.isdigit():
+    # converters.decode_handoff's decimal_id: absent (null) is accepted, as a cancelled context phase's handoff
+    # carries it (UPSTREAM r3-cancelled-handoff); the pull then finds no session and the KV transfer fails
+    raw = payload.get("ctx_request_id")
+    if raw is not None and (not isinstance(raw, str) or not raw.isdecimal()):
         raise HandoffInvalid("ctx_request_id must be a decimal string")
+    key = raw or ""
     return Handoff(session_key=key, kv_host=located[0], kv_port=located[1], opaque_state=payload.get("opaque_state"),
                    first_gen_tokens=tuple(int(t) for t in payload.get("first_gen_tokens") or ()),
                    requires_decode_media=bool(requires_media))

@@ -74,6 +74,7 @@ class KvEventsConfig:
     hwm: int = attrs.field(default=100_000, validator=attrs.validators.ge(1))
     max_queue_size: int = attrs.field(default=100_000, validator=attrs.validators.ge(1))
     drop_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # fault: drop every Nth batch
+    advertise_port: int | None = None  # fault: GetKvEventSources names this port (+ rank) instead of ours
 
 
 class DropSchedule:
@@ -183,7 +184,9 @@ class ZmqPublisher:
     def source(self) -> kv_pb2.KvEventSource:
         c = self.config
         return kv_pb2.KvEventSource(
-            transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(host=self.host, port=self.port, protocol="tcp"),
+            transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(
+                host=self.host, port=self.port if c.advertise_port is None else c.advertise_port + self.rank,
+                protocol="tcp"),
             topic=c.topic, replay_endpoint=f"tcp://{self.host}:{self.replay_port}" if self.replay_port else "",
             data_parallel_rank=self.rank, encoding="msgpack", schema_version=1, buffer_steps=c.buffer_steps,
             hwm=c.hwm, max_queue_size=c.max_queue_size)

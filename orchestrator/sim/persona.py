@@ -124,6 +124,25 @@ class Persona:
         return "INVALID_ARGUMENT" if self.trtllm and self.schema_revision == 3 else "ALREADY_EXISTS"
 
     @property
+    def drain_numbering(self) -> bool:
+        """The sibling server speaks openengine a66ff6f's numbering (_schema_pin.py): ERROR_CODE_DRAINING 11 and
+        INTERNAL 12, HEALTH_STATE_DRAINING 4 and NOT_READY 5, KvConnectorInfo.schema_version at field 9
+        (orchestrator/engine/numbering.py reads it; this persona sends it)."""
+        return self.trtllm and self.schema_revision == 3
+
+    def wire_error_code(self, code: int) -> int:
+        """An ErrorCode (v0.1.0 numbering) as this server numbers it on the wire."""
+        return 12 if self.drain_numbering and code == 11 else code  # INTERNAL; 11 is DRAINING there
+
+    def wire_health(self, state: int, *, draining: bool) -> int:
+        """A HealthState (v0.1.0 numbering) as this server numbers it; the sibling says DRAINING while it drains."""
+        if not self.drain_numbering:
+            return state
+        if draining:
+            return 4  # HEALTH_STATE_DRAINING
+        return 5 if state == 4 else state  # NOT_READY
+
+    @property
     def default_stall_timeout_s(self) -> float | None:
         """Revision 1's StallWatchdog (streaming.py RESPONSE_STALL_TIMEOUT_SECONDS): a response not read for 30 s
         aborts the request, which then ends with ERROR_CODE_OVERLOADED (retryable)."""

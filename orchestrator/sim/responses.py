@@ -7,7 +7,7 @@ import uuid as uuidlib
 from orchestrator.openengine.v1 import generation_pb2
 from orchestrator.sim import handoff, kv_transfer, output
 from orchestrator.sim.outbox import Outbox
-from orchestrator.sim.scheduler import GENERATION_ONLY, SimRequest
+from orchestrator.sim.scheduler import CONTEXT_ONLY, GENERATION_ONLY, SimRequest
 from orchestrator.sim.worker_state import SimWorkerState
 
 
@@ -47,6 +47,15 @@ class ResponseCallbacks(SimWorkerState):
                    "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 
         def on_finish(request: SimRequest, reason: str, match) -> None:
+            if reason == "cancelled" and request.kind == CONTEXT_ONLY and self.persona.session_profile:
+                # The sibling server encodes the result's disaggregated_params on `finished` whatever the finish
+                # reason (servicer.py Generate, prefill role): a context phase cancelled while it ran yields a
+                # PrefillReady built from the request's own parameters, naming a session nobody holds.
+                session = handoff.encode_unproduced(rid, f"{self.config.host}:{self.kv_port}")
+                outbox.put(generation_pb2.GenerateResponse(
+                    request_id=rid, prefill_ready=generation_pb2.PrefillReady(kv_session=session),
+                    usage=_usage(request, prompt_len, 0)), last=True)
+                return
             stop_match = None
             if match is not None:
                 stop_match = generation_pb2.StopMatch(**{match[0]: match[1]})

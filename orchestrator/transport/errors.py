@@ -15,6 +15,10 @@ import grpc
 from orchestrator.openengine.v1 import error_pb2
 
 ErrorCode = error_pb2.ErrorCode
+# Not an openengine v0.1.0 code: the sibling server's ERROR_CODE_DRAINING read into our numbering
+# (engine/numbering.py), at a number no schema uses so that it never collides with a code a worker sends.
+# The worker stopped taking requests: another one may.
+ERROR_CODE_DRAINING = 1011
 
 # gRPC status -> (ErrorCode, retryable). A transport failure before any response is retryable
 # elsewhere; an engine that says INVALID_ARGUMENT will say it again.
@@ -35,6 +39,8 @@ _STATUS_MAP: dict[grpc.StatusCode, tuple[int, bool]] = {
 
 
 def code_name(code: int) -> str:
+    if code == ERROR_CODE_DRAINING:
+        return "ERROR_CODE_DRAINING"
     try:
         return ErrorCode.Name(code)
     except ValueError:
@@ -70,6 +76,10 @@ class EngineError(Exception):
     @property
     def code_name(self) -> str:
         return code_name(self.code)
+
+    @property
+    def known_code(self) -> bool:
+        return self.code == ERROR_CODE_DRAINING or self.code in ErrorCode.values()
 
 
 class WorkerUnavailable(EngineError):

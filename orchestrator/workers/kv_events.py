@@ -1,28 +1,18 @@
-"""The engines' own KV events, per worker and attention-DP rank, fed into the KV index (kv_index.py).
-
-Where they come from, as each TensorRT-LLM server offers them (orchestrator/sim/kv_events.py has the wire
-details and the upstream commits):
-- revision 1 (tensorrt_llm/grpc/openengine, merged): Control.GetKvEventSources names one ZMQ publisher per
-  rank (transport "zmq", encoding "msgpack", schema_version 1); each message is three frames (topic, 8-byte
-  big-endian sequence number, msgpack [timestamp, events, rank]); a ROUTER replay socket, when advertised,
-  answers a start sequence number with the batches it still holds, then END_SEQ (-1). SubscribeKvEvents is
-  UNIMPLEMENTED there.
-- revision 3 (tensorrt_llm/openengine, open PR #16336; its KV events open PR #19440): GetKvEventSources
-  names the gRPC server itself (transport "grpc", encoding "protobuf"), and Control.SubscribeKvEvents
-  streams KvEventBatch messages numbered per rank from 1. A stored block holding an image position cannot
-  be carried there: the engine sends AllBlocksCleared instead, so such workers carry no image keys and
-  their image blocks are answered from approximate entries (kv_index.py).
-
-Sources are validated as Dynamo's TensorRT-LLM sidecar does (ai-dynamo/dynamo lib/sidecar/trtllm/src/
-engine.rs @ e419430b8943, open PRs #14349/#15087: validate_kv_sources / validate_kv_source): transport zmq
-with encoding msgpack, schema_version 1, a rank inside the engine's data-parallel size, one source per
-rank and no duplicates, a tcp endpoint with a routable host (not empty, "*", "0.0.0.0" or "::") and a
-port. A worker whose sources fail is logged (rate-limited, with the cause) and left in approximate mode.
+"""The KV event feed: follows each worker's KV events (ZMQ per rank, or Control.SubscribeKvEvents) into the KV
+index. The thin I/O part: what the events say, which sources are valid and what a rank may hold are
+kv_event_codec.py's (pure, tested without sockets).
 
 Consistency: a sequence gap, a reconnect, a restart (new ServerInfo.instance_id, or a sequence number that
 went back) clears that worker's (rank's) event entries, which the events that follow rebuild; where a
 replay socket is advertised, a gap is first asked of it, and only a replay that no longer holds the
-missing batch clears. A worker that leaves the pool leaves the index at once (`forget`).
+missing batch clears. A worker that leaves the pool leaves the index at once (`forget`). What we refuse (an
+oversize message, a batch of another rank, one that takes a rank above its bound, a malformed one) ends the
+subscription: the worker's entries are cleared, /health says why (`detail`), the metric
+orchestrator_kv_events_refused counts it by reason, and the worker is followed anew after retry_s.
+
+Bounded memory: ZMQ_MAXMSGSIZE refuses a bigger message (ZMQ drops the connection: the batches lost show as a gap),
+and our own receive high-water mark (not the worker's hwm) bounds what waits in ZMQ; the index holds at most
+a rank's bound; a big batch is applied in slices with a checkpoint between them, so requests are not stalled.
 
 pyzmq runs on trio without a thread: each socket is non-blocking, and a task waits for its ZMQ_FD with
 `trio.lowlevel.wait_readable` whenever ZMQ_EVENTS says nothing is ready (the FD is edge-triggered: it
@@ -33,13 +23,13 @@ feed task never outlives its worker, and hands it the worker's InstanceWatch (in
 is the one reader of the worker's identity, and the feed starts over when the watch reports a restart.
 serve.py owns the KvEventFeed next to the pool and closes it after:
 
-    kv = kv_routing(config)                # index, feed and the roles it follows (kv_routing.py)
+    kv = kv_routing(config, metrics)       # index, feed and the roles it follows (kv_routing.py)
     pool = WorkerPool(..., kv=kv)          # follows every worker it runs, forgets every worker it drops
     ... pool.run(...) ...
     kv.feed.close()                        # after the pool's nursery exited
 
 `index.mode(worker)` says "events" or "approximate"; `feed.detail[worker]` says why a worker is approximate
-("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears and invalid sources.
+("" when fed by events), and `feed.stats` counts batches, gaps, replays, clears, invalid sources and refusals.
 """
 
 from __future__ import annotations
@@ -51,186 +41,31 @@ from typing import Any
 
 import attrs
 import grpc
-import msgpack
 import trio
 import zmq
 
 from orchestrator.engine import EngineError
+from orchestrator.engine.client import OversizeMessage
 from orchestrator.engine.errors import ErrorCode
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.workers import kv_event_codec as codec
 from orchestrator.workers.instance_watch import InstanceWatch
-from orchestrator.workers.kv_index import EventBlockError, KvIndex, MmSegment
+from orchestrator.workers.kv_event_codec import (
+    END_SEQ,
+    Batch,
+    GrpcSource,
+    InvalidKvSource,
+    KvStreamBroken,
+    ZmqSource,
+    decode_proto_batch,
+    decode_wire_batch,
+    validate_sources,
+)
+from orchestrator.workers.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 
-END_SEQ = -1
-NOT_ROUTABLE_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
-SCHEMA_VERSION = 1
-
-
-class InvalidKvSource(ValueError):
-    """GetKvEventSources named something we cannot (or must not) subscribe to."""
-
-
-class KvStreamBroken(Exception):
-    """The event stream lost continuity (the caller clears and starts again)."""
-
-
-@attrs.frozen
-class ZmqSource:
-    rank: int
-    endpoint: str  # tcp://host:port
-    topic: bytes
-    replay_endpoint: str  # "" when not advertised
-    hwm: int = 100_000  # the publisher's high-water mark (KVEventsConfig.hwm), ours for receiving
-
-
-@attrs.frozen
-class GrpcSource:
-    rank: int
-
-
-# ---- validation -------------------------------------------------------------------------------------------
-
-def validate_sources(sources: Sequence[Any], data_parallel_size: int, kv_block_size: int | None
-                     ) -> list[ZmqSource] | list[GrpcSource]:
-    """The sources of one worker, checked as Dynamo's sidecar checks them; raises InvalidKvSource."""
-    if not sources:
-        return []
-    if not kv_block_size or kv_block_size < 1:
-        raise InvalidKvSource("KV events need a positive ServerInfo.capacity.kv_block_size")
-    transports = {source.transport for source in sources}
-    if len(transports) != 1:
-        raise InvalidKvSource(f"sources mix transports {sorted(transports)}")
-    ranks: set[int] = set()
-    result: list = []
-    for source in sources:
-        rank = _checked_rank(source, data_parallel_size)
-        if rank in ranks:
-            raise InvalidKvSource(f"GetKvEventSources returned duplicate rank {rank}")
-        ranks.add(rank)
-        if source.transport == "grpc":
-            if source.encoding != "protobuf" or source.schema_version != SCHEMA_VERSION:
-                raise InvalidKvSource(f"a grpc source needs encoding protobuf and schema_version 1, not "
-                                      f"{source.encoding!r} and {source.schema_version}")
-            result.append(GrpcSource(rank))
-        elif source.transport == "zmq":
-            result.append(_zmq_source(source, rank))
-        else:
-            raise InvalidKvSource(f"unsupported transport {source.transport!r} (zmq or grpc)")
-    if len(ranks) != data_parallel_size:
-        raise InvalidKvSource(f"GetKvEventSources returned {len(ranks)} sources for {data_parallel_size} "
-                              f"data-parallel ranks")
-    return sorted(result, key=lambda s: s.rank)
-
-
-def _checked_rank(source: Any, data_parallel_size: int) -> int:
-    if not source.HasField("data_parallel_rank"):
-        raise InvalidKvSource("GetKvEventSources omitted data_parallel_rank")
-    if not 0 <= source.data_parallel_rank < data_parallel_size:
-        raise InvalidKvSource(f"rank {source.data_parallel_rank} is outside 0..{data_parallel_size - 1}")
-    return source.data_parallel_rank
-
-
-def _zmq_source(source: Any, rank: int) -> ZmqSource:
-    if source.encoding != "msgpack":
-        raise InvalidKvSource(f"a zmq source needs encoding msgpack, not {source.encoding!r}")
-    if source.schema_version != SCHEMA_VERSION:
-        raise InvalidKvSource(f"unsupported schema_version {source.schema_version} (1)")
-    if not source.HasField("endpoint_addr"):
-        raise InvalidKvSource("GetKvEventSources omitted endpoint_addr")
-    endpoint = source.endpoint_addr
-    host = endpoint.host.strip()
-    if endpoint.protocol != "tcp" or host.strip("[]") in NOT_ROUTABLE_HOSTS or not 0 < endpoint.port < 65536:
-        raise InvalidKvSource(f"not a routable tcp endpoint: protocol {endpoint.protocol!r}, host {endpoint.host!r}, "
-                              f"port {endpoint.port}")
-    replay = source.replay_endpoint.strip()
-    if replay and not _routable_tcp(replay):
-        raise InvalidKvSource(f"not a routable replay endpoint: {replay!r}")
-    return ZmqSource(rank, f"tcp://{_bracketed(host)}:{endpoint.port}", source.topic.encode(), replay,
-                     source.hwm if source.HasField("hwm") and source.hwm > 0 else 100_000)
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _routable_tcp(endpoint: str) -> bool:
-    if not endpoint.startswith("tcp://"):
-        return False
-    host, _, port = endpoint[6:].rpartition(":")
-    return host.strip("[]") not in NOT_ROUTABLE_HOSTS and port.isdigit() and 0 < int(port) < 65536
-
-
-# ---- applying events ---------------------------------------------------------------------------------------
-
-def apply_wire_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> bool:
-    """One revision-1 batch's events (msgpack maps tagged by "type"). Returns False when a stored block had
-    image positions without mm_keys (the worker's image blocks are then not keyed from its events)."""
-    try:
-        return _apply_wire_events(index, where, events)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a map without the fields of its type
-        raise KvStreamBroken(f"a malformed KV event: {exc!r}") from exc
-
-
-def _apply_wire_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> bool:
-    image_keys = True
-    for event in events:
-        if not isinstance(event, dict):
-            raise KvStreamBroken(f"an event is a {type(event).__name__}, not a map")
-        kind = event.get("type")
-        if event.get("medium") not in (None, "GPU"):
-            continue  # another tier's copy: the hashes are the same blocks, and routing counts the GPU's
-        if kind == "BlockStored":
-            mm = event.get("mm_keys")
-            if mm is None and any(type(t) is not int for t in event["token_ids"]):
-                image_keys = False
-            segments = None if mm is None else [[MmSegment(key["hash"], key["start_offset"]) for key in block]
-                                                for block in mm]
-            try:
-                index.stored_engine(where, event["block_hashes"], event.get("parent_block_hash"), event["token_ids"],
-                                    event["block_size"], segments)
-            except EventBlockError as exc:  # a ValueError: named here, before the generic catch above
-                raise KvStreamBroken(f"a BlockStored event cannot be keyed: {exc}") from exc
-        elif kind == "BlockRemoved":
-            index.removed_engine(where, event["block_hashes"])
-        elif kind == "AllBlocksCleared":
-            index.cleared(*where)
-        else:
-            raise KvStreamBroken(f"unknown KV event type {kind!r}")
-    return image_keys
-
-
-def _proto_hash(value: Any) -> int:
-    if value.encoding != "decimal_int64":
-        raise KvStreamBroken(f"unknown block hash encoding {value.encoding!r}")
-    return int(value.value.decode("ascii"))
-
-
-def apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> None:
-    """One revision-3 KvEventBatch's events."""
-    try:
-        _apply_proto_events(index, where, events)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. a hash that is not decimal text
-        raise KvStreamBroken(f"a malformed KV event: {exc!r}") from exc
-
-
-def _apply_proto_events(index: KvIndex, where: tuple[str, int], events: Sequence[Any]) -> None:
-    for event in events:
-        kind = event.WhichOneof("event")
-        if kind == "block_stored":
-            stored = event.block_stored
-            parent = _proto_hash(stored.parent_block_hash) if stored.HasField("parent_block_hash") else None
-            try:
-                index.stored_engine(where, [_proto_hash(h) for h in stored.block_hashes], parent,
-                                    list(stored.token_ids), stored.block_size)
-            except EventBlockError as exc:
-                raise KvStreamBroken(f"a BlockStored event cannot be keyed: {exc}") from exc
-        elif kind == "block_removed":
-            index.removed_engine(where, [_proto_hash(h) for h in event.block_removed.block_hashes])
-        elif kind == "all_blocks_cleared":
-            index.cleared(*where)
-
+MAX_REFUSED_BACKOFF_S = 30.0
 
 def _permanent(exc: BaseException) -> bool:
     """A failure that trying again cannot fix: the call is not served (UNIMPLEMENTED, events off), or our
@@ -298,17 +133,6 @@ def _zmq_socket(context: zmq.Context, kind: int, endpoint: str, **options: Any) 
         wrapped.close()
 
 
-def decode_batch(payload: bytes) -> list[Any]:
-    """A revision-1 payload's events: msgpack [timestamp, events, data_parallel_rank]."""
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise KvStreamBroken(f"a KV event payload is not msgpack: {exc!r}") from exc
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise KvStreamBroken("a KV event payload is not [timestamp, events, rank]")
-    return batch[1]
-
-
 # ---- the feed ------------------------------------------------------------------------------------------------
 
 @attrs.define
@@ -318,6 +142,7 @@ class FeedStats:
     replays: int = 0  # gaps a replay filled
     clears: int = 0  # times a worker's or rank's entries were cleared (gap, reconnect, restart)
     invalid_sources: int = 0
+    refused: int = 0  # messages or batches refused (kv_event_codec.REFUSALS)
 
 
 @attrs.define(eq=False)
@@ -326,6 +151,10 @@ class _Follower:
     log: RateLimitedLog
     active: bool = True
     image_keys: bool = True  # its events key image blocks (revision 1 with mm_keys)
+    bound: int = codec.DEFAULT_RANK_BOUND  # blocks one of its ranks may hold (kv_event_codec.rank_bound)
+    # After a refusal the worker is followed anew later each time (doubling, up to MAX_REFUSED_BACKOFF_S): a
+    # worker that floods us is not read as fast as it can send.
+    refused_backoff: float = 0.0
 
 
 class KvEventFeed:
@@ -336,8 +165,9 @@ class KvEventFeed:
     reconnects silently); `replay_timeout_s`: how long a replay request may take."""
 
     def __init__(self, index: KvIndex, *, retry_s: float = 1.0, identity_check_s: float = 2.0,
-                 replay_timeout_s: float = 2.0, zmq_context: zmq.Context | None = None):
+                 replay_timeout_s: float = 2.0, zmq_context: zmq.Context | None = None, metrics=None):
         self.index = index
+        self.metrics = metrics  # orchestrator.metrics.Metrics: kv_events_refused (None: not counted)
         self.retry_s = retry_s
         self.identity_check_s = identity_check_s
         self.replay_timeout_s = replay_timeout_s
@@ -388,8 +218,9 @@ class KvEventFeed:
                 if wait_for_restart is not None:
                     await instance.changed_from(wait_for_restart)
                     self.index.cleared_routed(worker)  # restarted: what we routed there is gone from its cache
+                    follower.refused_backoff = 0.0
                 else:
-                    await trio.sleep(self.retry_s)
+                    await trio.sleep(max(self.retry_s, follower.refused_backoff))
         finally:
             if self._followers.get(worker) is follower:  # (not forgotten, nor followed anew since)
                 # Nobody keeps its event entries from now on: they go, and what we route there counts instead.
@@ -423,6 +254,7 @@ class KvEventFeed:
         if not valid:
             self.detail[worker] = "the worker publishes no KV events"
             return info.instance_id
+        follower.bound = codec.rank_bound(info.total_kv_blocks, len(valid))
         failures: list[BaseException] = []
 
         async def guarded(subscribe, *args) -> None:
@@ -445,17 +277,22 @@ class KvEventFeed:
                     nursery.start_soon(guarded, self._follow_zmq, source)
         if not follower.active:
             return None
-        self._clear(worker)
+        await self._clear_in_slices(follower)
+        if not follower.active:
+            return None
         if failures:
             failure = failures[0]
-            if _permanent(failure):  # this client or worker cannot stream them: nothing changes until a restart
+            if isinstance(failure, KvStreamBroken) and failure.reason:
+                self._refused(follower, failure)
+            elif _permanent(failure):  # this client or worker cannot stream them: nothing changes until a restart
                 self.detail[worker] = f"KV events cannot be followed: {cause_chain(failure)}"
                 follower.log("worker %s: KV events cannot be followed, routing it approximately: %s", worker,
                              cause_chain(failure))
                 return info.instance_id
-            self.detail[worker] = f"KV event stream lost: {cause_chain(failure)}"
-            follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
-                         cause_chain(failure))
+            else:
+                self.detail[worker] = f"KV event stream lost: {cause_chain(failure)}"
+                follower.log("worker %s: KV event stream lost, its index is cleared until rebuilt: %s", worker,
+                             cause_chain(failure))
         else:  # the identity watch ended it: the worker restarted, its cache is empty
             self.detail[worker] = "the worker restarted"
             self.index.cleared_routed(worker)
@@ -483,6 +320,25 @@ class KvEventFeed:
             log.info("worker %s: routing approximately (%s)", follower.worker, why)
             self.index.set_mode(follower.worker, "approximate")
 
+    def _refused(self, follower: _Follower, refusal: KvStreamBroken) -> None:
+        """We refused what the worker sent: its entries are cleared (by the caller), and /health, the log and the
+        metric say so; it is followed anew after retry_s."""
+        worker = follower.worker
+        self.stats.refused += 1
+        follower.refused_backoff = min(MAX_REFUSED_BACKOFF_S, max(self.retry_s, 2 * follower.refused_backoff))
+        if self.metrics is not None:
+            self.metrics.kv_events_refused.labels(worker, refusal.reason).inc()
+        self.detail[worker] = f"KV events refused ({refusal.reason}): {refusal}"
+        follower.log("worker %s: KV events refused (%s), its index is cleared until rebuilt: %s", worker,
+                     refusal.reason, refusal)
+
+    async def _clear_in_slices(self, follower: _Follower) -> None:
+        self.stats.clears += 1
+        for _ in codec.clear_slices(self.index, follower.worker):
+            await trio.lowlevel.checkpoint()
+            if not follower.active:
+                return
+
     def _clear(self, worker: str, rank: int | None = None) -> None:
         self.stats.clears += 1
         self.index.cleared(worker, rank)
@@ -491,7 +347,7 @@ class KvEventFeed:
     async def _follow_grpc(self, follower: _Follower, client, ranks: list[int]) -> None:
         worker = follower.worker
         expected: dict[int, int] = {}
-        async with client.subscribe_kv_events() as stream:
+        async with client.subscribe_kv_events(max_message_bytes=codec.MAX_MESSAGE_BYTES) as stream:
             # Image blocks fail closed in this stream (AllBlocksCleared): they are never keyed from it.
             self._events_mode(follower, image_keys=False)
             while True:
@@ -501,12 +357,14 @@ class KvEventFeed:
                 if not follower.active:
                     return
                 for message in messages:
+                    if isinstance(message, OversizeMessage):
+                        raise KvStreamBroken(f"a SubscribeKvEvents message of {message.size} bytes, above our limit "
+                                             f"of {codec.MAX_MESSAGE_BYTES}", "oversize")
                     if message.HasField("error"):
                         raise KvStreamBroken(f"SubscribeKvEvents error: {message.error}")
                     batch = message.batch
+                    decoded = decode_proto_batch(batch, ranks)
                     rank = batch.data_parallel_rank
-                    if rank not in ranks:
-                        raise KvStreamBroken(f"a batch of rank {rank}, not one of {ranks}")
                     want = expected.get(rank)
                     if want is not None and batch.sequence_number != want:
                         self.stats.gaps += 1
@@ -514,15 +372,18 @@ class KvEventFeed:
                                      "until rebuilt", worker, rank, batch.sequence_number, want - 1)
                         self._clear(worker, rank)
                     expected[rank] = batch.sequence_number + 1
-                    apply_proto_events(self.index, (worker, rank), batch.events)
-                    self.stats.batches += 1
+                    await self._apply(follower, (worker, rank), decoded)
+                    if not follower.active:
+                        return
 
     # ---- revision 1: ZMQ per rank --------------------------------------------------------------------
     async def _follow_zmq(self, follower: _Follower, source: ZmqSource) -> None:
         where = (follower.worker, source.rank)
-        # A bounded receive queue: a feed that falls behind loses messages, which shows as a gap (cleared), rather
-        # than holding an unbounded backlog in memory.
-        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=source.hwm) as sub:
+        # A bounded receive queue of our own (not the hwm the worker advertises) and a bounded message: a feed that
+        # falls behind loses messages, and ZMQ drops a peer that sends a bigger one; both show as a gap (cleared),
+        # rather than holding an unbounded backlog in memory.
+        with _zmq_socket(self._context, zmq.SUB, source.endpoint, SUBSCRIBE=source.topic, RCVHWM=codec.RECEIVE_HWM,
+                         MAXMSGSIZE=codec.MAX_MESSAGE_BYTES) as sub:
             applied = -1  # the last sequence number applied
             floor = 0  # the first sequence number this subscription applied (or asked a replay for)
             if source.replay_endpoint:
@@ -553,15 +414,26 @@ class KvEventFeed:
                     applied = await self._gap(follower, source, applied, sequence)
                     if sequence <= applied:
                         continue
-                self._apply_zmq(follower, where, frames[2])
+                await self._apply_zmq(follower, where, frames[2])
+                if not follower.active:
+                    return
                 applied = sequence
 
-    def _apply_zmq(self, follower: _Follower, where: tuple[str, int], payload: bytes) -> None:
-        image_keys = apply_wire_events(self.index, where, decode_batch(payload))
-        self.stats.batches += 1
-        if not image_keys and follower.image_keys:
+    async def _apply_zmq(self, follower: _Follower, where: tuple[str, int], payload: bytes) -> None:
+        batch = decode_wire_batch(payload, where[1])
+        await self._apply(follower, where, batch)
+        if not batch.image_keys and follower.image_keys and follower.active:
             follower.image_keys = False
             self._events_mode(follower, image_keys=False)
+
+    async def _apply(self, follower: _Follower, where: tuple[str, int], batch: Batch) -> None:
+        """One batch into the index, a slice at a time: the event loop runs between slices (a 1M-block batch
+        stalled every request for 3.5 s). Stops where it is if the worker is forgotten meanwhile."""
+        for _ in codec.apply(self.index, where, batch, follower.bound):
+            await trio.lowlevel.checkpoint()
+            if not follower.active:
+                return
+        self.stats.batches += 1
 
     async def _gap(self, follower: _Follower, source: ZmqSource, applied: int, sequence: int) -> int:
         """Batches applied+1 .. sequence-1 were lost: replay them when the publisher still holds them, else
@@ -581,7 +453,8 @@ class KvEventFeed:
         where = (follower.worker, source.rank)
         batches: list[tuple[int, bytes]] = []
         with trio.move_on_after(self.replay_timeout_s) as deadline:
-            with _zmq_socket(self._context, zmq.DEALER, source.replay_endpoint) as replay:
+            with _zmq_socket(self._context, zmq.DEALER, source.replay_endpoint, RCVHWM=codec.RECEIVE_HWM,
+                             MAXMSGSIZE=codec.MAX_MESSAGE_BYTES) as replay:
                 await replay.send_multipart((b"", start.to_bytes(8, "big")))
                 while True:
                     frames = await replay.recv_multipart()
@@ -604,7 +477,9 @@ class KvEventFeed:
             self.stats.replays += 1
         for sequence, payload in batches:
             if sequence > applied:
-                self._apply_zmq(follower, where, payload)
+                await self._apply_zmq(follower, where, payload)
+                if not follower.active:
+                    return applied
                 applied = sequence
         return applied
 

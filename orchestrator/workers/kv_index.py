@@ -635,7 +635,17 @@ class KvIndex:
         same image expands alike on every worker of one model); None if not seen yet."""
         return self._image_lengths.get(_digest_int(image_digest(identity)))
 
-    # ---- sizes (metrics, /health) -------------------------------------------------------------------
+    # ---- sizes (metrics, /health, the feed's bound) ---------------------------------------------------
+    def rank_blocks(self, where: WorkerRank) -> int:
+        """Event-fed entries of one (worker, rank): what the KV event feed bounds (kv_event_codec.rank_bound)."""
+        state = self._ranks.get(where)
+        return 0 if state is None else len(state.by_engine)
+
+    def engine_hashes(self, worker: str) -> dict[int, list[int]]:
+        """Each rank's engine hashes of `worker`'s event entries: the feed clears a big rank a slice at a time
+        (removed_engine), so that the event loop runs between slices."""
+        return {where[1]: list(state.by_engine) for where, state in self._ranks.items() if where[0] == worker}
+
     def blocks(self, worker: str | None = None) -> int:
         """Event-fed entries (block x rank), of one worker or all."""
         return sum(len(s.by_engine) for w, s in self._ranks.items() if worker is None or w[0] == worker)

@@ -23,7 +23,7 @@ class KvRouting:
     follow_roles: tuple[str, ...]  # the roles whose workers' KV events the feed follows
 
 
-def kv_routing(config: Config) -> KvRouting | None:
+def kv_routing(config: Config, metrics=None) -> KvRouting | None:
     """The index, the event feed and the roles, or None when no role the mode runs routes kv_aware: nothing
     runs for it. The feed follows the kv_aware roles' workers, and in conditional mode the decode workers too
     (a prompt may prefill on the decode worker holding its prefix). The caller closes the feed after the pool."""
@@ -34,4 +34,4 @@ def kv_routing(config: Config) -> KvRouting | None:
 
     index = KvIndex(ttl_s=config.routing.kv_aware.approximate_ttl_s)
     follow = (*roles, "decode") if config.mode == "conditional" and "prefill" in roles else roles
-    return KvRouting(index, KvEventFeed(index), roles, follow)
+    return KvRouting(index, KvEventFeed(index, metrics=metrics), roles, follow)

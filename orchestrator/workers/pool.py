@@ -22,13 +22,14 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import grpc
 import trio
 
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
-from orchestrator.engine.client import HealthState
+from orchestrator.engine.numbering import Health
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.log import RateLimitedLog, bounded, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
 from orchestrator.roles import ROLES
 from orchestrator.workers.instance_watch import InstanceWatch
@@ -38,6 +39,9 @@ from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSa
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
 log = logging.getLogger(__name__)
+
+# Health checks in a row that time out, with nothing arriving from the worker meanwhile, before it is unhealthy.
+HEALTH_MISSES = 2
 
 
 class Worker:
@@ -66,6 +70,7 @@ class Worker:
         # The pool failed this worker's calls because it stopped answering; until it answers a health check
         # again, an Abort to it would only wait out its timeout (its closed connection cancels the calls anyway).
         self.unresponsive = False
+        self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
 
     @property
@@ -207,10 +212,10 @@ class WorkerPool:
         polls_load = self._polls_load(worker)
         while True:
             previous = worker.state
+            recheck_now = False
+            # Unanswered for one interval is a miss (at least 1 s: a busy box is not a dead one)
+            timeout = max(1.0, self.health_interval)
             try:
-                # Unanswered for one interval is unhealthy: with the next check at most an interval away, a
-                # frozen worker's streams move on within two intervals (at least 1 s: a busy box is not a dead one)
-                timeout = max(1.0, self.health_interval)
                 if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
                     state, load = await client.health_and_load(timeout=timeout)
                     if not isinstance(load, EngineError):
@@ -218,24 +223,55 @@ class WorkerPool:
                 else:
                     state = await client.health(timeout=timeout)
             except EngineError as exc:
-                self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
-                if isinstance(exc, WorkerUnavailable):
-                    self._fail_calls_if_silent(worker, client, timeout, exc)
+                recheck_now = self._on_health_error(worker, client, timeout, exc)
             else:
                 worker.unresponsive = False
-                if state in (HealthState.HEALTH_STATE_READY, HealthState.HEALTH_STATE_DEGRADED):
+                worker.health_misses = 0
+                if state.serving:
                     if rereads_capabilities(previous, WorkerEvent.HEALTHY):
                         client.forget_capabilities()
                     await self._check_identity(worker, client)
                 else:
-                    self._on(worker, WorkerEvent.UNHEALTHY, f"health {HealthState.Name(state)}")
+                    # NOT_READY, STARTING, the sibling server's DRAINING (it finishes what it runs, takes nothing
+                    # new), or a state its numbering does not define: no new requests until it says READY.
+                    self._on(worker, WorkerEvent.UNHEALTHY, _health_detail(state, client))
             if worker.state != previous:
                 self._notify()
             if self.kv_index is not None and worker.state is not WorkerState.REMOVING:
                 self._index_metrics(worker, self.kv_index)
+            if recheck_now:
+                continue  # a silent worker's second chance comes at once: a frozen one is found one timeout later
             worker.wake_monitor = trio.Event()
             with trio.move_on_after(self.health_interval):
                 await worker.wake_monitor.wait()
+
+    def _on_health_error(self, worker: Worker, client: EngineClient, timeout: float, exc: EngineError) -> bool:
+        """A health check that failed. A timed-out check is a miss, not a verdict: under a full load (1,024
+        streams) or on a starved host the answer comes late while the worker works. A worker whose streams
+        brought us messages within the check's own timeout is alive, whatever its health check says; one that
+        missed HEALTH_MISSES checks in a row with nothing arriving is unhealthy (and its calls are failed: a
+        frozen process keeps its connection open). A refused connection or an error answer counts at once.
+        Returns whether to check again at once (a tolerated miss with nothing arriving)."""
+        timed_out = isinstance(exc, WorkerUnavailable) and exc.grpc_status is grpc.StatusCode.DEADLINE_EXCEEDED
+        if timed_out and client.heard_within(timeout):
+            worker.health_misses = 0
+            self._count_late(worker)
+            worker.log("worker %s %s: health check unanswered in %g s while its streams flow: kept in the pool",
+                       worker.role, worker.address, timeout)
+            return False
+        worker.health_misses += 1
+        if timed_out and worker.health_misses < HEALTH_MISSES:
+            self._count_late(worker)
+            worker.log("worker %s %s: health check unanswered in %g s (%d in a row): kept in the pool until %d",
+                       worker.role, worker.address, timeout, worker.health_misses, HEALTH_MISSES)
+            return True
+        self._on(worker, WorkerEvent.UNHEALTHY, cause_chain(exc))
+        if isinstance(exc, WorkerUnavailable):
+            self._fail_calls_if_silent(worker, client, timeout * HEALTH_MISSES, exc)
+        return False
+
+    def _count_late(self, worker: Worker) -> None:
+        self._metrics.health_checks_late.labels(worker.address).inc()
 
     @staticmethod
     def _fail_calls_if_silent(worker: Worker, client: EngineClient, quiet_s: float, error: EngineError) -> None:
@@ -455,16 +491,24 @@ class WorkerPool:
         return [*self.workers.values(), *self.retiring]
 
 
+def _health_detail(state: Health, client: EngineClient) -> str:
+    if state is Health.UNKNOWN:
+        return (f"health state {client.last_health_value}, which its numbering ({client.numbering.value}) does "
+                "not define")
+    return f"health {state.wire_name}"
+
+
 def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> dict:
-    view: dict = {"address": worker.address, "role": worker.role, "state": worker.state, "detail": worker.detail,
+    view: dict = {"address": worker.address, "role": worker.role, "state": worker.state,
+                  "detail": bounded(worker.detail),
                   "inflight": worker.inflight}
     if kv_index is not None:
         # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
         view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
                             "blocks": kv_index.blocks(worker.address)}
         why = kv_feed.detail.get(worker.address) if kv_feed is not None else None
-        if why:  # why its events are not used (no sources, invalid ones, a failing subscription)
-            view["kv_index"]["detail"] = why
+        if why:  # why its events are not used (no sources, invalid ones, a failing subscription, refused events)
+            view["kv_index"]["detail"] = bounded(why)
     caps = worker.client.cached_capabilities if worker.client is not None else None
     if caps is not None:
         view["engine"] = {"name": caps.engine, "instance_id": caps.instance_id, "role": caps.role,

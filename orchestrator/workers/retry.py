@@ -30,7 +30,8 @@ async def with_retries(pool, first, attempt: Callable[[object], Awaitable[T]], *
         try:
             return worker, await attempt(worker)
         except EngineError as error:
-            metrics.engine_errors.labels(error.code_name).inc()
+            # a code no schema names is counted as one label, never as many as a worker can invent
+            metrics.engine_errors.labels(error.code_name if error.known_code else "ERROR_CODE_UNKNOWN").inc()
             if isinstance(error, WorkerUnavailable):
                 pool.report_unreachable(worker, error)
             if not error.retryable or not may_retry(error) or len(tried) > retries:
