@@ -262,14 +262,22 @@ class SimSpec:
     args: tuple[str, ...] = ()
 
 
+RESTART_POLICIES = ("always", "on-failure", "never")  # a launched worker that exits after start-up
+
+
 @attrs.frozen
 class WorkerLaunch:
     role: str
     count: int = attrs.field(default=1, validator=_positive)
     sim: SimSpec | None = None
-    command: tuple[str, ...] = ()  # a real worker: argv with {port} substituted
+    # A real worker: argv with {port} substituted, run in the config file's directory (relative paths in it
+    # resolve as model.dir does).
+    command: tuple[str, ...] = ()
     register: bool = False  # run `orchestrator register` beside it (etcd discovery)
     env: dict[str, str] = attrs.field(factory=dict)  # added to its environment, e.g. CUDA_VISIBLE_DEVICES
+    # When it exits after start-up: always restarted, only when it failed (non-zero code or a signal), or never
+    # (the deployment serves on without it). Restarts back off (launch.restart_backoff_s).
+    restart: str = "on-failure"
 
 
 @attrs.frozen
@@ -283,6 +291,10 @@ class LaunchConfig:
     etcd: EtcdLaunch = EtcdLaunch()
     workers: tuple[WorkerLaunch, ...] = ()
     ready_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    # Crash-loop backoff: the first restart waits this long, each quick one after it twice as long, up to
+    # restart_backoff_max_s; a worker that ran that long since its last start is restarted after the first delay.
+    restart_backoff_s: float = attrs.field(default=1.0, validator=_positive)
+    restart_backoff_max_s: float = attrs.field(default=30.0, validator=_positive)
 
 
 @attrs.frozen
@@ -450,11 +462,16 @@ def _check(config: Config, file: str, check_paths: bool = True) -> None:
             raise ConfigError(file, f"{key}.role", " or ".join(ROLES), worker.role)
         if (worker.sim is None) == (not worker.command):
             raise ConfigError(file, key, "exactly one of sim or command")
+        if worker.restart not in RESTART_POLICIES:
+            raise ConfigError(file, f"{key}.restart", " or ".join(RESTART_POLICIES), worker.restart)
         if worker.sim is not None:  # the profile name is checked by orchestrator.launch (it knows the simulator)
             if worker.sim.time_scale < 0:
                 raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
             if worker.sim.schema_revision not in (1, 3):
                 raise ConfigError(file, f"{key}.sim.schema_revision", "1 or 3", worker.sim.schema_revision)
+    if config.launch.restart_backoff_max_s < config.launch.restart_backoff_s:
+        raise ConfigError(file, "launch.restart_backoff_max_s", f"a number >= launch.restart_backoff_s "
+                          f"({config.launch.restart_backoff_s})", config.launch.restart_backoff_max_s)
     if (config.http.tls_cert_file is None) != (config.http.tls_key_file is None):
         raise ConfigError(file, "http.tls_key_file", "both http.tls_cert_file and http.tls_key_file, or neither")
     for name in ("prefill_retries", "decode_retries", "migration_limit"):
