@@ -13,7 +13,7 @@ import yaml
 
 from orchestrator.launch import RestartBackoff, describe_exit, should_restart
 from orchestrator.testkit.plugin import ManagedProcess, orchestrator_command
-from test_launch_e2e import alive, child_pids
+from test_launch_e2e import alive, child_pids, log_text
 
 
 def write_deployment(tmp_path: Path, restart: str = "on-failure", count: int = 2) -> Path:
@@ -109,7 +109,7 @@ def test_a_worker_killed_after_startup_is_restarted_on_its_address_while_the_res
     finally:
         launcher.signal(signal.SIGINT)
         assert launcher.wait(60) == 0
-    log = launcher.log_path.read_text()
+    log = log_text(launcher)
     assert "sim-aggregated-0 was killed by SIGKILL after" in log and "restarting it on grpc://" in log
     assert "sim-aggregated-0 restarted (pid" in log
     assert not any(alive(pid) for pid in child_pids(launcher).values())
@@ -129,7 +129,7 @@ def test_with_restart_never_a_dead_worker_stays_down_and_the_others_serve(tmp_pa
     finally:
         launcher.signal(signal.SIGINT)
         assert launcher.wait(60) == 0
-    assert "restart: never, so the deployment serves on without it" in launcher.log_path.read_text()
+    assert "restart: never, so the deployment serves on without it" in log_text(launcher)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
@@ -145,4 +145,4 @@ def test_nothing_the_launcher_started_outlives_it(tmp_path, how):
     wait_until(lambda: not any(alive(pid) for pid in pids.values()), timeout=10, what="every child exiting")
     assert port_free(url)
     if how == signal.SIGHUP:
-        assert "SIGHUP: stopping everything in reverse order" in launcher.log_path.read_text()
+        assert "SIGHUP: stopping everything in reverse order" in log_text(launcher)
