@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from orchestrator.bench.metrics import RequestRecord, aggregate, to_gpu_time
+from orchestrator.bench.metrics import Overhead, RequestRecord, aggregate, to_gpu_time
 from orchestrator.bench.sse_client import Connection, HttpError
 from orchestrator.synthetic import solid_png, word_pieces
 from orchestrator.tokenizer import ModelTokenizer
@@ -218,19 +218,32 @@ async def run_rate(url: str, workload: Workload, tokenizer: ModelTokenizer, rate
 
 async def sweep(url: str, workload: Workload, tokenizer: ModelTokenizer, *, concurrency: list[int] | None = None,
                 rates: list[float] | None = None, gpus: int = 1, slo_ttft: float | None = None,
-                slo_tpot: float | None = None, time_scale: float = 1.0, label: str = "") -> list[dict]:
-    """One result dict per load point; latencies divided (and rates multiplied) by `time_scale`, so that a
-    simulated run reports figures in GPU time."""
+                slo_tpot: float | None = None, time_scale: float = 1.0, label: str = "",
+                baseline_url: str | None = None) -> list[dict]:
+    """One result dict per load point, in GPU time for a simulated run at `time_scale`.
+
+    `baseline_url`: the same topology on workers at time scale 0. Each load point runs there first (same
+    requests, same pacing); its latencies are the time that is not simulated GPU time (Overhead), which the
+    conversion then leaves unscaled. Without it, all of a request's time is taken for GPU time.
+    """
     points = []
     loads = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
+
+    async def run(target: str, kind: str, load: float, tag: str) -> list[RequestRecord]:
+        if kind == "concurrency":
+            return await run_concurrency(target, workload, tokenizer, int(load), tag)
+        return await run_rate(target, workload, tokenizer, float(load) * time_scale, tag)
+
     for kind, load in loads:
         tag = f"{label} {kind} {load:g}".strip()
-        if kind == "concurrency":
-            records = await run_concurrency(url, workload, tokenizer, int(load), tag)
-        else:
-            records = await run_rate(url, workload, tokenizer, float(load) * time_scale, tag)
-        scaled = to_gpu_time(records, time_scale)
-        points.append({"load_kind": kind, "load": load,
+        overhead = None
+        point: dict = {}
+        if baseline_url is not None:
+            overhead = Overhead.measure(await run(baseline_url, kind, load, f"{tag} (baseline)"))
+            point["overhead_s"] = attrs.asdict(overhead)
+        records = await run(url, kind, load, tag)
+        scaled = to_gpu_time(records, time_scale, overhead, closed_loop=kind == "concurrency")
+        points.append({"load_kind": kind, "load": load, **point,
                        **aggregate(scaled, gpus=gpus, slo_ttft=slo_ttft, slo_tpot=slo_tpot)})
     return points
 
