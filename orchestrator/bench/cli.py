@@ -37,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--time-scale", type=float, default=1.0, help="the simulated workers' time scale: figures are "
                      "converted to GPU time (without --baseline-url the orchestrator's own time is scaled too)")
     run.add_argument("--baseline-url", default=None, metavar="URL", help="the same topology on workers at time "
-                     "scale 0: each load point runs there first, to measure the time that --time-scale leaves "
-                     "unscaled (the orchestrator's and the client's own)")
+                     "scale 0: the workload runs there first, one request at a time, to measure the time that "
+                     "--time-scale leaves unscaled (the orchestrator's and the client's own)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     run.add_argument("--label", default="", help="names the results in the output (default: the URL)")
     run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

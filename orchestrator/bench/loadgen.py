@@ -222,28 +222,26 @@ async def sweep(url: str, workload: Workload, tokenizer: ModelTokenizer, *, conc
                 baseline_url: str | None = None) -> list[dict]:
     """One result dict per load point, in GPU time for a simulated run at `time_scale`.
 
-    `baseline_url`: the same topology on workers at time scale 0. Each load point runs there first (same
-    requests, same pacing); its latencies are the time that is not simulated GPU time (Overhead), which the
-    conversion then leaves unscaled. Without it, all of a request's time is taken for GPU time.
+    `baseline_url`: the same topology on workers at time scale 0. The workload runs there first, one request at
+    a time: its latencies are the deployment's own time per request (Overhead), which the conversion then leaves
+    unscaled. One user, because at higher loads zero-cost workers crowd the CPU as no paced run does. Without
+    it, all of a request's time is taken for GPU time.
     """
     points = []
     loads = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
-
-    async def run(target: str, kind: str, load: float, tag: str) -> list[RequestRecord]:
-        if kind == "concurrency":
-            return await run_concurrency(target, workload, tokenizer, int(load), tag)
-        return await run_rate(target, workload, tokenizer, float(load) * time_scale, tag)
-
+    overhead = None
+    if baseline_url is not None and loads:
+        overhead = Overhead.measure(await run_concurrency(baseline_url, workload, tokenizer, 1,
+                                                          f"{label} baseline".strip()))
     for kind, load in loads:
         tag = f"{label} {kind} {load:g}".strip()
-        overhead = None
-        point: dict = {}
-        if baseline_url is not None:
-            overhead = Overhead.measure(await run(baseline_url, kind, load, f"{tag} (baseline)"))
-            point["overhead_s"] = attrs.asdict(overhead)
-        records = await run(url, kind, load, tag)
+        if kind == "concurrency":
+            records = await run_concurrency(url, workload, tokenizer, int(load), tag)
+        else:
+            records = await run_rate(url, workload, tokenizer, float(load) * time_scale, tag)
         scaled = to_gpu_time(records, time_scale, overhead, closed_loop=kind == "concurrency")
-        points.append({"load_kind": kind, "load": load, **point,
+        points.append({"load_kind": kind, "load": load,
+                       **({"overhead_s": attrs.asdict(overhead)} if overhead is not None else {}),
                        **aggregate(scaled, gpus=gpus, slo_ttft=slo_ttft, slo_tpot=slo_tpot)})
     return points
 

@@ -69,15 +69,15 @@ class Overhead:
 
     @classmethod
     def measure(cls, records: Sequence[RequestRecord]) -> Overhead:
-        """Means over the completed requests of a zero-cost run (zeros if none completed)."""
+        """Medians over the completed requests of a zero-cost run (zeros if none completed): a host's hiccups
+        skew a mean, and the conversion multiplies every error in these by 1/time_scale - 1."""
         ok = [r for r in records if r.ok]
         if not ok:
             return cls()
-        streamed = [r for r in ok if r.output_tokens >= 2]
-        per_token = [(r.chunks[-1][0] - r.chunks[0][0]) / (r.output_tokens - 1) for r in streamed]
-        return cls(ttft_s=sum(r.chunks[0][0] - r.start for r in ok) / len(ok),
-                   per_token_s=sum(per_token) / len(per_token) if per_token else 0.0,
-                   tail_s=sum(r.end - r.chunks[-1][0] for r in ok) / len(ok))
+        per_token = [(r.chunks[-1][0] - r.chunks[0][0]) / (r.output_tokens - 1) for r in ok if r.output_tokens >= 2]
+        return cls(ttft_s=percentile([r.chunks[0][0] - r.start for r in ok], 50),
+                   per_token_s=percentile(per_token, 50) if per_token else 0.0,
+                   tail_s=percentile([r.end - r.chunks[-1][0] for r in ok], 50))
 
 
 def to_gpu_time(records: Sequence[RequestRecord], time_scale: float, overhead: Overhead | None = None, *,
