@@ -348,14 +348,6 @@ def paired_ratio(ours: list[list[tuple[float, float]]], theirs: list[list[tuple[
     return statistics.median(pick(o) / pick(t) for o, t in zip(ours, theirs))
 
 
-def report(cpu: dict[tuple[str, str], tuple[dict, dict, dict]], memory: dict[str, dict[str, float]] | None,
-           args) -> None:
-    if cpu:
-        report_cpu(cpu, args)
-    if memory:
-        report_memory(memory, args)
-
-
 def report_cpu(cpu: dict[tuple[str, str], tuple[dict, dict, dict]], args) -> None:
     dynamo_name = Dynamo.name
     print(f"Frontend CPU (run time of its threads), c={args.concurrency}, streamed chat completions, max_tokens "
@@ -442,10 +434,13 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="orch-vs-dynamo-"))
     try:
         cpu = {(mode, pace): measure_cpu(tmp, mode, pace, args) for pace in args.paces for mode in args.modes}
+        if cpu:
+            report_cpu(cpu, args)  # before the memory run: its figures stand even if that one fails
         memory = measure_memory(tmp, args) if args.streams else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # logs, configs, Dynamo's discovery files and caches
-    report(cpu, memory, args)
+    if memory:
+        report_memory(memory, args)
     return 0
 
 

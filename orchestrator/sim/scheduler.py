@@ -284,25 +284,24 @@ class Scheduler:
         """The worker's step loop in real time (scaled); orchestrator.bench.plan drives the same steps on a
         virtual clock."""
         loop = asyncio.get_running_loop()
-        ends: float | None = None  # when the last step ended on the simulated GPU (loop time); None: it idled
         late = 0.0  # how late a sleep wakes us on this host (moving average), asked for that much less
         while True:
             step = self.plan_step()
             if step is None:
-                ends = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # Steps run back to back on the simulated GPU: each ends step.ms after the last one's planned end, not
-            # after our late wake-up (timer slack, a loaded host), so lateness is caught up by the next sleep rather
-            # than added to every step, where a small time_scale would multiply it into GPU time.
-            ends = (loop.time() if ends is None else ends) + step.ms * self.time_scale / 1000.0
-            wanted = ends - loop.time()
-            if wanted > 0:  # a step after an idle spell cannot catch up: its wake-up is asked for early instead
+            # A step lasts step.ms on average however late this host wakes us: a late wake-up (timer slack, a
+            # loaded host) would otherwise add to every step, and a small time_scale multiply it into GPU time.
+            # (Not caught up by shortening the next steps: that would send their tokens in bursts.)
+            wanted = step.ms * self.time_scale / 1000.0
+            if wanted > 0:
                 asked = max(0.0, wanted - late)
                 slept_from = loop.time()
                 await asyncio.sleep(asked)
                 late += 0.1 * ((loop.time() - slept_from - asked) - late)
+            else:
+                await asyncio.sleep(0)  # zero cost: still let the server's other tasks run between steps
             self.finish_step(step)
 
     def _context_token(self, request: SimRequest) -> None:
