@@ -146,3 +146,25 @@ def test_nothing_the_launcher_started_outlives_it(tmp_path, how):
     assert port_free(url)
     if how == signal.SIGHUP:
         assert "SIGHUP: stopping everything in reverse order" in log_text(launcher)
+
+
+@pytest.mark.etcd
+def test_with_etcd_discovery_a_restarted_worker_registers_again(tmp_path):
+    config = tmp_path / "disagg-etcd.yaml"
+    config.write_text(yaml.safe_dump({
+        "mode": "disaggregated", "discovery": {"etcd": {"namespace": "supervised", "lease_ttl_s": 2}},
+        "limits": {"health_interval_s": 0.2},
+        "launch": {"etcd": {"enabled": True}, "restart_backoff_s": 0.2, "workers": [
+            {"role": "prefill", "sim": {"profile": "llama3-8b-h100", "time_scale": 0}},
+            {"role": "decode", "count": 2, "sim": {"profile": "llama3-8b-h100", "time_scale": 0}}]}}))
+    launcher, url = start_launcher(tmp_path, config)
+    try:
+        os.kill(supervised(url, "sim-prefill-0")["pid"], signal.SIGKILL)
+        wait_until(lambda: supervised(url, "sim-prefill-0")["restarts"] == 1, what="the restart")
+        # The only prefill worker: serving again means the restarted one was found in etcd again.
+        wait_until(lambda: health(url)["ready_workers"] == {"prefill": 1, "decode": 2}, what="it registering again")
+        answer = complete(url)
+        assert answer.status_code == 200, answer.text
+    finally:
+        launcher.signal(signal.SIGINT)
+        assert launcher.wait(60) == 0
