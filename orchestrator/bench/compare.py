@@ -99,15 +99,15 @@ def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> di
     from orchestrator.processes import ManagedProcess, orchestrator_command
 
     launchers = []
-    # Below time scale 1 a twin on zero-cost workers measures the orchestrator's own time per request, which the
-    # conversion to GPU time must not scale (bench run --baseline-url).
-    for suffix, time_scale in [("", spec.time_scale)] + ([("-baseline", 0.0)] if spec.time_scale != 1.0 else []):
-        config_path = workdir / f"{_slug(topology.name)}{suffix}.yaml"
-        config_path.write_text(yaml.safe_dump(launch_config(spec, topology, time_scale), sort_keys=False))
-        launchers.append(ManagedProcess(f"launch-{_slug(topology.name)}{suffix}",
-                                        orchestrator_command("launch", str(config_path)), log_dir=workdir,
-                                        env={"ORCH_LOG_LEVEL": "WARNING"}))
     try:
+        # Below time scale 1 a twin on zero-cost workers measures the orchestrator's own time per request, which
+        # the conversion to GPU time must not scale (bench run --baseline-url).
+        for suffix, time_scale in [("", spec.time_scale)] + ([("-baseline", 0.0)] if spec.time_scale != 1.0 else []):
+            config_path = workdir / f"{_slug(topology.name)}{suffix}.yaml"
+            config_path.write_text(yaml.safe_dump(launch_config(spec, topology, time_scale), sort_keys=False))
+            launchers.append(ManagedProcess(f"launch-{_slug(topology.name)}{suffix}",
+                                            orchestrator_command("launch", str(config_path)), log_dir=workdir,
+                                            env={"ORCH_LOG_LEVEL": "WARNING"}, tied=True))
         url, *baseline = [launcher.wait_ready(300) for launcher in launchers]
         out = workdir / f"{_slug(topology.name)}.json"
         w = spec.workload
