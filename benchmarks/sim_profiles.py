@@ -1,12 +1,16 @@
 """The simulated worker's cost model, and what it says about agg vs disagg.
 
-    python benchmarks/sim_profiles.py [--time-scale 0.5] [--streams 16] [--input-len 2000] [--output-len 100]
+    .venv/bin/python benchmarks/sim_profiles.py [--time-scale 0.5] [--streams 16] [--input-len 2000]
+
+(The project's interpreter, which scripts/setup.sh makes: it has the package and its dependencies.)
 
 1. For every shipped profile: step time against decode batch size and against prefill length
    (the cost model's arithmetic, which the scheduler charges per step).
 2. One load point measured side by side on real sim-worker processes, through the engine client:
    2 aggregated workers against 1 prefill + 1 decode worker (same GPU count), the same streams
-   (staggered arrivals of long prompts), reporting TTFT and TPOT in GPU time.
+   (staggered arrivals of long prompts), reporting TTFT and TPOT in GPU time. The same load first runs on
+   workers at time scale 0: what it measures is the client's and the workers' own CPU time (Overhead), which
+   the conversion to GPU time leaves unscaled, so the figures are the cost model's, not the machine's.
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ from pathlib import Path
 
 import trio
 
-from orchestrator.bench.metrics import percentile
-from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
-from orchestrator.kv import generation_leg
-from orchestrator.openengine.v1 import generation_pb2 as g
-from orchestrator.prefill import context_only_leg
-from orchestrator.sim.profiles import PROFILES
-from orchestrator.testkit.processes import SimWorkers
+try:
+    from orchestrator.bench.metrics import Overhead, RequestRecord, percentile, to_gpu_time
+    from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
+    from orchestrator.kv import generation_leg
+    from orchestrator.openengine.v1 import generation_pb2 as g
+    from orchestrator.prefill import context_only_leg
+    from orchestrator.sim.profiles import PROFILES
+    from orchestrator.testkit.processes import SimWorkers
+except ModuleNotFoundError as exc:
+    sys.exit(f"{exc}: run it with the project's interpreter, .venv/bin/python benchmarks/sim_profiles.py "
+             "(scripts/setup.sh makes .venv)")
 
 
 def cost_tables() -> None:
@@ -52,8 +60,9 @@ def prompt(i: int, length: int) -> list[int]:
     return [(i * 7919 + k * 31) % 700 + 50 for k in range(length)]
 
 
-async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[float], list[float]]:
-    ttfts, tpots = [], []
+async def drive(mode: str, addresses: dict[str, list[str]], args) -> list[RequestRecord]:
+    """Every stream's timeline on the wall clock; arrivals paced at the measured run's time scale."""
+    records = []
     async with LoopThread.open() as loop_thread, contextlib.AsyncExitStack() as stack:
         clients = {role: [await stack.enter_async_context(EngineClient.open(a, loop_thread)) for a in addrs]
                    for role, addrs in addresses.items()}
@@ -72,18 +81,27 @@ async def drive(mode: str, addresses: dict[str, list[str]], args) -> tuple[list[
                 if not isinstance(ready, PrefillReady):
                     raise RuntimeError(f"the context-only leg ended with {ready!r}, not prefill_ready")
                 client, leg = clients["decode"][0], generation_leg(full, ready.kv_session)
-            times = []
+            chunks = []
             async with client.generate(leg) as stream:
                 async for event in stream:
                     if isinstance(event, Tokens):
-                        times.extend([time.perf_counter()] * len(event.token_ids))
-            ttfts.append((times[0] - start) / args.time_scale)
-            tpots.append((times[-1] - times[0]) / (len(times) - 1) / args.time_scale)
+                        chunks.append((time.perf_counter(), len(event.token_ids)))
+            records.append(RequestRecord(start, chunks[-1][0], tuple(chunks),
+                                         output_tokens=sum(n for _, n in chunks)))
 
         async with trio.open_nursery() as nursery:
             for i in range(args.streams):
                 nursery.start_soon(one, i)
-    return ttfts, tpots
+    return records
+
+
+def run_modes(workers: SimWorkers, time_scale: float, args) -> dict[str, list[RequestRecord]]:
+    """Both topologies on fresh workers at `time_scale`, one after the other."""
+    flags = ("--profile", args.profile, "--time-scale", repr(time_scale))
+    topologies = {"aggregated": {"aggregated": [workers.start("aggregated", *flags).address for _ in range(2)]},
+                  "disaggregated": {"prefill": [workers.start("prefill", *flags).address],
+                                    "decode": [workers.start("decode", *flags).address]}}
+    return {mode: trio.run(drive, mode, addresses, args) for mode, addresses in topologies.items()}
 
 
 def main(argv=None) -> int:
@@ -97,17 +115,29 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cost_tables()
     tmp = Path(tempfile.mkdtemp(prefix="orch-simbench-"))
-    workers = SimWorkers(tmp)
-    flags = ("--profile", args.profile, "--time-scale", repr(args.time_scale))
     try:
-        agg = {"aggregated": [workers.start("aggregated", *flags).address for _ in range(2)]}
-        dis = {"prefill": [workers.start("prefill", *flags).address],
-               "decode": [workers.start("decode", *flags).address]}
-        results = {mode: trio.run(drive, mode, addresses, args) for mode, addresses in
-                   (("aggregated", agg), ("disaggregated", dis))}
+        for name in ("baseline", "measured"):
+            (tmp / name).mkdir()
+        zero_cost = SimWorkers(tmp / "baseline")
+        try:
+            baseline = run_modes(zero_cost, 0.0, args)
+        finally:
+            zero_cost.close()
+        workers = SimWorkers(tmp / "measured")
+        try:
+            measured = run_modes(workers, args.time_scale, args)
+        finally:
+            workers.close()
     finally:
-        workers.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    results = {}
+    for mode, records in measured.items():
+        overhead = Overhead.measure(baseline[mode])
+        converted = to_gpu_time(records, args.time_scale, overhead)
+        results[mode] = ([r.ttft for r in converted if r.ttft is not None],
+                         [r.tpot for r in converted if r.tpot is not None])
+        print(f"{mode}: own time per stream (time scale 0) TTFT {overhead.ttft_s * 1e3:.2f} ms, "
+              f"{overhead.per_token_s * 1e3:.3f} ms per token")
     print(f"\nload point: {args.streams} streams, {args.input_len} prompt tokens, {args.output_len} output tokens, "
           f"one arrival every {args.stagger * 1e3:.0f} ms, profile {args.profile}, 2 GPUs each (GPU time)")
     print(f"{'topology':28} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)")

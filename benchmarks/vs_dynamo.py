@@ -1,14 +1,18 @@
 """The orchestrator side by side with NVIDIA Dynamo 1.6.1: frontend CPU per request and per token, memory.
 
     bash scripts/setup-dynamo-bench.sh        # Dynamo 1.6.1 into .venv-dynamo, once
-    python benchmarks/vs_dynamo.py [--modes aggregated disaggregated] [--rounds 6] [--requests 128]
-                                   [--max-tokens 1 64] [--concurrency 16] [--streams 1024]
+    .venv/bin/python benchmarks/vs_dynamo.py [--modes aggregated disaggregated] [--paces zero paced]
+        [--rounds 4] [--requests 128] [--max-tokens 1 64 256] [--concurrency 16] [--streams 1024]
 
-Both systems run on this machine at the same time, each in front of workers that cost no GPU time:
-`orchestrator serve` in front of our simulated workers (`sim-worker --time-scale 0`), and Dynamo's frontend
-(`python -m dynamo.frontend`, its HTTP server, preprocessor and router in one process) in front of Dynamo's
-mock engine (`python -m dynamo.mocker --speedup-ratio 0`), with prefill and decode mockers for the
-disaggregated mode. Dynamo runs without etcd or NATS: file discovery, the TCP request plane and the ZMQ event
+Both systems run on this machine at the same time, one worker per role on each side: `orchestrator serve` in
+front of our simulated workers, and Dynamo's frontend (`python -m dynamo.frontend`, its HTTP server,
+preprocessor and router in one process) in front of Dynamo's mock engine (`python -m dynamo.mocker`), with
+prefill and decode mockers for the disaggregated mode. Both sides' workers run at the same pace, `--paces`:
+`zero`, no GPU time at all (`sim-worker --time-scale 0`; `dynamo.mocker --speedup-ratio 1e6`: Dynamo 1.6.1's
+mocker runs in real time at a ratio of 0 or less, its source returns the unscaled time then), so tokens come
+as fast as each side can carry them and may be batched; and `paced`, both in real time (`--time-scale 1`,
+`--speedup-ratio 1`), so tokens arrive one step apart, about one write per token, as in production.
+Dynamo runs without etcd or NATS: file discovery, the TCP request plane and the ZMQ event
 plane, its logs at warn (ours at WARNING). Dynamo's frontend still writes one INFO line per request (its
 request span target is enabled whatever DYN_LOG says); ours writes none, at any level.
 
@@ -17,7 +21,8 @@ ignore_eos, usage in the last event) at `--concurrency`. For each max_tokens val
 through one system while the CPU time of its frontend process (threads' run time from /proc, cpu_cost.py's
 cpu_seconds) is read before and after; the systems and the max_tokens values take turns, `--rounds` times,
 so that the drift of a shared VM hits both alike. Per round the CPU per request is fitted as a + b * tokens;
-the table has the medians, and the ratios orchestrator / Dynamo (median of the rounds' paired ratios).
+the table has the medians, and the ratios orchestrator / Dynamo (median of the rounds' paired ratios). b is
+fitted over three lengths or more (1, 64 and 256 tokens by default), so that it is a slope, not two points.
 
 Memory: with `--streams` streams open at once (aggregated, 4 workers on each side, tokens paced a few per
 second: sim `--time-scale`, mocker `--speedup-ratio`, so that every stream is open and streaming together),
@@ -63,6 +68,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 DYNAMO_VERSION = "1.6.1"
 DYNAMO_LOG = "warn"
+ZERO_COST_SPEEDUP = 1e6  # the mocker's --speedup-ratio for workers at zero cost (0 would mean real time)
+# --paces: (our simulated workers' --time-scale, Dynamo's mocker's --speedup-ratio)
+PACES = {"zero": (0.0, ZERO_COST_SPEEDUP), "paced": (1.0, 1.0)}
 MEMORY_WORKERS = 4  # per side in the memory run: each simulated worker batches at most 256 requests
 
 
@@ -157,7 +165,7 @@ class Dynamo:
     name = f"dynamo {DYNAMO_VERSION}"
 
     def __init__(self, tmp: Path, mode: str, max_tokens_values: list[int], workers: int = 1,
-                 speedup_ratio: float = 0.0, max_num_seqs: int = 256):
+                 speedup_ratio: float = ZERO_COST_SPEEDUP, max_num_seqs: int = 256):
         run = tmp / f"dynamo-{mode}-{workers}"
         run.mkdir()
         # file discovery under this run's own directory; Dynamo's model-card cache under it too, not in ~/.cache
@@ -293,11 +301,14 @@ async def memory_at(system, streams: int, max_tokens: int) -> dict[str, float]:
 
 # ---- the run ------------------------------------------------------------------------------------------
 
-def measure_cpu(tmp: Path, mode: str, args) -> tuple[dict, dict, dict]:
+def measure_cpu(tmp: Path, mode: str, pace: str, args) -> tuple[dict, dict, dict]:
+    time_scale, speedup_ratio = PACES[pace]
+    run = tmp / pace
+    run.mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
-        orchestrator = Orchestrator(tmp, mode)
+        orchestrator = Orchestrator(run, mode, time_scale=time_scale)
         stack.callback(orchestrator.close)
-        dynamo = Dynamo(tmp, mode, args.max_tokens)
+        dynamo = Dynamo(run, mode, args.max_tokens, speedup_ratio=speedup_ratio)
         stack.callback(dynamo.close)
         idle = {system.name: idle_cpu_ms_per_s(system.pid, args.idle_seconds) for system in (orchestrator, dynamo)}
         before = dynamo.engine_cpu()
@@ -337,42 +348,42 @@ def paired_ratio(ours: list[list[tuple[float, float]]], theirs: list[list[tuple[
     return statistics.median(pick(o) / pick(t) for o, t in zip(ours, theirs))
 
 
-def report(cpu: dict[str, tuple[dict, dict, dict]], memory: dict[str, dict[str, float]] | None, args) -> None:
-    if cpu:
-        report_cpu(cpu, args)
-    if memory:
-        report_memory(memory, args)
-
-
-def report_cpu(cpu: dict[str, tuple[dict, dict, dict]], args) -> None:
+def report_cpu(cpu: dict[tuple[str, str], tuple[dict, dict, dict]], args) -> None:
     dynamo_name = Dynamo.name
     print(f"Frontend CPU (run time of its threads), c={args.concurrency}, streamed chat completions, max_tokens "
           f"{args.max_tokens}, {args.requests} requests per value and round, {args.rounds} interleaved rounds "
-          f"(medians); workers at zero cost; {os.cpu_count()} cores")
-    header = (f"{'mode':14} {'frontend':17} {'a ms/req':>9} {'b us/tok':>9} "
+          f"(medians); {os.cpu_count()} cores")
+    print("workers per side: aggregated, 1 (orchestrator: 1 sim-worker; Dynamo: 1 mocker, --num-workers 1); "
+          "disaggregated, 1 prefill + 1 decode on each side")
+    for pace, (time_scale, speedup_ratio) in PACES.items():
+        if pace in args.paces:
+            print(f"pace {pace}: sim-worker --time-scale {time_scale:g}, dynamo.mocker --speedup-ratio "
+                  f"{speedup_ratio:g}")
+    header = (f"{'mode':20} {'frontend':17} {'a ms/req':>9} {'b us/tok':>9} "
               + " ".join(f"{f'{n}-tok ms':>10}" for n in args.max_tokens) + f" {'events/tok':>10} {'idle ms/s':>8}")
     print(header)
-    for mode, (rounds, events_per_token, idle) in cpu.items():
+    for (mode, pace), (rounds, events_per_token, idle) in cpu.items():
         ours, theirs = rounds["orchestrator"], rounds[dynamo_name]
+        label = f"{mode} {pace}"
         for name in ("orchestrator", dynamo_name):
             s = summarise(rounds[name])
-            print(f"{mode:14} {name:17} {s['a'] * 1e3:9.3f} {s['b'] * 1e6:9.1f} "
+            print(f"{label:20} {name:17} {s['a'] * 1e3:9.3f} {s['b'] * 1e6:9.1f} "
                   + " ".join(f"{cpu * 1e3:10.3f}" for cpu in s["per_request"])
                   + f" {events_per_token[name]:10.2f} {idle[name]:8.1f}")
         a_ratio = paired_ratio(ours, theirs, lambda points: fit_line(points)[0])
         b_ratio = paired_ratio(ours, theirs, lambda points: fit_line(points)[1])
         per_request = [paired_ratio(ours, theirs, lambda points, k=k: points[k][1])
                        for k in range(len(args.max_tokens))]
-        print(f"{mode:14} {'ratio ours/theirs':17} {a_ratio:9.2f} {b_ratio:9.2f} "
+        print(f"{label:20} {'ratio ours/theirs':17} {a_ratio:9.2f} {b_ratio:9.2f} "
               + " ".join(f"{r:10.2f}" for r in per_request))
         a_pairs = [fit_line(o)[0] / fit_line(t)[0] for o, t in zip(ours, theirs)]
         b_pairs = [fit_line(o)[1] / fit_line(t)[1] for o, t in zip(ours, theirs)]
-        print(f"{'':14} paired ratios over the rounds: a {min(a_pairs):.2f}-{max(a_pairs):.2f}, "
+        print(f"{'':20} paired ratios over the rounds: a {min(a_pairs):.2f}-{max(a_pairs):.2f}, "
               f"b {min(b_pairs):.2f}-{max(b_pairs):.2f}")
         for name in ("orchestrator", dynamo_name):
             fits = summarise(rounds[name])["fits"]
             a_values, b_values = [a * 1e3 for a, _ in fits], [b * 1e6 for _, b in fits]
-            print(f"{'':14} {name}: over the rounds a {min(a_values):.3f}-{max(a_values):.3f} ms, "
+            print(f"{'':20} {name}: over the rounds a {min(a_values):.3f}-{max(a_values):.3f} ms, "
                   f"b {min(b_values):.1f}-{max(b_values):.1f} us/tok")
 
 
@@ -395,11 +406,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="*", default=["aggregated", "disaggregated"],
                         choices=["aggregated", "disaggregated"])
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    parser.add_argument("--paces", nargs="*", default=["zero", "paced"], choices=list(PACES),
+                        help="the workers' pace, the same on both sides: zero (no GPU time) and/or paced (real "
+                             "time); default both")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
     parser.add_argument("--requests", type=int, default=128, help="streams per max_tokens value, system and round "
                                                                    "(default 128)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--concurrency", type=int, default=16, help="streams in flight at once (default 16)")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64, 256],
+                        help="stream lengths b is fitted over, three or more (default 1 64 256)")
     parser.add_argument("--streams", type=int, default=1024, help="streams open at once for the memory figure "
                                                                   "(default 1024; 0: no memory run)")
     parser.add_argument("--memory-max-tokens", type=int, default=64, help="tokens per stream in the memory run")
@@ -411,18 +426,21 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=3.0,
                         help="how long each frontend's CPU at rest is measured (health checks, timers; default 3)")
     args = parser.parse_args(argv)
-    if len(args.max_tokens) < 2:
-        parser.error("--max-tokens needs two values or more (a line is fitted through them)")
+    if len(set(args.max_tokens)) < 3:
+        parser.error("--max-tokens needs three values or more (a line fitted through two is no fit)")
     if not DYNAMO_PYTHON.exists():
         print(f"{DYNAMO_PYTHON} is missing: run scripts/setup-dynamo-bench.sh first", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="orch-vs-dynamo-"))
     try:
-        cpu = {mode: measure_cpu(tmp, mode, args) for mode in args.modes}
+        cpu = {(mode, pace): measure_cpu(tmp, mode, pace, args) for pace in args.paces for mode in args.modes}
+        if cpu:
+            report_cpu(cpu, args)  # before the memory run: its figures stand even if that one fails
         memory = measure_memory(tmp, args) if args.streams else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # logs, configs, Dynamo's discovery files and caches
-    report(cpu, memory, args)
+    if memory:
+        report_memory(memory, args)
     return 0
 
 

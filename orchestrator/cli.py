@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     log.configure(_env_log_level())  # logging works from the first line
+    from orchestrator.processes import watch_lifeline
+
+    watch_lifeline()  # started by `orchestrator launch`: exit with it, however it ends
     parser = build_parser()
     args = parser.parse_args(argv)
     log.configure(args.log_level)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,32 @@ class ConfigError(ValueError):
         self.file, self.key, self.expected = file, key, expected
         found = "" if got is attrs.NOTHING else f", got {got!r}"
         super().__init__(f"{file}: {key}: expected {expected}{found}")
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        """Every error this stands for (ConfigErrors: several)."""
+        return [self]
+
+
+class ConfigErrors(ConfigError):
+    """Several errors of one file, all reported at once (the first one's file, key and expectation are ours);
+    its message has one line per error."""
+
+    def __init__(self, errors: list[ConfigError]):
+        first = errors[0]
+        ValueError.__init__(self, "\n".join(str(error) for error in errors))
+        self.file, self.key, self.expected = first.file, first.key, first.expected
+        self._errors = errors
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return list(self._errors)
+
+    @staticmethod
+    def of(errors: list[ConfigError]) -> ConfigError | None:
+        """None for no error, the error itself for one, all of them for several."""
+        flat = [one for error in errors for one in error.errors]
+        return None if not flat else flat[0] if len(flat) == 1 else ConfigErrors(flat)
 
 
 def _positive(instance, attribute, value):
@@ -262,14 +289,22 @@ class SimSpec:
     args: tuple[str, ...] = ()
 
 
+RESTART_POLICIES = ("always", "on-failure", "never")  # a launched worker that exits after start-up
+
+
 @attrs.frozen
 class WorkerLaunch:
     role: str
     count: int = attrs.field(default=1, validator=_positive)
     sim: SimSpec | None = None
-    command: tuple[str, ...] = ()  # a real worker: argv with {port} substituted
+    # A real worker: argv with {port} substituted, run in the config file's directory (relative paths in it
+    # resolve as model.dir does).
+    command: tuple[str, ...] = ()
     register: bool = False  # run `orchestrator register` beside it (etcd discovery)
     env: dict[str, str] = attrs.field(factory=dict)  # added to its environment, e.g. CUDA_VISIBLE_DEVICES
+    # When it exits after start-up: always restarted, only when it failed (non-zero code or a signal), or never
+    # (the deployment serves on without it). Restarts back off (launch.restart_backoff_s).
+    restart: str = "on-failure"
 
 
 @attrs.frozen
@@ -283,6 +318,10 @@ class LaunchConfig:
     etcd: EtcdLaunch = EtcdLaunch()
     workers: tuple[WorkerLaunch, ...] = ()
     ready_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    # Crash-loop backoff: the first restart waits this long, each quick one after it twice as long, up to
+    # restart_backoff_max_s; a worker that ran that long since its last start is restarted after the first delay.
+    restart_backoff_s: float = attrs.field(default=1.0, validator=_positive)
+    restart_backoff_max_s: float = attrs.field(default=30.0, validator=_positive)
 
 
 @attrs.frozen
@@ -359,7 +398,16 @@ def _convert(value: Any, tp: Any, file: str, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(file, key, _describe(tp), value)
         (item_type, *_) = typing.get_args(tp)
-        return tuple(_convert(v, item_type, file, f"{key}[{i}]") for i, v in enumerate(value))
+        items, errors = [], []
+        for i, v in enumerate(value):
+            try:
+                items.append(_convert(v, item_type, file, f"{key}[{i}]"))
+            except ConfigError as exc:
+                errors.append(exc)
+        problem = ConfigErrors.of(errors)
+        if problem is not None:
+            raise problem
+        return tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(file, key, _describe(tp), value)
@@ -395,17 +443,24 @@ def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
         raise ConfigError(file, where, "a mapping", data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in attrs.fields(cls) if f.eq and f.name not in ("source", "base_dir")}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(file, key, f"one of the known keys ({', '.join(sorted(fields))}); unknown key")
+    # Every error of this mapping (and of those inside it), not only the first: an operator fixes them in one go.
+    errors = [ConfigError(file, f"{prefix}.{name}" if prefix else name,
+                          f"one of the known keys ({', '.join(sorted(fields))}); unknown key")
+              for name in sorted(set(data) - set(fields), key=str)]
     kwargs = {}
     for name, value in data.items():
+        if name not in fields:
+            continue
         key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(value, hints[name], file, key)
-    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in kwargs]
-    if missing:
-        raise ConfigError(file, f"{prefix}.{missing[0]}" if prefix else missing[0], "a value (required)")
+        try:
+            kwargs[name] = _convert(value, hints[name], file, key)
+        except ConfigError as exc:
+            errors.append(exc)
+    errors += [ConfigError(file, f"{prefix}.{name}" if prefix else name, "a value (required)")
+               for name, f in fields.items() if f.default is attrs.NOTHING and name not in data]
+    problem = ConfigErrors.of(errors)
+    if problem is not None:
+        raise problem
     try:
         return cls(**kwargs)
     except _InvalidField as exc:
@@ -415,88 +470,101 @@ def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
 
 
 def _check(config: Config, file: str, check_paths: bool = True) -> None:
+    problem = ConfigErrors.of(list(_problems(config, file, check_paths)))
+    if problem is not None:
+        raise problem
+
+
+def _problems(config: Config, file: str, check_paths: bool = True) -> Iterator[ConfigError]:
+    """Every error of a config that built: each check on its own, so all of them are reported at once."""
     if config.mode not in MODES:
-        raise ConfigError(file, "mode", " or ".join(MODES), config.mode)
+        yield ConfigError(file, "mode", " or ".join(MODES), config.mode)
     if config.stream_transport not in STREAM_TRANSPORTS:
-        raise ConfigError(file, "stream_transport", " or ".join(STREAM_TRANSPORTS), config.stream_transport)
+        yield ConfigError(file, "stream_transport", " or ".join(STREAM_TRANSPORTS), config.stream_transport)
     for role in ROLES:
         policy = getattr(config.routing, role)
         allowed = POLICIES if role in KV_AWARE_ROLES else tuple(p for p in POLICIES if p != "kv_aware")
         if policy not in allowed:
-            raise ConfigError(file, f"routing.{role}", " or ".join(allowed), policy)
+            yield ConfigError(file, f"routing.{role}", " or ".join(allowed), policy)
     kv_aware = config.routing.kv_aware
     if kv_aware.max_imbalance < 0:
-        raise ConfigError(file, "routing.kv_aware.max_imbalance", "an integer >= 0", kv_aware.max_imbalance)
+        yield ConfigError(file, "routing.kv_aware.max_imbalance", "an integer >= 0", kv_aware.max_imbalance)
     if kv_aware.image_tokens < 0:
-        raise ConfigError(file, "routing.kv_aware.image_tokens", "an integer >= 0", kv_aware.image_tokens)
+        yield ConfigError(file, "routing.kv_aware.image_tokens", "an integer >= 0", kv_aware.image_tokens)
     if not 0.0 < kv_aware.max_kv_usage <= 1.0:
-        raise ConfigError(file, "routing.kv_aware.max_kv_usage", "a number > 0 and <= 1", kv_aware.max_kv_usage)
+        yield ConfigError(file, "routing.kv_aware.max_kv_usage", "a number > 0 and <= 1", kv_aware.max_kv_usage)
     model_dir = config.model_dir
     for needed in ("tokenizer.json", "tokenizer_config.json") if check_paths else ():
         if not (model_dir / needed).is_file():
-            raise ConfigError(file, "model.dir", f"a directory holding {needed} (looked in {model_dir})",
+            yield ConfigError(file, "model.dir", f"a directory holding {needed} (looked in {model_dir})",
                               config.model.dir)
+            break
     discovery = config.discovery
     if (discovery.static is None) == (discovery.etcd is None):
-        raise ConfigError(file, "discovery", "exactly one of static or etcd")
+        yield ConfigError(file, "discovery", "exactly one of static or etcd")
     if discovery.static is not None:
         for role in ROLES:
             for i, address in enumerate(getattr(discovery.static, role)):
                 if not address.startswith("grpc://") or ":" not in address.removeprefix("grpc://"):
-                    raise ConfigError(file, f"discovery.static.{role}[{i}]", "grpc://HOST:PORT", address)
+                    yield ConfigError(file, f"discovery.static.{role}[{i}]", "grpc://HOST:PORT", address)
     for i, worker in enumerate(config.launch.workers):
         key = f"launch.workers[{i}]"
         if worker.role not in ROLES:
-            raise ConfigError(file, f"{key}.role", " or ".join(ROLES), worker.role)
+            yield ConfigError(file, f"{key}.role", " or ".join(ROLES), worker.role)
         if (worker.sim is None) == (not worker.command):
-            raise ConfigError(file, key, "exactly one of sim or command")
+            yield ConfigError(file, key, "exactly one of sim or command")
+        if worker.restart not in RESTART_POLICIES:
+            yield ConfigError(file, f"{key}.restart", " or ".join(RESTART_POLICIES), worker.restart)
         if worker.sim is not None:  # the profile name is checked by orchestrator.launch (it knows the simulator)
             if worker.sim.time_scale < 0:
-                raise ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
+                yield ConfigError(file, f"{key}.sim.time_scale", "a number >= 0", worker.sim.time_scale)
             if worker.sim.schema_revision not in (1, 3):
-                raise ConfigError(file, f"{key}.sim.schema_revision", "1 or 3", worker.sim.schema_revision)
+                yield ConfigError(file, f"{key}.sim.schema_revision", "1 or 3", worker.sim.schema_revision)
+    if config.launch.restart_backoff_max_s < config.launch.restart_backoff_s:
+        yield ConfigError(file, "launch.restart_backoff_max_s", f"a number >= launch.restart_backoff_s "
+                          f"({config.launch.restart_backoff_s})", config.launch.restart_backoff_max_s)
     if (config.http.tls_cert_file is None) != (config.http.tls_key_file is None):
-        raise ConfigError(file, "http.tls_key_file", "both http.tls_cert_file and http.tls_key_file, or neither")
+        yield ConfigError(file, "http.tls_key_file", "both http.tls_cert_file and http.tls_key_file, or neither")
     for name in ("prefill_retries", "decode_retries", "migration_limit"):
         if getattr(config.limits, name) < 0:
-            raise ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
-    _check_keys(config.auth, file)
-    _check_tracing(config.tracing, file)
+            yield ConfigError(file, f"limits.{name}", "an integer >= 0", getattr(config.limits, name))
+    yield from _check_keys(config.auth, file)
+    yield from _check_tracing(config.tracing, file)
     for i, worker in enumerate(config.launch.workers):
         for name in worker.env:
             if not name or "=" in name or "\0" in name:
-                raise ConfigError(file, f"launch.workers[{i}].env", "environment variable names without '='", name)
+                yield ConfigError(file, f"launch.workers[{i}].env", "environment variable names without '='", name)
 
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 
-def _check_keys(auth: AuthConfig, file: str) -> None:
+def _check_keys(auth: AuthConfig, file: str) -> Iterator[ConfigError]:
     seen: set[str] = set()
     for i, key in enumerate(auth.keys):
         where = f"auth.keys[{i}]"
         if not KEY_NAME.fullmatch(key.name):
-            raise ConfigError(file, f"{where}.name", "a name of letters, digits and _ . : - (at most 64, used as a "
+            yield ConfigError(file, f"{where}.name", "a name of letters, digits and _ . : - (at most 64, used as a "
                               "metrics label)", key.name)
         if key.name in seen:
-            raise ConfigError(file, f"{where}.name", "a name no other key has", key.name)
+            yield ConfigError(file, f"{where}.name", "a name no other key has", key.name)
         seen.add(key.name)
         sources = [source for source in ("key", "key_env", "key_file") if getattr(key, source) is not None]
         if len(sources) != 1:
-            raise ConfigError(file, where, "exactly one of key, key_env or key_file "
+            yield ConfigError(file, where, "exactly one of key, key_env or key_file "
                               f"(got {', '.join(sources) or 'none'})")
 
 
-def _check_tracing(tracing: TracingConfig | None, file: str) -> None:
+def _check_tracing(tracing: TracingConfig | None, file: str) -> Iterator[ConfigError]:
     if tracing is None:
         return
     if not tracing.endpoint.startswith(("http://", "https://")):
-        raise ConfigError(file, "tracing.endpoint", "an OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces",
+        yield ConfigError(file, "tracing.endpoint", "an OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces",
                           tracing.endpoint)
     if not 0.0 <= tracing.sample_ratio <= 1.0:
-        raise ConfigError(file, "tracing.sample_ratio", "a number from 0 to 1", tracing.sample_ratio)
+        yield ConfigError(file, "tracing.sample_ratio", "a number from 0 to 1", tracing.sample_ratio)
     if not tracing.service_name:
-        raise ConfigError(file, "tracing.service_name", "a non-empty name", tracing.service_name)
+        yield ConfigError(file, "tracing.service_name", "a non-empty name", tracing.service_name)
 
 
 def load(path: str | Path, *, check_paths: bool = True) -> Config:

@@ -10,12 +10,20 @@ It is used from plain threads (tests, `bench compare`) and from trio (the launch
 wait comes in both kinds: `wait_ready` / `wait` / `stop`, and `wait_ready_async` / `wait_async` /
 `stop_async`, which never block the trio loop. Reader threads pump the output in both cases.
 
+A child started `tied=True` (the launcher's) dies with us however we die: the kernel sends it SIGTERM when
+our thread that started it ends (PR_SET_PDEATHSIG, set in the child before exec), and our own `orchestrator`
+children also hold a lifeline, the read end of a pipe whose write end only we hold: its EOF (we are gone,
+even by SIGKILL) gives them `LIFELINE_GRACE_S` to finish the drain that SIGTERM began before they exit
+regardless (watch_lifeline, called first thing by every `orchestrator` command).
+
 Also here: the one builder of `orchestrator ...` commands, `free_port()` and the etcd command line.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import logging
 import math
 import os
@@ -37,6 +45,13 @@ _OUTPUT_DRAIN_S = 2.0  # after the exit, how long to wait for the last lines (a 
 _ECHO_LOCK = threading.Lock()  # lines of several children on our stderr stay whole
 
 
+LIFELINE_ENV = "ORCHESTRATOR_LIFELINE_FD"  # the inherited read end of the launcher's lifeline pipe
+LIFELINE_GRACE_S = 5.0  # after the lifeline breaks: time to drain (the PDEATHSIG SIGTERM's), then a hard exit
+# The launcher's supervision state (JSON, rewritten whole); `orchestrator serve` shows it in /health.
+SUPERVISOR_STATUS_ENV = "ORCHESTRATOR_SUPERVISOR_STATUS"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 def orchestrator_command(*args: str) -> list[str]:
     """`orchestrator ARGS...` with this interpreter: what every component starts another with."""
     return [sys.executable, "-m", "orchestrator", *args]
@@ -53,13 +68,75 @@ class ProcessFailed(RuntimeError):
     pass
 
 
+class _Lifeline:
+    """The pipe our tied children watch. Created once per process; the write end is never inherited (O_CLOEXEC,
+    Python's default) and never closed, so it closes exactly when this process ends."""
+
+    _read_fd: int | None = None
+    _prctl = None  # libc's prctl, looked up before any fork (nothing may allocate between fork and exec)
+
+    @classmethod
+    def read_fd(cls) -> int:
+        if cls._read_fd is None:
+            cls._read_fd, _write_fd = os.pipe()  # _write_fd stays open until we exit, on purpose
+        return cls._read_fd
+
+    @classmethod
+    def prctl(cls):
+        if cls._prctl is None and sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            cls._prctl = libc.prctl
+        return cls._prctl
+
+
+def _die_with_parent(prctl, parent: int):
+    """The preexec hook of a tied child: SIGTERM when the parent goes, and none of that race where it went
+    between our fork and the prctl (we would be adopted by init already)."""
+
+    def hook() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def watch_lifeline() -> None:
+    """In an `orchestrator` child started tied: exit once the lifeline breaks (the launcher is gone), after
+    LIFELINE_GRACE_S for the drain the kernel's SIGTERM began. A thread, so it works in every command, trio or not."""
+    fd_text = os.environ.pop(LIFELINE_ENV, None)  # our own children must not take the number for theirs
+    if fd_text is None:
+        return
+    try:
+        fd = int(fd_text)
+        os.fstat(fd)
+    except (ValueError, OSError):
+        log.warning("%s=%r names no open descriptor; not watching the launcher", LIFELINE_ENV, fd_text)
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):  # nobody writes: this returns b"" at EOF, when the launcher is gone
+                pass
+        except OSError:
+            pass
+        log.warning("the launcher is gone; exiting within %.0f s", LIFELINE_GRACE_S)
+        time.sleep(LIFELINE_GRACE_S)
+        os._exit(70)  # the drain did not finish: leave nothing behind rather than serve without a supervisor
+
+    threading.Thread(target=watch, daemon=True, name="lifeline").start()
+
+
 class ManagedProcess:
     """One child process, started at once. `log_dir`: its output goes to `log_dir/NAME.log` (its stderr
     straight from the child, so it never waits for us to read it, and keeps logging if we die); None: each
-    line goes to our stderr as `[NAME] line` (the launcher, frontend 0: the operator reads one stream)."""
+    line goes to our stderr as `[NAME] line` (the launcher, frontend 0: the operator reads one stream).
+    `cwd`: its working directory. `tied`: it dies with us (module docstring); start it from the thread that
+    lives as long as it should (the kernel watches that thread, not the process)."""
 
     def __init__(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, cwd: Path | None = None, tied: bool = False):
         self.name = name
         self.argv = argv
         self.log_path = None if log_dir is None else Path(log_dir) / f"{name}.log"
@@ -69,10 +146,19 @@ class ManagedProcess:
         self.ready_url: str | None = None
         self._ready = threading.Event()  # set by the `ready URL` line, or when stdout ends without one
         self._sent_sigterm = False
+        child_env = {**os.environ, **env} if env else None
+        pass_fds: tuple[int, ...] = ()
+        preexec = None
+        if tied:
+            lifeline = _Lifeline.read_fd()
+            pass_fds = (lifeline,)
+            child_env = {**(child_env or os.environ), LIFELINE_ENV: str(lifeline)}
+            preexec = _die_with_parent(_Lifeline.prctl(), os.getpid())
         try:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE if self._log is None else self._log,
-                                            start_new_session=True, env={**os.environ, **env} if env else None)
+                                            start_new_session=True, env=child_env, cwd=cwd, pass_fds=pass_fds,
+                                            preexec_fn=preexec)
         except OSError as exc:  # e.g. a launch.workers command that is not installed
             self._close_log()
             raise ProcessFailed(f"{name} could not start: {argv[0]}: {exc.strerror or exc}") from exc

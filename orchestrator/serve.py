@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the orchestrator (OpenAI-compatible HTTP API)",
                               description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
                                           "/metrics. Prints 'ready http://HOST:PORT' once serving.")
-    p.add_argument("-c", "--config", type=Path, required=True)
+    p.add_argument("-c", "--config", type=Path, required=True, help="the YAML config file (docs/configuration.md)")
     p.add_argument("--host", default=None, help="override http.host")
     p.add_argument("--port", type=int, default=None, help="override http.port (0: a free port)")
     p.add_argument("--worker", action="append", default=[], metavar="ROLE=grpc://HOST:PORT",

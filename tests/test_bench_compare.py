@@ -40,6 +40,8 @@ slo: {ttft_s: 1.0, tpot_s: 0.05}
                 assert metric in point, metric
             assert point["completed"] == 6 and point["errors"] == {}
             assert point["ttft_s"]["p50"] > 0 and point["tpot_s"]["p50"] > 0 and point["output_tokens_per_s"] > 0
+            # below time scale 1, a zero-cost twin measured the deployment's own time, left unscaled
+            assert point["overhead_s"]["ttft_s"] > 0
     report = (out / "report.md").read_text()
     for heading in ("TTFT p50 ms", "TPOT p99 ms", "ITL p50 ms", "E2E p50 s", "req/s", "tok/s/user", "tok/s/GPU",
                     "goodput req/s", "errors", "## Who wins where", "agg 2x", "disagg 1P+1D"):

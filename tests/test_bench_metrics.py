@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orchestrator.bench.metrics import RequestRecord, aggregate, percentile, summary, to_gpu_time
+from orchestrator.bench.metrics import Overhead, RequestRecord, aggregate, percentile, summary, to_gpu_time
 
 
 def test_ttft_tpot_itl_and_e2e_of_one_request():
@@ -85,3 +85,37 @@ def test_gpu_time_conversion_stretches_the_whole_run_around_its_first_start():
     assert scaled[1].chunks == ((11.2, 1),)
     assert aggregate(scaled)["duration_s"] == pytest.approx(2.0)
     assert to_gpu_time(records, 1.0) == records
+
+
+def timeline(start: float, ttft_gpu: float, gaps_gpu: list[float], time_scale: float, own: Overhead) -> RequestRecord:
+    """One request as a simulated run records it: each interval is the deployment's own time (real) plus GPU time
+    (scaled)."""
+    at = start + own.ttft_s + ttft_gpu * time_scale
+    chunks = [(at, 1)]
+    for gap in gaps_gpu:
+        at += own.per_token_s + gap * time_scale
+        chunks.append((at, 1))
+    return RequestRecord(start, at + own.tail_s, tuple(chunks), output_tokens=len(chunks))
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.5, 0.1])
+def test_gpu_time_conversion_scales_only_the_simulated_gpu_time_not_the_deployments_own(time_scale):
+    own = Overhead(ttft_s=0.008, per_token_s=0.0005, tail_s=0.001)
+    records = [timeline(i * 0.5, 0.015, [0.007] * 9, time_scale, own) for i in range(4)]
+    m = aggregate(to_gpu_time(records, time_scale, own))
+    assert m["ttft_s"]["p50"] == pytest.approx(0.008 + 0.015)  # the same at every time scale
+    assert m["tpot_s"]["p50"] == pytest.approx(0.0005 + 0.007)
+    assert m["e2e_s"]["p50"] == pytest.approx(0.008 + 0.015 + 9 * 0.0075 + 0.001)
+    # Without the overhead, all of it is divided by the time scale: the orchestrator's 8 ms read as 80 at 0.1.
+    unmeasured = aggregate(to_gpu_time(records, time_scale))["ttft_s"]["p50"]
+    assert unmeasured == pytest.approx(0.008 / time_scale + 0.015)
+
+
+def test_the_overhead_is_measured_as_the_medians_of_a_zero_cost_run_so_a_hiccup_does_not_move_it():
+    own, hiccup = Overhead(ttft_s=0.004, per_token_s=0.001, tail_s=0.002), Overhead(ttft_s=0.2, tail_s=0.002)
+    measured = Overhead.measure([timeline(0.0, 0.0, [0.0] * 4, 0.0, own), timeline(1.0, 0.0, [0.0] * 4, 0.0, own),
+                                 timeline(2.0, 0.0, [0.0] * 4, 0.0, hiccup),
+                                 RequestRecord(0.0, 1.0, error="http_503")])
+    assert measured.ttft_s == pytest.approx(0.004) and measured.per_token_s == pytest.approx(0.001)
+    assert measured.tail_s == pytest.approx(0.002)
+    assert Overhead.measure([]) == Overhead()

@@ -124,3 +124,15 @@ def test_the_kv_routing_report_compares_with_least_loaded_and_the_oracle(tmp_pat
     assert "overlap_weight 2" in report and "applied 5 ms after" in report
     assert "| aggregated 2x | kv_aware | " in report and "hit rate / oracle's" in report
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 0 and (tmp_path / "out" / "hit_rate.png").exists()
+
+
+def test_without_the_oracle_the_report_has_no_oracle_column_and_no_nan(tmp_path):
+    spec = tmp_path / "kv.yaml"
+    spec.write_text("policies: [round_robin, kv_aware]\ntopologies: [{mode: aggregated, workers: 2}]\n"
+                    "workloads:\n  - {name: chat, sessions: 4, concurrency: 2, system_prompt: '1000', turns: '2', "
+                    "user_len: '100', output_len: '20'}\n")
+    assert main_reuse(spec, tmp_path / "out") == 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| aggregated 2x | kv_aware | " in report  # the ratios table is there
+    assert "nan" not in report.lower() and "oracle's" not in report
+    assert "| aggregated 2x | kv_aware | - | - | - |" in report  # least loaded was not run either: no ratio

@@ -167,3 +167,56 @@ def test_the_config_knows_the_stream_transports_the_engine_client_has():
     from orchestrator.engine.client import STREAM_TRANSPORTS
 
     assert config_module.STREAM_TRANSPORTS == STREAM_TRANSPORTS
+
+
+def check_config(*paths, flags=()) -> subprocess.CompletedProcess:
+    return subprocess.run(orchestrator_command("check-config", *flags, *map(str, paths)), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_check_config_reports_every_error_of_a_file_not_only_the_first(tmp_path):
+    path = write(tmp_path, "mode: sideways\nrouting: {decdoe: round_robin, prefill: sometimes}\n"
+                           "limits: {migration_limit: -1, max_images: many}\n"
+                           "launch:\n  workers:\n    - {role: chef, sim: {}}\n    - {role: decode, count: 0}\n")
+    result = check_config(path)
+    assert result.returncode == 1
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    # The structure first (unknown keys, types, validators), all of them; then nothing else can be checked.
+    for words in ("routing.decdoe: expected one of the known keys", "limits.max_images: expected an integer",
+                  "launch.workers[1].count: expected a number > 0"):
+        assert any(f"{path}: {words}" in line for line in errors), result.stdout
+    fixed = write(tmp_path, "mode: sideways\nrouting: {prefill: sometimes}\nlimits: {migration_limit: -1}\n"
+                            "launch:\n  workers:\n    - {role: chef, sim: {}, restart: sometimes}\n")
+    result = check_config(fixed)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    for words in ("mode: expected aggregated or disaggregated or conditional", "routing.prefill: expected",
+                  "limits.migration_limit: expected an integer >= 0", "launch.workers[0].role: expected",
+                  "launch.workers[0].restart: expected always or on-failure or never"):
+        assert any(f"{fixed}: {words}" in line for line in errors), result.stdout
+    assert len(errors) == 5, result.stdout
+
+
+def test_check_config_reads_the_config_inside_a_kubernetes_manifest():
+    manifest = CONFIGS / "trtllm" / "k8s" / "disagg.yaml"
+    result = check_config(manifest)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"ok: {manifest} (document 1): ConfigMap orchestrator-config, orchestrator.yaml: disaggregated mode" \
+        in result.stdout
+    assert "prefill-engine.yaml: not an orchestrator config" in result.stdout  # TRT-LLM's options: skipped, said so
+
+
+def test_check_config_names_the_document_and_entry_of_each_error(tmp_path):
+    manifest = (CONFIGS / "trtllm" / "k8s" / "disagg.yaml").read_text()
+    broken = manifest.replace("    mode: disaggregated\n", "    mode: disagregated\n    retries: 3\n")
+    assert broken != manifest
+    path = write(tmp_path, broken)
+    result = check_config(path)
+    assert result.returncode == 1
+    where = f"error: {path} (document 1): ConfigMap orchestrator-config, orchestrator.yaml"
+    assert f"{where}: retries: expected one of the known keys" in result.stdout, result.stdout
+    plain = write(tmp_path, "mode: aggregated\ndiscovery: {static: {aggregated: [grpc://127.0.0.1:1]}}\n---\n"
+                            "mode: conditional\nlaunch: {workers: [{role: decode}]}\n")
+    result = check_config(plain)
+    assert result.returncode == 1
+    assert f"ok: {plain} (document 1): aggregated mode" in result.stdout, result.stdout
+    assert f"error: {plain} (document 2): launch.workers[0]: expected exactly one of sim or command" in result.stdout

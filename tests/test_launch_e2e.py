@@ -1,9 +1,11 @@
 """`orchestrator launch` as operators run it: whole topologies up, requests, down, nothing left behind."""
 
 import base64
+import json
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def requests(url: str) -> list[str]:
+def requests(url: str, with_image: bool = True) -> list[str]:
     image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
     bodies: list[dict[str, Any]] = [
         {"messages": [{"role": "user", "content": "Describe the mountains"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                    {"type": "image_url", "image_url": {"url": image}}]}],
-         "multi_modal_uuids": ["red-pixel"]},
+         "multi_modal_uuids": ["red-pixel"]} if with_image else
+        {"messages": [{"role": "user", "content": "What is this?"}]},
     ]
     with httpx.Client(base_url=url, timeout=60) as http:
         out = []
@@ -56,7 +59,7 @@ def requests(url: str) -> list[str]:
         return out
 
 
-def run_topology(tmp_path, config: str) -> list[str]:
+def run_topology(tmp_path, config: str, with_image: bool = True) -> list[str]:
     launcher = ManagedProcess(f"launch-{Path(config).stem}",
                               orchestrator_command("launch", str(CONFIGS / config), "--http-port", "0"),
                               log_dir=tmp_path)
@@ -64,7 +67,7 @@ def run_topology(tmp_path, config: str) -> list[str]:
         url = launcher.wait_ready(120)
         pids = child_pids(launcher)
         assert pids and all(alive(pid) for pid in pids.values())
-        outputs = requests(url)
+        outputs = requests(url, with_image)
         launcher.signal(signal.SIGINT)
         assert launcher.process.wait(60) == 0
     finally:
@@ -169,3 +172,111 @@ def test_a_busy_port_names_the_launch_flag(tmp_path, taken):
     assert f"cannot listen on 127.0.0.1:{port}" in log and "choose another with --http-port or http.port" in log, log
     if taken == "before":
         assert "started " not in log  # no worker was started for nothing
+
+
+# ---- every shipped config, launched the way operators launch it ------------------------------------------
+
+TOPOLOGIES_ABOVE = {"agg.yaml", "disagg.yaml", "disagg-etcd.yaml"}  # launched by the tests above
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name not in TOPOLOGIES_ABOVE))
+def test_every_other_shipped_config_serves_requests_and_leaves_nothing_behind(tmp_path, config):
+    from orchestrator import config as config_module
+
+    # Images need workers of the sibling server's schema (revision 3); revision 1 refuses them.
+    launched = config_module.load(CONFIGS / config).launch.workers
+    with_image = all(w.sim is not None and w.sim.schema_revision == 3 for w in launched)
+    outputs = run_topology(tmp_path, config, with_image)
+    assert len(outputs) == 2 and all(text.strip() for text in outputs)
+
+
+FAKE_TRTLLM_SERVE = '''#!{python}
+"""A stand-in for `trtllm-serve` (tests/test_launch_e2e.py): records how it was started, refuses what a real
+one would refuse (an options file it cannot open), then serves as a simulated worker."""
+import json, os, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+options = argv[argv.index("--extra_llm_api_options") + 1]
+role = Path(options).name.split("-")[0]
+Path({records!r}, role + ".json").write_text(json.dumps({{
+    "argv": argv, "cwd": os.getcwd(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "options": Path(options).read_text() if Path(options).is_file() else None}}))
+if not Path(options).is_file():
+    sys.exit(f"--extra_llm_api_options file not found: {{options}}")
+os.execv(sys.executable, [sys.executable, "-m", "orchestrator", "sim-worker", "--role", role, "--time-scale", "0",
+                          "--model", "meta-llama/Llama-3.1-8B-Instruct", "--port", argv[argv.index("--port") + 1]])
+'''
+
+
+def test_the_shipped_trtllm_config_launches_from_any_directory_with_what_trtllm_serve_expects(tmp_path):
+    """configs/trtllm/disagg.yaml as shipped (only model.dir points at a tokenizer this host has), launched from
+    an unrelated directory, with a fake `trtllm-serve` first on PATH that checks its argv and environment."""
+    import shutil
+    import sys
+
+    shipped = CONFIGS / "trtllm"
+    deployment = tmp_path / "trtllm"
+    shutil.copytree(shipped, deployment, ignore=shutil.ignore_patterns("k8s"))
+    config = deployment / "disagg.yaml"
+    text = config.read_text()
+    assert "  dir: /models/Llama-3.1-8B-Instruct " in text
+    config.write_text(text.replace("  dir: /models/Llama-3.1-8B-Instruct ", "  dir: builtin:tiny-chat "))
+    records, bin_dir, elsewhere = tmp_path / "records", tmp_path / "bin", tmp_path / "elsewhere"
+    for directory in (records, bin_dir, elsewhere):
+        directory.mkdir()
+    fake = bin_dir / "trtllm-serve"
+    fake.write_text(FAKE_TRTLLM_SERVE.format(python=sys.executable, records=str(records)))
+    fake.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    launcher = ManagedProcess("launch-trtllm", orchestrator_command("launch", str(config), "--http-port", "0",
+                                                                    "--host", "127.0.0.1"),
+                              log_dir=tmp_path, cwd=elsewhere, env={"PATH": path})
+    try:
+        url = launcher.wait_ready(120)
+        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Describe the sea"}]})
+        assert answer.status_code == 200, answer.text
+        pids = child_pids(launcher)
+    finally:
+        launcher.stop()
+    assert not any(alive(pid) for pid in pids.values())
+    for role, gpu in (("prefill", "0"), ("decode", "1")):
+        record = json.loads((records / f"{role}.json").read_text())
+        argv = record["argv"]
+        port = argv[argv.index("--port") + 1]
+        assert argv == ["/models/Llama-3.1-8B-Instruct", "--grpc", "--grpc-protocol", "openengine",
+                        "--host", "127.0.0.1", "--port", port, "--extra_llm_api_options", f"{role}-engine.yaml"]
+        assert port.isdigit() and record["cuda"] == gpu
+        assert record["options"] == (shipped / f"{role}-engine.yaml").read_text()  # found beside the config
+        assert Path(record["cwd"]) == deployment
+
+
+BENCH_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "bench"
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in BENCH_CONFIGS.glob("*.yaml")))
+def test_every_bench_config_runs_with_the_command_its_comment_gives(tmp_path, config):
+    """Each configs/bench file names the command that runs it; that command starts on it and is still working
+    a second later (a full run takes minutes: this is about the file and the command as written)."""
+    import shlex
+
+    documented = [line for line in (BENCH_CONFIGS / config).read_text().splitlines()
+                  if line.startswith("#   orchestrator bench ")]
+    assert len(documented) == 1, f"{config}: expected one `#   orchestrator bench ...` line"
+    words = shlex.split(documented[0].removeprefix("#").split("[")[0])
+    assert words[3] == f"configs/bench/{config}"
+    argv = orchestrator_command(*words[1:])
+    argv[argv.index("--out") + 1] = str(tmp_path / "out")
+    bench = ManagedProcess(f"bench-{Path(config).stem}", argv, log_dir=tmp_path,
+                           cwd=Path(__file__).resolve().parent.parent)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            bench.wait(3)  # imports, loads the file, starts working: no early exit
+    finally:
+        bench.signal(signal.SIGINT)
+        code = bench.wait(60)
+    log = log_text(bench)
+    assert "Error" not in log.replace("KeyboardInterrupt", ""), log
+    assert code != 2, log  # not a usage or configuration error

@@ -34,7 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--gpus", type=int, default=1, help="GPU count of the topology, for tokens/s per GPU")
     run.add_argument("--slo-ttft", type=float, default=None, help="goodput bound on TTFT (s)")
     run.add_argument("--slo-tpot", type=float, default=None, help="goodput bound on TPOT (s)")
-    run.add_argument("--time-scale", type=float, default=1.0, help="report simulated GPU time (sim workers)")
+    run.add_argument("--time-scale", type=float, default=1.0, help="the simulated workers' time scale: figures are "
+                     "converted to GPU time (without --baseline-url the orchestrator's own time is scaled too)")
+    run.add_argument("--baseline-url", default=None, metavar="URL", help="the same topology on workers at time "
+                     "scale 0: the workload runs there first, one request at a time, to measure the time that "
+                     "--time-scale leaves unscaled (the orchestrator's and the client's own)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     run.add_argument("--label", default="", help="names the results in the output (default: the URL)")
     run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -42,12 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     compare = sub.add_parser("compare", help="the same workload on several topologies; writes a report",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     compare.add_argument("file", type=Path, help="e.g. configs/bench/agg-vs-disagg.yaml")
-    compare.add_argument("--out", type=Path, default=Path("results/bench"))
+    compare.add_argument("--out", type=Path, default=Path("results/bench"),
+                         help="the directory for results.json, report.md and each launcher's log")
     compare.set_defaults(run=compare_command)
     plan = sub.add_parser("plan", help="rank every topology of a GPU budget for a workload and SLO (virtual clock)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plan.add_argument("file", type=Path, help="e.g. configs/bench/plan-8gpu.yaml")
-    plan.add_argument("--out", type=Path, default=Path("results/plan"))
+    plan.add_argument("--out", type=Path, default=Path("results/plan"), help="the directory for the report")
     plan.add_argument("--aiconfigurator", default=None, metavar="PYTHON",
                       help="an interpreter that can import aiconfigurator: its recommendation goes in the report")
     plan.set_defaults(run=plan_command)
@@ -84,7 +89,7 @@ def run_command(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model_dir)
     points = trio.run(partial(sweep, args.url, workload, tokenizer, concurrency=args.concurrency, rates=args.rate,
                               gpus=args.gpus, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                              time_scale=args.time_scale, label=args.label))
+                              time_scale=args.time_scale, label=args.label, baseline_url=args.baseline_url))
     for p in points:
         head = f"{args.label or args.url} {p['load_kind']}={p['load']:g}"
         if p["completed"] == 0:  # no figure means anything: say what the server said instead

@@ -79,7 +79,9 @@ def load_spec(path: Path) -> tuple[CompareSpec, list[TopologySpec]]:
     return spec, list(spec.topologies)
 
 
-def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
+def launch_config(spec: CompareSpec, topology: TopologySpec, time_scale: float | None = None) -> dict:
+    """The launch config of a topology; `time_scale` overrides the spec's (0: its zero-cost baseline)."""
+    time_scale = spec.time_scale if time_scale is None else time_scale
     return {
         "mode": topology.mode,
         "model": {"name": spec.model, "dir": "builtin:tiny-chat"},
@@ -88,7 +90,7 @@ def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
         "http": {"host": "127.0.0.1", "port": 0},
         "limits": {"request_timeout_s": 3600},
         "launch": {"workers": [{"role": role, "count": count,
-                                "sim": {"profile": spec.profile, "time_scale": spec.time_scale,
+                                "sim": {"profile": spec.profile, "time_scale": time_scale,
                                         "schema_revision": spec.schema_revision}}
                                for role, count in topology.workers.items()]},
     }
@@ -97,12 +99,17 @@ def launch_config(spec: CompareSpec, topology: TopologySpec) -> dict:
 def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> dict:
     from orchestrator.processes import ManagedProcess, orchestrator_command
 
-    config_path = workdir / f"{_slug(topology.name)}.yaml"
-    config_path.write_text(yaml.safe_dump(launch_config(spec, topology), sort_keys=False))
-    launcher = ManagedProcess(f"launch-{_slug(topology.name)}", orchestrator_command("launch", str(config_path)),
-                              log_dir=workdir, env={"ORCH_LOG_LEVEL": "WARNING"})
+    launchers = []
     try:
-        url = launcher.wait_ready(300)
+        # Below time scale 1 a twin on zero-cost workers measures the orchestrator's own time per request, which
+        # the conversion to GPU time must not scale (bench run --baseline-url).
+        for suffix, time_scale in [("", spec.time_scale)] + ([("-baseline", 0.0)] if spec.time_scale != 1.0 else []):
+            config_path = workdir / f"{_slug(topology.name)}{suffix}.yaml"
+            config_path.write_text(yaml.safe_dump(launch_config(spec, topology, time_scale), sort_keys=False))
+            launchers.append(ManagedProcess(f"launch-{_slug(topology.name)}{suffix}",
+                                            orchestrator_command("launch", str(config_path)), log_dir=workdir,
+                                            env={"ORCH_LOG_LEVEL": "WARNING"}, tied=True))
+        url, *baseline = [launcher.wait_ready(300) for launcher in launchers]
         out = workdir / f"{_slug(topology.name)}.json"
         w = spec.workload
         argv = orchestrator_command("bench", "run", "--url", url, "--model", spec.model, "--input-len", w.input_len,
@@ -110,6 +117,8 @@ def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> di
                                     str(w.warmup), "--image-share", repr(w.image_share), "--seed", str(w.seed),
                                     "--gpus", str(topology.gpus), "--time-scale", repr(spec.time_scale),
                                     "--label", topology.name, "--out", str(out))
+        if baseline:
+            argv += ["--baseline-url", baseline[0]]
         if w.concurrency:
             argv += ["--concurrency", *map(str, w.concurrency)]
         if w.rates:
@@ -123,7 +132,8 @@ def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> di
             raise RuntimeError(f"bench run for {topology.name!r} failed; see the output above")
         result = json.loads(out.read_text())
     finally:
-        launcher.stop()
+        for launcher in launchers:
+            launcher.stop()
     return {"name": topology.name, "mode": topology.mode, "workers": topology.workers, "gpus": topology.gpus,
             "points": result["points"]}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from orchestrator.bench.metrics import RequestRecord, aggregate, to_gpu_time
+from orchestrator.bench.metrics import Overhead, RequestRecord, aggregate, to_gpu_time
 from orchestrator.bench.sse_client import Connection, HttpError
 from orchestrator.synthetic import solid_png, word_pieces
 from orchestrator.tokenizer import ModelTokenizer
@@ -218,19 +218,30 @@ async def run_rate(url: str, workload: Workload, tokenizer: ModelTokenizer, rate
 
 async def sweep(url: str, workload: Workload, tokenizer: ModelTokenizer, *, concurrency: list[int] | None = None,
                 rates: list[float] | None = None, gpus: int = 1, slo_ttft: float | None = None,
-                slo_tpot: float | None = None, time_scale: float = 1.0, label: str = "") -> list[dict]:
-    """One result dict per load point; latencies divided (and rates multiplied) by `time_scale`, so that a
-    simulated run reports figures in GPU time."""
+                slo_tpot: float | None = None, time_scale: float = 1.0, label: str = "",
+                baseline_url: str | None = None) -> list[dict]:
+    """One result dict per load point, in GPU time for a simulated run at `time_scale`.
+
+    `baseline_url`: the same topology on workers at time scale 0. The workload runs there first, one request at
+    a time: its latencies are the deployment's own time per request (Overhead), which the conversion then leaves
+    unscaled. One user, because at higher loads zero-cost workers crowd the CPU as no paced run does. Without
+    it, all of a request's time is taken for GPU time.
+    """
     points = []
     loads = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
+    overhead = None
+    if baseline_url is not None and loads:
+        overhead = Overhead.measure(await run_concurrency(baseline_url, workload, tokenizer, 1,
+                                                          f"{label} baseline".strip()))
     for kind, load in loads:
         tag = f"{label} {kind} {load:g}".strip()
         if kind == "concurrency":
             records = await run_concurrency(url, workload, tokenizer, int(load), tag)
         else:
             records = await run_rate(url, workload, tokenizer, float(load) * time_scale, tag)
-        scaled = to_gpu_time(records, time_scale)
+        scaled = to_gpu_time(records, time_scale, overhead, closed_loop=kind == "concurrency")
         points.append({"load_kind": kind, "load": load,
+                       **({"overhead_s": attrs.asdict(overhead)} if overhead is not None else {}),
                        **aggregate(scaled, gpus=gpus, slo_ttft=slo_ttft, slo_tpot=slo_tpot)})
     return points
 

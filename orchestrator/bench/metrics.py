@@ -57,22 +57,71 @@ class RequestRecord:
         return self.end - self.start
 
 
-def to_gpu_time(records: Sequence[RequestRecord], time_scale: float) -> list[RequestRecord]:
+@attrs.frozen
+class Overhead:
+    """The time of a request that is not the workers' simulated GPU time: the client's, the orchestrator's and
+    the workers' own CPU. Measured on the same topology with workers at time scale 0 (zero GPU time), so a
+    conversion to GPU time leaves it as it is instead of multiplying it by 1/time_scale."""
+
+    ttft_s: float = 0.0  # request start to its first token
+    per_token_s: float = 0.0  # from one token to the next
+    tail_s: float = 0.0  # last token to the end of the response
+
+    @classmethod
+    def measure(cls, records: Sequence[RequestRecord]) -> Overhead:
+        """Medians over the completed requests of a zero-cost run (zeros if none completed): a host's hiccups
+        skew a mean, and the conversion multiplies every error in these by 1/time_scale - 1."""
+        ok = [r for r in records if r.ok]
+        if not ok:
+            return cls()
+        per_token = [(r.chunks[-1][0] - r.chunks[0][0]) / (r.output_tokens - 1) for r in ok if r.output_tokens >= 2]
+        return cls(ttft_s=percentile([r.chunks[0][0] - r.start for r in ok], 50),
+                   per_token_s=percentile(per_token, 50) if per_token else 0.0,
+                   tail_s=percentile([r.end - r.chunks[-1][0] for r in ok], 50))
+
+
+def to_gpu_time(records: Sequence[RequestRecord], time_scale: float, overhead: Overhead | None = None, *,
+                closed_loop: bool = False) -> list[RequestRecord]:
     """A run against simulated workers at `time_scale`, converted to GPU time.
 
-    Every timestamp of the run is stretched around one origin (the first start), so that durations
-    and the gaps between requests scale together and rates stay consistent with latencies. (Rescaling
-    each request around its own start leaves the window unscaled and inflates every rate.)
+    Within a request, each interval (start to first token, token to token, last token to end) keeps its share of
+    `overhead` and has the rest, the simulated GPU time, divided by `time_scale`; no overhead given: all of it
+    is divided (which overstates the orchestrator's time by 1/time_scale).
+
+    Between requests, every start is stretched around one origin (the first start), so that the gaps between
+    requests scale with their durations and rates stay consistent with latencies: by 1/time_scale for scheduled
+    arrivals (the load generator paced them in scaled time), by the ratio of the converted to the measured
+    request time for a `closed_loop` (each user sends when its last request ended). (Rescaling each request
+    around its own start alone leaves the window unscaled and inflates every rate.)
     """
-    if time_scale == 1.0 or not records:
+    if (time_scale == 1.0 and overhead is None) or not records:
         return list(records)
+    cost = overhead or Overhead()
+
+    def gpu(interval: float, own: float) -> float:
+        """An interval of which `own` s are not GPU time (never more than the interval itself)."""
+        own = min(own, max(interval, 0.0))
+        return own + (interval - own) / time_scale if time_scale > 0 else interval
+
+    converted = []
+    for r in records:
+        offsets, at, previous = [], 0.0, r.start
+        for i, (chunk_at, tokens) in enumerate(r.chunks):
+            at += gpu(chunk_at - previous, cost.ttft_s if i == 0 else cost.per_token_s * max(tokens, 1))
+            offsets.append((at, tokens))
+            previous = chunk_at
+        duration = at + gpu(r.end - previous, cost.tail_s if r.chunks else cost.ttft_s)
+        converted.append((r, offsets, duration))
+    measured = sum(r.end - r.start for r in records)
+    stretch = (sum(d for _, _, d in converted) / measured if closed_loop and measured > 0
+               else 1.0 / time_scale if time_scale > 0 else 1.0)
     origin = min(r.start for r in records)
-
-    def s(t: float) -> float:
-        return origin + (t - origin) / time_scale
-
-    return [attrs.evolve(r, start=s(r.start), end=s(r.end), chunks=tuple((s(at), k) for at, k in r.chunks))
-            for r in records]
+    out = []
+    for r, offsets, duration in converted:
+        start = origin + (r.start - origin) * stretch
+        out.append(attrs.evolve(r, start=start, end=start + duration,
+                                chunks=tuple((start + offset, k) for offset, k in offsets)))
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:

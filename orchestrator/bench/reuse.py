@@ -476,20 +476,27 @@ def reuse(spec: ReuseSpec) -> dict:
 
 def comparison(document: dict) -> list[dict]:
     """Per workload and topology: each policy against least loaded (the ratios the targets are stated in),
-    and kv_aware's hit rate against the oracle's."""
+    and kv_aware's hit rate against the oracle's. A ratio without its reference (least loaded or the oracle not
+    run, or a zero) is None: no figure rather than a nan."""
     rows = []
     keyed = {(r["workload"], r["topology"], r["policy"]): r for r in document["results"]}
+
+    def ratio(r: dict, reference: dict | None, key: str) -> float | None:
+        return r[key] / reference[key] if reference and reference[key] else None
+
     for (workload, topology, policy), r in keyed.items():
         base = keyed.get((workload, topology, "least_loaded"))
         oracle = keyed.get((workload, topology, "oracle"))
         rows.append({"workload": workload, "topology": topology, "policy": policy,
-                     "ttft_p50_vs_least_loaded": r["ttft_p50_s"] / base["ttft_p50_s"] if base else math.nan,
-                     "ttft_p99_vs_least_loaded": r["ttft_p99_s"] / base["ttft_p99_s"] if base else math.nan,
-                     "throughput_vs_least_loaded": (r["throughput_tok_s"] / base["throughput_tok_s"]
-                                                    if base else math.nan),
-                     "hit_rate_vs_oracle": (r["hit_rate"] / oracle["hit_rate"] if oracle and oracle["hit_rate"]
-                                            else math.nan)})
+                     "ttft_p50_vs_least_loaded": ratio(r, base, "ttft_p50_s"),
+                     "ttft_p99_vs_least_loaded": ratio(r, base, "ttft_p99_s"),
+                     "throughput_vs_least_loaded": ratio(r, base, "throughput_tok_s"),
+                     "hit_rate_vs_oracle": ratio(r, oracle, "hit_rate")})
     return rows
+
+
+def _times(value: float | None, suffix: str = "x") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
 
 
 def render_markdown(document: dict) -> str:
@@ -525,15 +532,19 @@ def render_markdown(document: dict) -> str:
         lines.append("")
         ratios = [c for c in comparison(document) if c["workload"] == workload["name"]]
         if any(c["policy"] in ("kv_aware", "oracle") for c in ratios):
-            lines += ["Against least loaded (TTFT: lower is better; throughput: higher) and the oracle's hit rate:", "",
-                      "| topology | routing | TTFT p50 | TTFT p99 | throughput | hit rate / oracle's | decisions |",
-                      "|---|---|---|---|---|---|---|"]
+            with_oracle = any(c["policy"] == "oracle" for c in ratios)  # no oracle run: no column of dashes
+            lines += ["Against least loaded (TTFT: lower is better; throughput: higher)"
+                      + (" and the oracle's hit rate:" if with_oracle else ":"), "",
+                      "| topology | routing | TTFT p50 | TTFT p99 | throughput | "
+                      + ("hit rate / oracle's | " if with_oracle else "") + "decisions |",
+                      "|---|---|---|---|---|" + ("---|" if with_oracle else "") + "---|"]
             for c in ratios:
                 r = next(x for x in rows if x["topology"] == c["topology"] and x["policy"] == c["policy"])
                 reasons = ", ".join(f"{k} {v}" for k, v in r.get("reasons", {}).items() if k != "policy")
-                lines.append(f"| {c['topology']} | {c['policy']} | {c['ttft_p50_vs_least_loaded']:.2f}x | "
-                             f"{c['ttft_p99_vs_least_loaded']:.2f}x | {c['throughput_vs_least_loaded']:.2f}x | "
-                             f"{c['hit_rate_vs_oracle']:.2f} | {reasons} |")
+                oracle_cell = f"{_times(c['hit_rate_vs_oracle'], '')} | " if with_oracle else ""
+                lines.append(f"| {c['topology']} | {c['policy']} | {_times(c['ttft_p50_vs_least_loaded'])} | "
+                             f"{_times(c['ttft_p99_vs_least_loaded'])} | {_times(c['throughput_vs_least_loaded'])} | "
+                             f"{oracle_cell}{reasons} |")
             lines.append("")
     return "\n".join(lines)
 

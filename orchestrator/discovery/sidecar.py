@@ -36,11 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd-key", default=None, metavar="PEM", help="the key of --etcd-cert")
     p.add_argument("--worker", required=True, help="the worker's gRPC address, grpc://HOST:PORT")
     p.add_argument("--advertise", default=None, help="address to publish (default: --worker)")
-    p.add_argument("--role", required=True, choices=keys.ROLES)
+    p.add_argument("--role", required=True, choices=keys.ROLES, help="the role to register it under")
     p.add_argument("--model", default=None, help="expected served model (default: the worker's first)")
-    p.add_argument("--namespace", "--etcd-namespace", dest="namespace", default="orchestrator")
+    p.add_argument("--namespace", "--etcd-namespace", dest="namespace", default="orchestrator",
+                   help="the key prefix the orchestrator watches (discovery.etcd.namespace)")
     p.add_argument("--ttl", type=int, default=10, help="lease TTL in seconds (keep-alive every TTL/3)")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds to wait for the worker to become ready")
     p.set_defaults(run=run)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -41,6 +42,7 @@ from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.processes import SUPERVISOR_STATUS_ENV
 from orchestrator.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,19 @@ Send = Callable[[dict], Awaitable[None]]
 
 # The scope key under which the request's API key name travels from the auth check to the handler.
 API_KEY = "orchestrator.api_key"
+
+
+def supervisor_status() -> Any:
+    """What `orchestrator launch` says of the workers it supervises (state, restarts, last exit), when it started
+    us: a small JSON file it rewrites whole on every change (read in place: a local file, microseconds)."""
+    path = os.environ.get(SUPERVISOR_STATUS_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except (OSError, ValueError) as exc:
+        return {"error": f"cannot read {path}: {exc}"}
 _ENGINE_ID_PREFIX = secrets.token_hex(3)
 _engine_ids = itertools.count()
 
@@ -154,6 +169,9 @@ class App:
             body["frontend"] = self.frontend.describe()
             if not self.pool.registry_healthy:
                 body["registry"] = self.pool.registry_detail
+            supervisor = supervisor_status()
+            if supervisor is not None:
+                body["supervisor"] = supervisor
         await send_json(send, 200 if ready else 503, body)
 
     async def metrics_route(self, scope, receive, send) -> None:

@@ -24,15 +24,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim-worker", help="run a simulated TRT-LLM worker (OpenEngine v1 gRPC)",
                               description="Serve openengine.v1.Inference and Control with a GPU cost model. "
                                           "Prints 'ready grpc://HOST:PORT' when ready.")
-    p.add_argument("--role", choices=ROLES, required=True)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--role", choices=ROLES, required=True, help="the role it serves and reports")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     p.add_argument("--model", default="tiny-chat", help="served model name")
     p.add_argument("--model-dir", type=Path, default=TINY_CHAT, help="tokenizer.json + tokenizer_config.json")
-    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                   help="the GPU cost model (orchestrator/sim/profiles.py)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every cost-model duration (0.01: 100x faster; 0: no GPU time at all)")
-    p.add_argument("--instance-id", default="")
+    p.add_argument("--instance-id", default="", help="ServerInfo.instance_id (default: sim-ROLE-RANDOM)")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds in HEALTH_STATE_STARTING")
     p.add_argument("--persona", choices=PERSONAS, default="trtllm",
                    help="trtllm: behave as TensorRT-LLM's own OpenEngine server; strict: the spec-only simulator")
@@ -55,8 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="ModelInfo.supports_multimodal = false and refuse images")
     p.add_argument("--image-paths", choices=IMAGE_PATHS, default="both",
                    help="revision 3: where multimodal_capabilities lists MODALITY_IMAGE")
-    p.add_argument("--max-context-length", type=int, default=None)
-    p.add_argument("--total-kv-blocks", type=int, default=None)
+    p.add_argument("--max-context-length", type=int, default=None, help="override the profile's context window")
+    p.add_argument("--total-kv-blocks", type=int, default=None, help="override the profile's KV cache size")
     p.add_argument("--guided-backend", choices=GUIDED_BACKENDS, default="none",
                    help="the grammar backend TensorRT-LLM was started with; none: guided decoding unsupported "
                         "(the simulated text is never constrained: only the capability and admission are modelled)")
@@ -85,21 +86,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "publish what it likes (a hostile worker: benchmarks/kv_event_flood.py --http)")
     p.add_argument("--eos-probability", type=float, default=0.0, help="chance that a sampled token is EOS")
     p.add_argument("--seed", type=int, default=0, help="seed for fault injection")
-    p.add_argument("--drain-grace", type=float, default=30.0)
+    p.add_argument("--drain-grace", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--media-max-bytes", type=int, default=20 * 1024 * 1024, help="per image, fetched or decoded")
     p.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per image URL fetch")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: certificate chain (PEM)")
     p.add_argument("--tls-key", type=Path, default=None, help="serve TLS: private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
     p.add_argument("--etcd", default=None, help="self-register in etcd at this URL (see `orchestrator register`)")
-    p.add_argument("--etcd-namespace", default="orchestrator")
+    p.add_argument("--etcd-namespace", default="orchestrator", help="the key prefix of the self-registration")
     p.add_argument("--etcd-ttl", type=int, default=10, help="lease TTL of the self-registration (seconds)")
     faults = p.add_argument_group("fault injection")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
-    faults.add_argument("--error-phase", choices=["any", "prefill", "decode", "aggregated"], default="any")
+    faults.add_argument("--error-phase", choices=["any", "prefill", "decode", "aggregated"], default="any",
+                        help="the kind of leg --error-rate applies to")
     faults.add_argument("--error-code", choices=[n for n in ErrorCode.keys() if n != "ERROR_CODE_UNSPECIFIED"],
-                        default="ERROR_CODE_INTERNAL")
-    faults.add_argument("--error-retryable", action="store_true")
+                        default="ERROR_CODE_INTERNAL", help="the error code of injected errors")
+    faults.add_argument("--error-retryable", action="store_true", help="injected errors say retryable")
     faults.add_argument("--crash-after-tokens", type=int, default=None, help="exit(3) after this many tokens")
     faults.add_argument("--stall-after-tokens", type=int, default=None, help="requests hang after this many tokens")
     faults.add_argument("--status-delay", type=float, default=0.0,
@@ -116,7 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     faults.add_argument("--fail-model-info", action="store_true", help="GetModelInfo fails (capability discovery)")
     faults.add_argument("--report-schema-revision", type=int, default=None,
                         help="report this ServerInfo.schema_revision instead of the persona's")
-    faults.add_argument("--minimum-client-revision", type=int, default=1)
+    faults.add_argument("--minimum-client-revision", type=int, default=1,
+                        help="the ServerInfo.minimum_client_revision it reports")
     p.set_defaults(run=run)
 
 

@@ -283,13 +283,25 @@ class Scheduler:
     async def run(self) -> None:
         """The worker's step loop in real time (scaled); orchestrator.bench.plan drives the same steps on a
         virtual clock."""
+        loop = asyncio.get_running_loop()
+        late = 0.0  # how late a sleep wakes us on this host (moving average), asked for that much less
         while True:
             step = self.plan_step()
             if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await asyncio.sleep(step.ms * self.time_scale / 1000.0)
+            # A step lasts step.ms on average however late this host wakes us: a late wake-up (timer slack, a
+            # loaded host) would otherwise add to every step, and a small time_scale multiply it into GPU time.
+            # (Not caught up by shortening the next steps: that would send their tokens in bursts.)
+            wanted = step.ms * self.time_scale / 1000.0
+            if wanted > 0:
+                asked = max(0.0, wanted - late)
+                slept_from = loop.time()
+                await asyncio.sleep(asked)
+                late += 0.1 * ((loop.time() - slept_from - asked) - late)
+            else:
+                await asyncio.sleep(0)  # zero cost: still let the server's other tasks run between steps
             self.finish_step(step)
 
     def _context_token(self, request: SimRequest) -> None:
