@@ -59,7 +59,7 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(response_format={"type": "xml"}), "response_format.type"),
     (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format.json_schema"),
-    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(tools=[{"type": "function"}]), "tools[0].function"),
     (chat(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_chat_input_is_a_400_naming_the_field(body, param):
