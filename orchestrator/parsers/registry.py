@@ -1,0 +1,124 @@
+"""Parsers by name: TensorRT-LLM's names (what `ModelInfo.tool_call_parser` / `reasoning_parser` carry), vLLM's
+where TensorRT-LLM has none or spells it differently. docs/parsers.md has the table with the sources."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from orchestrator.parsers.base import ToolParser
+from orchestrator.parsers.combined import ChatParser, PassThrough, StreamParser
+from orchestrator.parsers.events import CallIds
+from orchestrator.parsers.reasoning import ThinkReasoning
+from orchestrator.parsers.tools_json import HermesParser, Llama3JsonParser, MistralParser
+
+ToolFactory = Callable[[CallIds, "list[dict[str, Any]] | None"], ToolParser]
+
+# canonical name -> the family's parser class
+TOOL_PARSERS: dict[str, ToolFactory] = {
+    "qwen3": HermesParser,  # TensorRT-LLM tool_parser_factory.py; the <tool_call> JSON family
+    "llama3_json": Llama3JsonParser,  # vLLM
+    "mistral": MistralParser,  # vLLM
+}
+TOOL_ALIASES: dict[str, str] = {
+    "hermes": "qwen3",  # vLLM's name for the same format
+    "llama4_json": "llama3_json",
+}
+
+# canonical name -> (reasoning starts at the answer's first character?, is it switched by enable_thinking?)
+REASONING_PARSERS: dict[str, tuple[bool, bool]] = {
+    "deepseek-r1": (True, False),  # the template ends the prompt with <think>
+    "qwen3": (False, True),  # the model opens <think> itself; enable_thinking=false prefills an empty block
+    "qwen3_5": (True, True),  # the template prefills <think> unless enable_thinking=false
+    "nemotron-v3": (True, True),
+    "deepseek_v4": (True, True),  # thinking only when the request turns it on (see _thinking_on)
+}
+REASONING_ALIASES: dict[str, str] = {
+    "deepseek_r1": "deepseek-r1",  # vLLM's spelling
+    "nano-v3": "nemotron-v3",
+}
+# reasoning parsers whose thinking is off unless the request asks for it
+_THINKING_OFF_BY_DEFAULT = {"deepseek_v4"}
+
+
+class UnknownParserError(ValueError):
+    """A parser name we do not have: the caller turns it into a config error or a degraded worker."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown {kind} parser {name!r}; known: {', '.join(known)}")
+        self.kind = kind
+        self.name = name
+        self.known = known
+
+
+def tool_parser_names() -> list[str]:
+    return sorted([*TOOL_PARSERS, *TOOL_ALIASES])
+
+
+def reasoning_parser_names() -> list[str]:
+    return sorted([*REASONING_PARSERS, *REASONING_ALIASES])
+
+
+def _canonical(kind: str, name: str | None, table: dict[str, Any], aliases: dict[str, str],
+               known: list[str]) -> str | None:
+    if name is None or name == "" or name.lower() == "none":
+        return None
+    key = name.lower()
+    key = aliases.get(key, key)
+    if key not in table:
+        raise UnknownParserError(kind, name, known)
+    return key
+
+
+def _thinking_on(name: str, kwargs: dict[str, Any]) -> bool:
+    """What the request's chat_template_kwargs say about thinking (`enable_thinking`, or DeepSeek's `thinking`)."""
+    for key in ("enable_thinking", "thinking"):
+        value = kwargs.get(key)
+        if value is not None:
+            return bool(value)
+    return name not in _THINKING_OFF_BY_DEFAULT
+
+
+@attrs.frozen
+class ParserSpec:
+    """The parser pair a model needs, resolved once (at config or discovery time); `new` makes one request's
+    parser. Build it with `resolve`, which raises UnknownParserError for a name we do not have."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def new(self, *, seed: str | None = None, tools: list[dict[str, Any]] | None = None, tool_calls: bool = True,
+            chat_template_kwargs: dict[str, Any] | None = None,
+            prompt_opens_reasoning: bool | None = None) -> StreamParser:
+        """One request's parser.
+
+        seed: makes tool-call ids deterministic (use the request id); tools: the request's tools (the XML families
+        type parameter values by their schema); tool_calls: False for `tool_choice: "none"` (calls are then left
+        as content); chat_template_kwargs: the request's, for `enable_thinking`; prompt_opens_reasoning: True when
+        the rendered prompt ends inside a reasoning block, False when it closed it, None to use the family's
+        default.
+        """
+        reasoning = None
+        if self.reasoning_parser is not None:
+            starts_inside, switchable = REASONING_PARSERS[self.reasoning_parser]
+            thinking = _thinking_on(self.reasoning_parser, chat_template_kwargs or {}) if switchable else True
+            if prompt_opens_reasoning is not None:
+                reasoning = ThinkReasoning(in_reasoning=prompt_opens_reasoning)
+            elif thinking:
+                reasoning = ThinkReasoning(in_reasoning=starts_inside)
+        parser = None
+        if self.tool_call_parser is not None and tool_calls:
+            parser = TOOL_PARSERS[self.tool_call_parser](CallIds(seed), tools)
+        if reasoning is None and parser is None:
+            return PassThrough()
+        return ChatParser(reasoning, parser)
+
+
+def resolve(tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ParserSpec:
+    """Names as the worker advertises them or the config overrides them; None, "" or "none" select nothing."""
+    tool = _canonical("tool call", tool_call_parser, TOOL_PARSERS, TOOL_ALIASES, tool_parser_names())
+    reasoning = _canonical("reasoning", reasoning_parser, REASONING_PARSERS, REASONING_ALIASES,
+                           reasoning_parser_names())
+    return ParserSpec(tool, reasoning)

@@ -1,0 +1,184 @@
+"""The parsers (orchestrator/parsers/) as a request uses them: any split of the model's text into deltas (the
+prefill leg's first token, the decode leg, a migration) gives the same answer, and the stream's deltas add up to
+the collected view. Formats themselves are held in tests/test_parsers_conformance.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator import parsers
+from orchestrator.parsers import Collector, Delta
+from test_parsers_conformance import SAMPLES, Sample
+
+
+def stream(spec: parsers.ParserSpec, pieces: list[str], **kwargs) -> list[Delta]:
+    parser = spec.new(seed="req-1", **kwargs)
+    deltas = [parser.feed(piece) for piece in pieces]
+    deltas.append(parser.finish())
+    return deltas
+
+
+def collect(deltas: list[Delta]) -> parsers.Message:
+    collector = Collector()
+    for delta in deltas:
+        collector.add(delta)
+    return collector.message()
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({cut % (len(text) + 1) for cut in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+def check_stream_shape(deltas: list[Delta]) -> None:
+    """OpenAI's shape: a call's first delta has its id and name, later ones only arguments; indexes go up."""
+    seen: set[int] = set()
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            if piece.index in seen:
+                assert piece.id is None and piece.name is None
+            else:
+                assert piece.index == len(seen) and piece.id and piece.name
+                seen.add(piece.index)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.family for s in SAMPLES])
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_every_split_of_a_sample_gives_the_whole_texts_answer(sample: Sample, cuts: list[int]):
+    spec = parsers.resolve(sample.tool_call_parser, sample.reasoning_parser)
+    whole = collect(stream(spec, [sample.text], **sample.kwargs))
+    deltas = stream(spec, split(sample.text, cuts), **sample.kwargs)
+    check_stream_shape(deltas)
+    assert collect(deltas) == whole
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.family for s in SAMPLES])
+def test_a_character_at_a_time_gives_the_whole_texts_answer(sample: Sample):
+    spec = parsers.resolve(sample.tool_call_parser, sample.reasoning_parser)
+    deltas = stream(spec, list(sample.text), **sample.kwargs)
+    check_stream_shape(deltas)
+    assert collect(deltas) == collect(stream(spec, [sample.text], **sample.kwargs))
+
+
+# ---- examples, on the <tool_call> family ---------------------------------------------------------------
+HERMES = parsers.resolve("qwen3", "qwen3")
+
+
+def answer(text: str, spec: parsers.ParserSpec = HERMES, **kwargs) -> parsers.Message:
+    """The collected answer, checked to be the same for a character-at-a-time stream."""
+    whole = collect(stream(spec, [text], **kwargs))
+    assert collect(stream(spec, list(text), **kwargs)) == whole
+    return whole
+
+
+def calls_of(message: parsers.Message) -> list[tuple[str, object]]:
+    return [(call.name, json.loads(call.arguments)) for call in message.tool_calls]
+
+
+def test_text_before_a_call_is_content():
+    message = answer('Let me look that up.<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert message.content == "Let me look that up."
+    assert calls_of(message) == [("f", {})]
+
+
+def test_two_parallel_calls_get_indexes_and_distinct_ids_and_no_stray_content():
+    message = answer('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n\n'
+                     '<tool_call>\n{"name": "b", "arguments": {"y": 2}}\n</tool_call>\n')
+    assert message.content == ""
+    assert calls_of(message) == [("a", {"x": 1}), ("b", {"y": 2})]
+    assert message.tool_calls[0].id != message.tool_calls[1].id
+
+
+def test_nested_json_unicode_and_escaped_quotes_stream_as_written():
+    arguments = '{"q": {"deep": [1, {"k": "v}"}]}, "city": "Zürich 東京", "say": "he said \\"hi\\" \\\\"}'
+    message = answer(f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>')
+    assert message.tool_calls[0].arguments == arguments  # the model's own text, verbatim
+    assert json.loads(message.tool_calls[0].arguments)["city"] == "Zürich 東京"
+
+
+def test_a_malformed_call_becomes_content_and_nothing_is_lost():
+    text = 'Before <tool_call>not json at all</tool_call> after'
+    message = answer(text)
+    assert message.tool_calls == ()
+    assert message.content == text
+
+
+def test_a_call_without_a_name_becomes_content():
+    text = '<tool_call>{"arguments": {"a": 1}}</tool_call>'
+    assert answer(text) == parsers.Message(text, "", ())
+
+
+def test_reasoning_then_a_call():
+    message = answer('<think>Need weather.</think>Checking.<tool_call>{"name": "w", "arguments": {"c": "x"}}'
+                     '</tool_call>')
+    assert (message.reasoning_content, message.content) == ("Need weather.", "Checking.")
+    assert calls_of(message) == [("w", {"c": "x"})]
+
+
+def test_a_call_inside_reasoning_is_not_a_call():
+    message = answer('<think>maybe <tool_call>{"name": "w", "arguments": {}}</tool_call></think>done')
+    assert message.tool_calls == () and message.content == "done"
+
+
+def test_a_stream_that_ends_mid_tag_gives_the_partial_tag_back():
+    assert answer("Hello <tool_c") == parsers.Message("Hello <tool_c", "", ())
+    assert answer("<think>hmm </thi") == parsers.Message("", "hmm </thi", ())
+
+
+def test_a_call_cut_off_by_the_end_keeps_what_it_streamed():
+    message = answer('<tool_call>{"name": "f", "arguments": {"a": "par')
+    assert [(call.name, call.arguments) for call in message.tool_calls] == [("f", '{"a": "par')]
+
+
+def test_a_call_cut_off_before_its_name_is_content():
+    text = '<tool_call>{"name": "f'
+    assert answer(text) == parsers.Message(text, "", ())
+
+
+def test_the_prompt_may_open_the_reasoning():
+    spec = parsers.resolve(None, "qwen3")
+    message = answer("thinking...</think>answer", spec, prompt_opens_reasoning=True)
+    assert (message.reasoning_content, message.content) == ("thinking...", "answer")
+    assert answer("thinking...</think>answer", parsers.resolve(None, "deepseek-r1")).reasoning_content == (
+        "thinking...")
+
+
+def test_tool_choice_none_leaves_calls_as_content():
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert answer(text, parsers.resolve("qwen3"), tool_calls=False) == parsers.Message(text, "", ())
+
+
+def test_ids_are_deterministic_for_a_seed_and_differ_between_requests():
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    spec = parsers.resolve("qwen3")
+    first = parsers.parse_whole(spec.new(seed="a"), text).tool_calls[0].id
+    assert first == parsers.parse_whole(spec.new(seed="a"), text).tool_calls[0].id
+    assert first != parsers.parse_whole(spec.new(seed="b"), text).tool_calls[0].id
+    assert first.startswith("call_")
+
+
+def test_arguments_stream_in_fragments_after_a_first_delta_with_the_name():
+    parser = parsers.resolve("qwen3").new(seed="s")
+    pieces = ['<tool_call>{"name": "f", "argu', 'ments": {"a"', ': "b', 'c"}}</tool_call>']
+    deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    calls = [piece for delta in deltas for piece in delta.tool_calls]
+    assert calls[0].name == "f" and calls[0].index == 0
+    assert [piece.arguments for piece in calls] == ['{"a"', ': "b', 'c"}']
+
+
+def test_an_unknown_parser_name_is_a_clear_error():
+    with pytest.raises(parsers.UnknownParserError) as caught:
+        parsers.resolve("no_such_parser")
+    assert caught.value.kind == "tool call" and "qwen3" in caught.value.known
+    with pytest.raises(parsers.UnknownParserError):
+        parsers.resolve(None, "nope")
+
+
+def test_no_parser_passes_content_through():
+    assert answer("<tool_call>x</tool_call><think>", parsers.resolve(None, None)).content == (
+        "<tool_call>x</tool_call><think>")

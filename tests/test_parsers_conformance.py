@@ -1,0 +1,93 @@
+"""Each tool-call and reasoning format, as the upstream parser (file and commit) or model card shows the model
+writing it, and what it must parse to. docs/parsers.md has the same facts as a table; tests/test_parsers.py runs
+every sample here through every split of its text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import pytest
+
+from orchestrator import parsers
+
+TRTLLM = "NVIDIA/TensorRT-LLM"
+VLLM = "vllm-project/vllm"
+
+
+class Sample(NamedTuple):
+    family: str
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    source: str  # repository, file and commit (or model card) the format is taken from
+    text: str  # what the model writes
+    content: str
+    reasoning: str
+    calls: tuple[tuple[str, dict[str, Any]], ...]  # (name, arguments as a value)
+    kwargs: dict[str, Any] = {}  # noqa: RUF012 - never mutated; ParserSpec.new's keywords
+
+
+SAMPLES = [
+    Sample("hermes / qwen", "qwen3", None,
+           f"{TRTLLM} tensorrt_llm/serve/tool_parser/qwen3_tool_parser.py@f343b8f6e216945989b0ecfe9fb6979ce63cc264",
+           'I will check.\n<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Tokyo"}}\n'
+           '</tool_call>\n<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Paris"}}\n'
+           '</tool_call>',
+           "I will check.\n", "",
+           (("get_current_weather", {"location": "Tokyo"}), ("get_current_weather", {"location": "Paris"}))),
+    Sample("hermes (vLLM name)", "hermes", None,
+           f"{VLLM} vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py (model card NousResearch/"
+           "Hermes-2-Pro-Llama-3-8B)",
+           '<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n</tool_call>',
+           "", "", (("get_stock_fundamentals", {"symbol": "TSLA"}),)),
+    Sample("llama 3.x python_tag", "llama3_json", None,
+           f"{VLLM} vllm/entrypoints/openai/tool_parsers/llama_tool_parser.py (Llama 3.1 model card, JSON tool "
+           "calling)",
+           '<|python_tag|>{"name": "get_weather", "parameters": {"city": "San Francisco", "metric": "celsius"}}',
+           "", "", (("get_weather", {"city": "San Francisco", "metric": "celsius"}),)),
+    Sample("llama 3.x bare JSON", "llama3_json", None,
+           f"{VLLM} vllm/entrypoints/openai/tool_parsers/llama_tool_parser.py (Llama 3.2 model card)",
+           '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+           '{"name": "get_time", "parameters": {"zone": "CET"}}',
+           "", "", (("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"}))),
+    Sample("mistral JSON array", "mistral", None,
+           f"{VLLM} vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (tokenizer v3 and earlier)",
+           '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"city": "Dallas", "state": "TX", '
+           '"unit": "fahrenheit"}}, {"name": "get_time", "arguments": {}}]',
+           "", "", (("get_current_weather", {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}),
+                    ("get_time", {}))),
+    Sample("mistral name[ARGS]", "mistral", None,
+           f"{VLLM} vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (tokenizer v11 on, Mistral Small "
+           "3.2 / Devstral)",
+           'Sure.[TOOL_CALLS]get_current_weather[ARGS]{"city": "Dallas"}[TOOL_CALLS]get_time[ARGS]{}',
+           "Sure.", "", (("get_current_weather", {"city": "Dallas"}), ("get_time", {}))),
+    Sample("deepseek-r1 reasoning", None, "deepseek-r1",
+           f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
+           "(the prompt ends with <think>)",
+           "The user greets me.\n</think>\n\nHello! How can I help?",
+           "\n\nHello! How can I help?", "The user greets me.\n", ()),
+    Sample("qwen3 reasoning then a call", "qwen3", "qwen3",
+           f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192",
+           '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+           '{"city": "Berlin"}}\n</tool_call>',
+           "\n\n", "\nI need the weather.\n", (("get_weather", {"city": "Berlin"}),)),
+    Sample("qwen3 thinking off", None, "qwen3",
+           f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
+           "(enable_thinking=false prefills an empty block)",
+           "Hello <think> is just text here.", "Hello <think> is just text here.", "", (),
+           {"chat_template_kwargs": {"enable_thinking": False}}),
+]
+
+
+def collected(sample: Sample) -> parsers.Message:
+    spec = parsers.resolve(sample.tool_call_parser, sample.reasoning_parser)
+    return parsers.parse_whole(spec.new(seed="conformance", **sample.kwargs), sample.text)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.family for s in SAMPLES])
+def test_each_upstream_sample_parses_to_what_the_format_means(sample: Sample):
+    message = collected(sample)
+    assert message.content == sample.content
+    assert message.reasoning_content == sample.reasoning
+    assert [(call.name, json.loads(call.arguments)) for call in message.tool_calls] == list(sample.calls)
+    assert len({call.id for call in message.tool_calls}) == len(message.tool_calls)
