@@ -16,6 +16,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
+from orchestrator.parsers import UnknownParserError, resolve
 from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
 
 MODES = ("aggregated", "disaggregated", "conditional")
@@ -36,6 +37,17 @@ def _positive(instance, attribute, value):
         raise _InvalidField(attribute.name, "a number > 0", value)
 
 
+def _parser_name(kind: str):
+    def check(instance, attribute, value):
+        if value is None:
+            return
+        try:
+            resolve(**{f"{kind}_parser" if kind == "reasoning" else "tool_call_parser": value})
+        except UnknownParserError as exc:
+            raise _InvalidField(attribute.name, f"one of {', '.join(exc.known)}", value) from None
+    return check
+
+
 class _InvalidField(ValueError):
     """Raised by validators; build_attrs turns it into a ConfigError with the full key."""
 
@@ -50,6 +62,9 @@ class ModelConfig:
     dir: str = "builtin:tiny-chat"  # tokenizer.json + tokenizer_config.json; builtin:NAME = shipped
     context_window: int | None = attrs.field(default=None, validator=_positive)
     aliases: tuple[str, ...] = ()
+    # The output parsers (TensorRT-LLM's names, docs/parsers.md); unset: what the workers advertise in ModelInfo
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name("tool"))
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name("reasoning"))
 
     def resolved_dir(self, base: Path) -> Path:
         if self.dir.startswith("builtin:"):

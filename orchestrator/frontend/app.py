@@ -34,6 +34,7 @@ from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
+from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
@@ -41,6 +42,7 @@ from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.parsers import Collector, StreamParser
 from orchestrator.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class App:
                          for key in self.api_keys.keys}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
+        self.output_parsers = OutputParsers(config.model.tool_call_parser, config.model.reasoning_parser)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
         self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
@@ -292,14 +295,15 @@ class App:
             on_disconnect(gone)  # our server's reader task calls it: no task watches receive()
 
         token_text = self.coordinator.tokenizer.token_text
+        parser = self.output_parsers.for_request(api, request_id, plan.caps)
         sink: _StreamingSink | _CollectingSink
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
             # them, and a failure before the first byte is still a plain HTTP error with its status.
             sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text,
-                                  per_token=not self.config.http.coalesce_tokens)
+                                  per_token=not self.config.http.coalesce_tokens, parser=parser)
         else:
-            sink = _CollectingSink(kind, api, token_text)
+            sink = _CollectingSink(kind, api, token_text, parser=parser)
         try:
             await self.coordinator.execute(plan, sink, watch=watch)
         except (ApiError, RequestError, EngineError) as error:
@@ -325,10 +329,13 @@ class _StreamingSink:
     """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
     reader task (direct delivery: decode/direct.py has the contract)."""
 
-    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
+    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool,
+                 parser: StreamParser | None = None):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
+        self.parser = parser  # the answer's output parser (chat_output.py); None: its text is the content
+        self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
 
     async def delta(self, text, token_ids, logprobs) -> None:
         await self.response.chunk(self._event(text, logprobs))
@@ -350,7 +357,7 @@ class _StreamingSink:
         await self.response.flush()
 
     def _events(self, items) -> bytes:
-        if self.api.logprobs:
+        if self.api.logprobs or self.parser is not None:
             return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
         # no logprobs and no text offsets to track: the events are texts between fixed fragments
         return self.writer.deltas([text for text, _, _ in items])
@@ -362,7 +369,13 @@ class _StreamingSink:
             lp = (fmt.chat_logprobs(logprobs, self.token_text, top) if self.writer.kind == "chat"
                   else fmt.completion_logprobs(logprobs, self.token_text, self.offset, top))
         self.offset += len(text)
-        return self.writer.delta(text, lp)
+        if self.parser is None:
+            return self.writer.delta(text, lp)
+        parsed = self.parser.feed(text)
+        if not parsed.reasoning and not parsed.tool_calls:  # content only, the common case
+            return self.writer.delta(parsed.content, lp) if parsed.content or lp is not None else b""
+        self.tool_calls |= bool(parsed.tool_calls)
+        return self.writer.parsed(parsed, lp)
 
     def ending(self) -> None:
         self.response.ending = True
@@ -370,7 +383,15 @@ class _StreamingSink:
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
                      cached_tokens: int | None = None) -> None:
         self.response.usage = (prompt_tokens, completion_tokens, cached_tokens)
-        data = self.writer.finish(reason)
+        data = b""
+        if self.parser is not None:  # what the parser held back (a partial tag, a call read whole at the end)
+            parsed = self.parser.finish()
+            self.tool_calls |= bool(parsed.tool_calls)
+            if parsed:
+                data = self.writer.parsed(parsed)
+            if self.tool_calls and reason == "stop":
+                reason = "tool_calls"
+        data += self.writer.finish(reason)
         if self.api.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
@@ -382,8 +403,10 @@ class _CollectingSink:
     per_token = False  # one response at the end: no reason to split batches
     can_write_now = False  # nothing to write before the end: no direct delivery
 
-    def __init__(self, kind: str, api, token_text):
+    def __init__(self, kind: str, api, token_text, *, parser: StreamParser | None = None):
         self.kind, self.api, self.token_text = kind, api, token_text
+        self.parser = parser  # the answer's output parser; it reads the text as it arrives, as a stream's would
+        self.collector = Collector()
         self.parts: list[str] = []
         self.logprobs: list = []
         self.reason = "stop"
@@ -391,7 +414,10 @@ class _CollectingSink:
         self.cached_tokens: int | None = None
 
     async def delta(self, text, token_ids, logprobs) -> None:
-        self.parts.append(text)
+        if self.parser is None:
+            self.parts.append(text)
+        else:
+            self.collector.add(self.parser.feed(text))
         self.logprobs.extend(logprobs)
 
     async def deltas(self, items) -> None:
@@ -409,6 +435,10 @@ class _CollectingSink:
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
                      cached_tokens: int | None = None) -> None:
+        if self.parser is not None:
+            self.collector.add(self.parser.finish())
+            if reason == "stop" and self.collector.message().tool_calls:
+                reason = "tool_calls"
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
         self.cached_tokens = cached_tokens
 
@@ -418,7 +448,8 @@ class _CollectingSink:
             top = self.api.top_logprobs
             lp = (fmt.chat_logprobs(self.logprobs, self.token_text, top) if self.kind == "chat"
                   else fmt.completion_logprobs(self.logprobs, self.token_text, 0, top))
-        return fmt.full_response(self.kind, request_id, model, created, "".join(self.parts), self.reason,
+        answer = "".join(self.parts) if self.parser is None else self.collector.message()
+        return fmt.full_response(self.kind, request_id, model, created, answer, self.reason,
                                  self.prompt_tokens, self.completion_tokens, lp, self.cached_tokens)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring
 
 from orchestrator.engine.events import TokenLogprob
+from orchestrator.parsers import Delta, Message, ToolCallDelta
 
 DONE = b"data: [DONE]\n\n"
 
@@ -102,6 +103,41 @@ class ChunkWriter:
             return first + self.deltas(texts[1:]) if len(texts) > 1 else first
         return (self._text_head + self._between.join(map(_json_string, texts)) + self._text_tail).encode()
 
+    def reasoning(self, text: str) -> bytes:
+        """A chat delta of the model's reasoning (`reasoning_content`, as vLLM and DeepSeek name it)."""
+        role = "" if self._role_sent else '"role":"assistant",'
+        self._role_sent = True
+        return (self._head + '{"index":0,"delta":{' + role + '"reasoning_content":' + _json_string(text)
+                + '},"logprobs":null,"finish_reason":null}]}\n\n').encode()
+
+    def tool_calls(self, calls: Sequence[ToolCallDelta]) -> bytes:
+        """A chat delta of tool-call pieces, as OpenAI streams them: a call's first piece carries its index, id,
+        type and name (its arguments may start there), later pieces the index and more argument text."""
+        role = "" if self._role_sent else '"role":"assistant",'
+        self._role_sent = True
+        pieces = []
+        for call in calls:
+            if call.name is not None:
+                piece: dict = {"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}
+            else:
+                piece = {"index": call.index, "function": {"arguments": call.arguments}}
+            pieces.append(piece)
+        return (self._head + '{"index":0,"delta":{' + role + '"tool_calls":' + _dumps(pieces)
+                + '},"logprobs":null,"finish_reason":null}]}\n\n').encode()
+
+    def parsed(self, delta: Delta, logprobs: dict | None = None) -> bytes:
+        """A parser's delta as events in the order the model wrote them: reasoning, then content, then tool
+        calls. `logprobs` ride on the content event (an event of its own when the delta has no content)."""
+        data = b""
+        if delta.reasoning:
+            data += self.reasoning(delta.reasoning)
+        if delta.content or logprobs is not None:
+            data += self.delta(delta.content, logprobs)
+        if delta.tool_calls:
+            data += self.tool_calls(delta.tool_calls)
+        return data
+
     def finish(self, reason: str) -> bytes:
         if self.kind == "chat":
             choice = '{"index":0,"delta":' + ("{}" if self._role_sent else '{"role":"assistant","content":""}')
@@ -121,12 +157,28 @@ def error_event(body: dict) -> bytes:
     return sse(body)
 
 
-def full_response(kind: str, request_id: str, model: str, created: int, text: str, reason: str,
+def chat_message(message: Message) -> dict:
+    """A parsed answer as OpenAI's `message`: `content` null when the answer is only tool calls (as OpenAI
+    answers), `reasoning_content` and `tool_calls` only when there are some."""
+    body: dict = {"role": "assistant",
+                  "content": message.content if message.content or not message.tool_calls else None}
+    if message.reasoning_content:
+        body["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        body["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}
+                              for call in message.tool_calls]
+    return body
+
+
+def full_response(kind: str, request_id: str, model: str, created: int, text: str | Message, reason: str,
                   prompt_tokens: int, completion_tokens: int, logprobs: dict | None,
                   cached_tokens: int | None = None) -> dict:
+    """`text`: the answer, or for a chat answer read by an output parser, its parsed message."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}
+        message = (chat_message(text) if isinstance(text, Message)
+                   else {"role": "assistant", "content": text})
+        choice: dict = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
