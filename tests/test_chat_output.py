@@ -135,12 +135,13 @@ class Wire:
 
 async def streamed(api, parser, pieces, reason="stop"):
     wire = Wire()
-    sink = _StreamingSink(_Response(wire.send, []), fmt.ChunkWriter("chat", "chatcmpl-1", "m", 0), api, str,
+    response = _Response(wire.send, [])
+    sink = _StreamingSink(response, fmt.ChunkWriter("chat", "chatcmpl-1", "m", 0), api, str,
                           per_token=True, parser=parser)
     for piece in pieces:
         await sink.delta(piece, (), ())
     await sink.finish(reason, 3, len(pieces))
-    await sink.response.end_stream()
+    await response.end_stream()
     return wire.events()
 
 

@@ -42,7 +42,7 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
     (chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "messages[0].content[0].type"),
-    (chat(n=2), "n"),
+    (chat(n=17), "n"),
     (chat(best_of=3), "best_of"),
     (chat(use_beam_search=True), "use_beam_search"),
     (chat(max_tokens="ten"), "max_tokens"),

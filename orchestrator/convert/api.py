@@ -144,6 +144,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
+MAX_CHOICES = 16  # `n`: each choice is a request of its own to the workers (frontend/app.py)
 INT32_MAX = 2**31 - 1
 
 
@@ -160,9 +161,7 @@ def _common(body: dict, kind: str) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: a model name is required", param="model")
-    n = _number(body, "n", 1, integer=True) or 1
-    if n > 1:
-        raise invalid("n: only n=1 is supported (each engine leg produces one sequence)", param="n")
+    n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     best_of = _number(body, "best_of", 1, integer=True)
     if best_of is not None and best_of > 1:
         raise invalid("best_of: only best_of=1 is supported", param="best_of")

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import trio
 
 from orchestrator import tracing
@@ -225,6 +226,8 @@ class App:
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
+            if api.n > 1:
+                return await self._run_choices(kind, request_id, api, response, server.on_disconnect, account)
             with tracing.span("plan"):
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
@@ -323,15 +326,112 @@ class App:
         return "ok"
 
 
+    async def _run_choices(self, kind: str, request_id: str, api, response: _Response,
+                           on_disconnect: Callable[[Callable[[], None]], None], account: KeyAccount | None) -> str:
+        """`n` > 1: a request per choice, planned and run as any other (its own workers, retries, migration),
+        all at once in one nursery, each writing its own choice index; the first failure ends them all, as the
+        answer is one response. A client's seed becomes seed + index, so the choices differ and replay alike.
+
+        OpenEngine can ask one leg for several sequences (SamplingParams.num_sequences, which TensorRT-LLM's
+        revision 1 maps to n = best_of); a request per choice instead keeps every mode, migration and the KV
+        rule as they are for one sequence, and kv_aware routing finds the shared prompt cached."""
+        plans = []
+        with tracing.span("plan"):
+            for index in range(api.n):
+                seed = api.sampling.seed
+                choice_api = attrs.evolve(api, n=1, sampling=attrs.evolve(
+                    api.sampling, seed=None if seed is None else (seed + index) % 2**64))
+                plans.append(await self.coordinator.plan(
+                    choice_api, f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"))
+        if account is not None:
+            account.planned(sum(plan.prompt_tokens for plan in plans))
+        model, created = api.model, int(time.time())
+        token_text = self.coordinator.tokenizer.token_text
+        streams: list[_ChoiceStream] = []
+        sinks: list[_StreamingSink | _CollectingSink] = []
+        for index, plan in enumerate(plans):
+            parser = self.output_parsers.for_request(api, f"{request_id}-{index}", plan.caps)
+            if api.stream:
+                streams.append(_ChoiceStream(response))
+                sinks.append(_StreamingSink(streams[-1], fmt.ChunkWriter(kind, request_id, model, created, index),
+                                            api, token_text, per_token=not self.config.http.coalesce_tokens,
+                                            parser=parser, include_usage=False))
+            else:
+                sinks.append(_CollectingSink(kind, api, token_text, parser=parser))
+        disconnected = False
+
+        async def run_choice(index: int) -> None:
+            await self.coordinator.execute(plans[index], sinks[index])
+            if streams:  # its finish: now, not with [DONE] (the other choices still stream)
+                await response.chunk(streams[index].tail)
+
+        try:
+            async with trio.open_nursery() as choices:
+                def gone() -> None:
+                    nonlocal disconnected
+                    disconnected = True
+                    choices.cancel_scope.cancel()
+
+                on_disconnect(gone)
+                for index in range(len(plans)):
+                    choices.start_soon(run_choice, index)
+        except BaseExceptionGroup as group:
+            error = _first_failure(group)
+            if not response.streaming or not isinstance(error, (ApiError, RequestError, EngineError)):
+                raise error from None
+            await response.stream_error(to_api_error(error))
+            return "error"
+        if disconnected:
+            raise ClientGone()
+        answered = ([stream.usage or (0, 0, None) for stream in streams] if streams else
+                    [(sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens) for sink in sinks
+                     if isinstance(sink, _CollectingSink)])
+        prompt_tokens, cached_tokens = answered[0][0], answered[0][2]  # one prompt, counted once
+        completion_tokens = sum(completion for _, completion, _ in answered)
+        response.usage = (prompt_tokens, completion_tokens, cached_tokens)
+        if api.stream:
+            if not response.streaming:
+                await response.start_stream()
+            if api.include_usage:
+                response.tail += fmt.ChunkWriter(kind, request_id, model, created).usage(
+                    prompt_tokens, completion_tokens, cached_tokens)
+            await response.end_stream()
+        else:
+            choices_body = [sink.choice(index) for index, sink in enumerate(sinks)
+                            if isinstance(sink, _CollectingSink)]
+            await send_json(response.send, 200, fmt.full_response(kind, request_id, model, created, choices_body,
+                                                                  prompt_tokens, completion_tokens, cached_tokens),
+                            response.headers)
+        return "ok"
+
+
+def _first_failure(group: BaseExceptionGroup) -> BaseException:
+    """The error that ended a request's choices: the first that is not the others' cancellation."""
+    for error in _leaves(group):
+        if not isinstance(error, trio.Cancelled):
+            return error
+    return group
+
+
+def _leaves(error: BaseException):
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
 # ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------
 
 class _StreamingSink:
     """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
     reader task (direct delivery: decode/direct.py has the contract)."""
 
-    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool,
-                 parser: StreamParser | None = None):
+    def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
+                 per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
+        # the usage chunk after the finish (a request with several choices sends one for all of them instead)
+        self.include_usage = api.include_usage if include_usage is None else include_usage
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
         self.parser = parser  # the answer's output parser (chat_output.py); None: its text is the content
@@ -392,7 +492,7 @@ class _StreamingSink:
             if self.tool_calls and reason == "stop":
                 reason = "tool_calls"
         data += self.writer.finish(reason)
-        if self.api.include_usage:
+        if self.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
 
@@ -442,15 +542,41 @@ class _CollectingSink:
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
         self.cached_tokens = cached_tokens
 
-    def response(self, request_id: str, model: str, created: int) -> dict:
+    def choice(self, index: int = 0) -> dict:
         lp = None
         if self.api.logprobs:
             top = self.api.top_logprobs
             lp = (fmt.chat_logprobs(self.logprobs, self.token_text, top) if self.kind == "chat"
                   else fmt.completion_logprobs(self.logprobs, self.token_text, 0, top))
         answer = "".join(self.parts) if self.parser is None else self.collector.message()
-        return fmt.full_response(self.kind, request_id, model, created, answer, self.reason,
-                                 self.prompt_tokens, self.completion_tokens, lp, self.cached_tokens)
+        return fmt.choice(self.kind, index, answer, self.reason, lp)
+
+    def response(self, request_id: str, model: str, created: int) -> dict:
+        return fmt.full_response(self.kind, request_id, model, created, [self.choice()], self.prompt_tokens,
+                                 self.completion_tokens, self.cached_tokens)
+
+
+class _ChoiceStream:
+    """One choice's side of a stream with several (`n` > 1): its events go out through the request's response
+    as they come, its finish when its flow ends (`tail`). No direct delivery: choices share one socket, and
+    their writes stay in their request's tasks."""
+
+    can_send_now = False
+
+    def __init__(self, response: _Response):
+        self.response = response
+        self.tail = b""  # the choice's finish, written once its flow has ended
+        self.ending = False  # (the one-choice stream's optimisation; a choice's finish waits in `tail` anyway)
+        self.usage: tuple[int, int, int | None] | None = None
+
+    async def chunk(self, data: bytes) -> None:
+        await self.response.chunk(data)
+
+    def chunk_now(self, data: bytes) -> bool:
+        raise RuntimeError("a choice of several is written from its request's tasks only")
+
+    async def flush(self) -> None:
+        await self.response.flush()
 
 
 # ---- ASGI plumbing -------------------------------------------------------------------------------
