@@ -274,6 +274,11 @@ class SimSpec:
     # Which TensorRT-LLM OpenEngine server the simulator behaves as: 1, tensorrt_llm/grpc/openengine (role per
     # request, no media); 3, tensorrt_llm/openengine (declared roles, images). See orchestrator/sim/persona.py.
     schema_revision: int = 1
+    # What the simulated engine was started with (orchestrator/sim/tool_formats.py, persona.py): TensorRT-LLM's
+    # guided_decoding_backend (none | xgrammar | llguidance) and the model's parsers, by TensorRT-LLM's names.
+    guided_backend: str = "none"
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
     args: tuple[str, ...] = ()
 
 

@@ -93,7 +93,8 @@ class Launcher:
                     argv = orchestrator_command("sim-worker", "--role", spec.role, "--port", "0",
                                                 "--model", self.config.model.name, "--profile", spec.sim.profile,
                                                 "--time-scale", repr(spec.sim.time_scale),
-                                                "--schema-revision", str(spec.sim.schema_revision), *etcd_flags,
+                                                "--schema-revision", str(spec.sim.schema_revision),
+                                                *sim_model_flags(spec.sim), *etcd_flags,
                                                 *(ttl_flags if etcd_flags else ()), *spec.sim.args)
                     address = await self._start(name, argv, spec.env, ready_timeout=timeout)
                 else:
@@ -214,13 +215,32 @@ async def _first_death(launcher: Launcher, scope: trio.CancelScope, outcome: dic
 
 
 def check_sim_workers(config: Config, file: str) -> None:
-    """What only the launcher can check: the simulated workers' profiles exist."""
+    """What only the launcher can check: the simulated workers' profiles, grammar backends and parsers exist."""
+    from orchestrator.sim.persona import GUIDED_BACKENDS
     from orchestrator.sim.profiles import PROFILES
+    from orchestrator.sim.tool_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 
     for i, worker in enumerate(config.launch.workers):
-        if worker.sim is not None and worker.sim.profile not in PROFILES:
-            raise ConfigError(file, f"launch.workers[{i}].sim.profile", " or ".join(sorted(PROFILES)),
-                              worker.sim.profile)
+        if worker.sim is None:
+            continue
+        for key, value, known in (("profile", worker.sim.profile, sorted(PROFILES)),
+                                  ("guided_backend", worker.sim.guided_backend, GUIDED_BACKENDS),
+                                  ("tool_call_parser", worker.sim.tool_call_parser, ("", *TOOL_CALL_PARSERS)),
+                                  ("reasoning_parser", worker.sim.reasoning_parser, ("", *REASONING_PARSERS))):
+            if value not in known:
+                raise ConfigError(file, f"launch.workers[{i}].sim.{key}", " or ".join(k or "''" for k in known), value)
+
+
+def sim_model_flags(sim) -> tuple[str, ...]:
+    """The sim-worker flags for what a simulated engine was started with (only those the config sets)."""
+    flags: tuple[str, ...] = ()
+    if sim.guided_backend != "none":
+        flags += ("--guided-backend", sim.guided_backend)
+    if sim.tool_call_parser:
+        flags += ("--tool-call-parser", sim.tool_call_parser)
+    if sim.reasoning_parser:
+        flags += ("--reasoning-parser", sim.reasoning_parser)
+    return flags
 
 
 def run(args: argparse.Namespace) -> int:
