@@ -13,18 +13,32 @@ from orchestrator.parsers.combined import ChatParser, PassThrough, StreamParser
 from orchestrator.parsers.events import CallIds
 from orchestrator.parsers.reasoning import ThinkReasoning
 from orchestrator.parsers.tools_json import HermesParser, Llama3JsonParser, MistralParser
+from orchestrator.parsers.tools_special import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
+from orchestrator.parsers.tools_xml import Glm45Parser, Qwen3CoderParser
 
 ToolFactory = Callable[[CallIds, "list[dict[str, Any]] | None"], ToolParser]
 
 # canonical name -> the family's parser class
 TOOL_PARSERS: dict[str, ToolFactory] = {
-    "qwen3": HermesParser,  # TensorRT-LLM tool_parser_factory.py; the <tool_call> JSON family
-    "llama3_json": Llama3JsonParser,  # vLLM
-    "mistral": MistralParser,  # vLLM
+    # TensorRT-LLM's names (tensorrt_llm/serve/tool_parser/tool_parser_factory.py)
+    "qwen3": HermesParser,  # the <tool_call> JSON family
+    "qwen3_coder": Qwen3CoderParser,
+    "kimi_k2": KimiK2Parser,
+    "deepseek_v3": DeepSeekV3Parser,
+    "deepseek_v31": DeepSeekV31Parser,
+    "glm4": Glm45Parser,  # GLM-4.5 / 4.6
+    "glm47": Glm45Parser,  # GLM-4.7 drops the newlines; one reader takes both
+    # families TensorRT-LLM has no parser for: vLLM's names
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
 }
 TOOL_ALIASES: dict[str, str] = {
     "hermes": "qwen3",  # vLLM's name for the same format
     "llama4_json": "llama3_json",
+    "qwen3_xml": "qwen3_coder",
+    "glm45": "glm4",
+    "deepseekv3": "deepseek_v3",  # TensorRT-LLM's earlier spellings
+    "deepseekv3.1": "deepseek_v31",
 }
 
 # canonical name -> (reasoning starts at the answer's first character?, is it switched by enable_thinking?)
