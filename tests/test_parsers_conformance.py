@@ -104,7 +104,7 @@ SAMPLES = [
            "<arg_value>2024-06-27</arg_value>\n</tool_call>",
            "", "", (("get_weather", {"city": "北京", "date": "2024-06-27"}),)),
     Sample("glm-4.7", "glm47", None,
-           f"{TRT_PARSERS}/glm47_parser.py@5d5491368b7aa5add590a523e56f9db762aa123d",
+           f"{TRT_PARSERS}/glm47_parser.py@1545b5798b26dad23d2ff800f61751b445b30c09",
            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Beijing</arg_value><arg_key>days</arg_key>"
            "<arg_value>2</arg_value></tool_call>",
            "", "", (("get_weather", {"city": "Beijing", "days": 2}),)),

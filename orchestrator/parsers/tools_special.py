@@ -4,8 +4,10 @@ header and an end marker: DeepSeek V3 and V3.1, Kimi K2. Arguments stream as the
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from orchestrator.parsers.base import ToolParser
+from orchestrator.parsers.events import CallIds
 from orchestrator.parsers.text import held_suffix, held_suffix_any
 
 
@@ -26,7 +28,7 @@ class SectionParser(ToolParser):
     CALL_END = ""  # a marker after ARGS_END that closes the call, when the format has one
     MAX_HEADER = 512  # a header longer than this without HEADER_END is not one
 
-    def __init__(self, ids, tools=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, ids: CallIds, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(ids, tools)
         self._state = "content"
 
