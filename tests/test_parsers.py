@@ -182,3 +182,55 @@ def test_an_unknown_parser_name_is_a_clear_error():
 def test_no_parser_passes_content_through():
     assert answer("<tool_call>x</tool_call><think>", parsers.resolve(None, None)).content == (
         "<tool_call>x</tool_call><think>")
+
+
+# ---- examples, on the other families -----------------------------------------------------------------
+def test_kimi_calls_keep_the_models_own_ids():
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
+            '{"q": "x"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert [call.id for call in answer(text, parsers.resolve("kimi_k2")).tool_calls] == ["functions.search:0"]
+
+
+def test_mistral_ids_are_nine_letters_and_digits_as_its_templates_demand():
+    message = answer('[TOOL_CALLS]f[ARGS]{"a": 1}', parsers.resolve("mistral"))
+    (call,) = message.tool_calls
+    assert len(call.id) == 9 and call.id.isalnum()
+
+
+def test_glm_call_without_arguments_has_an_empty_object():
+    message = answer("<tool_call>get_time</tool_call>", parsers.resolve("glm47"))
+    assert calls_of(message) == [("get_time", {})]
+
+
+def test_qwen3_coder_keeps_text_without_a_schema_and_types_it_with_one():
+    text = "<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n</function>\n</tool_call>"
+    assert calls_of(answer(text, parsers.resolve("qwen3_coder"))) == [("f", {"n": "42"})]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}}]
+    assert calls_of(answer(text, parsers.resolve("qwen3_coder"), tools=tools)) == [("f", {"n": 42})]
+
+
+def test_qwen3_coder_block_without_a_function_is_content():
+    text = "<tool_call>\nhello\n</tool_call> bye"
+    assert answer(text, parsers.resolve("qwen3_coder")) == parsers.Message(text, "", ())
+
+
+def test_llama_json_output_that_is_not_a_call_stays_content():
+    text = '{"answer": 42, "why": "because"}'
+    assert answer(text, parsers.resolve("llama3_json")) == parsers.Message(text, "", ())
+
+
+def test_llama_text_answer_is_content():
+    text = "The answer is 42. {not a call}"
+    assert answer(text, parsers.resolve("llama3_json")) == parsers.Message(text, "", ())
+
+
+def test_deepseek_call_that_names_nothing_is_content():
+    begin, call, sep = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", (
+        "<\uff5ctool\u2581sep\uff5c>")
+    message = answer(f"{begin}{call}{sep}{{}}", parsers.resolve("deepseek_v31"))
+    assert message.tool_calls == () and message.content == f"{call}{sep}{{}}"
+
+
+def test_special_tokens_are_needed_only_where_markers_are_special_tokens():
+    assert parsers.resolve("mistral").needs_special_tokens
+    assert not parsers.resolve("qwen3").needs_special_tokens

@@ -13,6 +13,16 @@ from orchestrator import parsers
 
 TRTLLM = "NVIDIA/TensorRT-LLM"
 VLLM = "vllm-project/vllm"
+TRT_PARSERS = f"{TRTLLM} tensorrt_llm/serve/tool_parser"
+
+
+def ds(words: str) -> str:
+    """DeepSeek's special tokens (U+FF5C bars, U+2581 spaces), escaped so no look-alike sits in the source."""
+    return "<\uff5c" + words.replace(" ", "\u2581") + "\uff5c>"
+
+
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_current_weather", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer"}}}}}]
 
 
 class Sample(NamedTuple):
@@ -61,6 +71,43 @@ SAMPLES = [
            "3.2 / Devstral)",
            'Sure.[TOOL_CALLS]get_current_weather[ARGS]{"city": "Dallas"}[TOOL_CALLS]get_time[ARGS]{}',
            "Sure.", "", (("get_current_weather", {"city": "Dallas"}), ("get_time", {}))),
+    Sample("qwen3-coder XML", "qwen3_coder", None,
+           f"{TRT_PARSERS}/qwen3_coder_parser.py@0e6260459464d37ba27f0dadf0511d95052939f0 (model card "
+           "Qwen/Qwen3-Coder-480B-A35B-Instruct)",
+           "Checking.\n<tool_call>\n<function=get_current_weather>\n<parameter=location>\nBoston\n</parameter>\n"
+           "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+           "Checking.\n", "", (("get_current_weather", {"location": "Boston", "days": 3}),),
+           {"tools": WEATHER_TOOL}),
+    Sample("deepseek v3", "deepseek_v3", None,
+           f"{TRT_PARSERS}/deepseekv3_parser.py@205f8c25d5e278aa761e452168815d560beb7f89",
+           f"{ds('tool calls begin')}{ds('tool call begin')}function{ds('tool sep')}get_current_weather\n"
+           f'```json\n{{"location": "Tokyo"}}\n```{ds("tool call end")}\n{ds("tool call begin")}function'
+           f'{ds("tool sep")}get_current_weather\n```json\n{{"location": "Paris"}}\n```{ds("tool call end")}'
+           f"{ds('tool calls end')}",
+           "", "", (("get_current_weather", {"location": "Tokyo"}), ("get_current_weather", {"location": "Paris"}))),
+    Sample("deepseek v3.1", "deepseek_v31", None,
+           f"{TRT_PARSERS}/deepseekv31_parser.py@1262edbc3809b30af94c3cf2ec2736a14642b821",
+           f'{ds("tool calls begin")}{ds("tool call begin")}get_current_weather{ds("tool sep")}{{"location": '
+           f'"Tokyo"}}{ds("tool call end")}{ds("tool call begin")}get_current_weather{ds("tool sep")}'
+           f'{{"location": "Paris"}}{ds("tool call end")}{ds("tool calls end")}',
+           "", "", (("get_current_weather", {"location": "Tokyo"}), ("get_current_weather", {"location": "Paris"}))),
+    Sample("kimi k2", "kimi_k2", None,
+           f"{TRT_PARSERS}/kimi_k2_tool_parser.py@65b31db1b401d3752b8ebe7c29093cbfb6af04b7 (model card "
+           "moonshotai/Kimi-K2-Instruct docs/tool_call_guidance.md)",
+           "Let me check.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
+           '<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|>\n<|tool_call_begin|>'
+           'functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>\n<|tool_calls_section_end|>',
+           "Let me check.", "", (("get_weather", {"city": "Beijing"}), ("get_time", {}))),
+    Sample("glm-4.5", "glm4", None,
+           f"{TRT_PARSERS}/glm4_parser.py@2f5b0091b42555a4fabfa5545dc3dbfe5e4ba749",
+           "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>北京</arg_value>\n<arg_key>date</arg_key>\n"
+           "<arg_value>2024-06-27</arg_value>\n</tool_call>",
+           "", "", (("get_weather", {"city": "北京", "date": "2024-06-27"}),)),
+    Sample("glm-4.7", "glm47", None,
+           f"{TRT_PARSERS}/glm47_parser.py@1545b5798b26dad23d2ff800f61751b445b30c09",
+           "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Beijing</arg_value><arg_key>days</arg_key>"
+           "<arg_value>2</arg_value></tool_call>",
+           "", "", (("get_weather", {"city": "Beijing", "days": 2}),)),
     Sample("deepseek-r1 reasoning", None, "deepseek-r1",
            f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
            "(the prompt ends with <think>)",

@@ -49,6 +49,8 @@ class ToolParser:
     """
 
     START = ""  # the marker that opens the tool-call part of the output, found in the content state
+    # whether the format's markers are special tokens a detokenizer skips by default (ParserSpec.needs_special_tokens)
+    SPECIAL_TOKENS = False
 
     def __init__(self, ids: CallIds, tools: list[dict[str, Any]] | None = None) -> None:
         self._ids = ids

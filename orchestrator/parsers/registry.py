@@ -11,20 +11,41 @@ import attrs
 from orchestrator.parsers.base import ToolParser
 from orchestrator.parsers.combined import ChatParser, PassThrough, StreamParser
 from orchestrator.parsers.events import CallIds
+from orchestrator.parsers.harmony import HarmonyParser
 from orchestrator.parsers.reasoning import ThinkReasoning
 from orchestrator.parsers.tools_json import HermesParser, Llama3JsonParser, MistralParser
+from orchestrator.parsers.tools_special import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
+from orchestrator.parsers.tools_xml import Glm45Parser, Qwen3CoderParser
 
 ToolFactory = Callable[[CallIds, "list[dict[str, Any]] | None"], ToolParser]
 
 # canonical name -> the family's parser class
 TOOL_PARSERS: dict[str, ToolFactory] = {
-    "qwen3": HermesParser,  # TensorRT-LLM tool_parser_factory.py; the <tool_call> JSON family
-    "llama3_json": Llama3JsonParser,  # vLLM
-    "mistral": MistralParser,  # vLLM
+    # TensorRT-LLM's names (tensorrt_llm/serve/tool_parser/tool_parser_factory.py)
+    "qwen3": HermesParser,  # the <tool_call> JSON family
+    "qwen3_coder": Qwen3CoderParser,
+    "kimi_k2": KimiK2Parser,
+    "deepseek_v3": DeepSeekV3Parser,
+    "deepseek_v31": DeepSeekV31Parser,
+    "glm4": Glm45Parser,  # GLM-4.5 / 4.6
+    "glm47": Glm45Parser,  # GLM-4.7 drops the newlines; one reader takes both
+    # families TensorRT-LLM has no parser for: vLLM's names
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
 }
+# gpt-oss: one harmony parser does reasoning and tools together (parsers/harmony.py). TensorRT-LLM handles harmony
+# outside its parser registries (serve/harmony_adapter.py); these are vLLM's names.
+HARMONY_TOOL = "openai"
+HARMONY_REASONING = "openai_gptoss"
 TOOL_ALIASES: dict[str, str] = {
     "hermes": "qwen3",  # vLLM's name for the same format
     "llama4_json": "llama3_json",
+    "qwen3_xml": "qwen3_coder",
+    "glm45": "glm4",
+    "deepseekv3": "deepseek_v3",  # TensorRT-LLM's earlier spellings
+    "deepseekv3.1": "deepseek_v31",
+    "gpt_oss": HARMONY_TOOL,
+    "harmony": HARMONY_TOOL,
 }
 
 # canonical name -> (reasoning starts at the answer's first character?, is it switched by enable_thinking?)
@@ -38,6 +59,8 @@ REASONING_PARSERS: dict[str, tuple[bool, bool]] = {
 REASONING_ALIASES: dict[str, str] = {
     "deepseek_r1": "deepseek-r1",  # vLLM's spelling
     "nano-v3": "nemotron-v3",
+    "gpt_oss": HARMONY_REASONING,
+    "harmony": HARMONY_REASONING,
 }
 # reasoning parsers whose thinking is off unless the request asks for it
 _THINKING_OFF_BY_DEFAULT = {"deepseek_v4"}
@@ -54,11 +77,11 @@ class UnknownParserError(ValueError):
 
 
 def tool_parser_names() -> list[str]:
-    return sorted([*TOOL_PARSERS, *TOOL_ALIASES])
+    return sorted([*TOOL_PARSERS, HARMONY_TOOL, *TOOL_ALIASES])
 
 
 def reasoning_parser_names() -> list[str]:
-    return sorted([*REASONING_PARSERS, *REASONING_ALIASES])
+    return sorted([*REASONING_PARSERS, HARMONY_REASONING, *REASONING_ALIASES])
 
 
 def _canonical(kind: str, name: str | None, table: dict[str, Any], aliases: dict[str, str],
@@ -67,7 +90,7 @@ def _canonical(kind: str, name: str | None, table: dict[str, Any], aliases: dict
         return None
     key = name.lower()
     key = aliases.get(key, key)
-    if key not in table:
+    if key not in table and key not in (HARMONY_TOOL, HARMONY_REASONING):
         raise UnknownParserError(kind, name, known)
     return key
 
@@ -89,17 +112,36 @@ class ParserSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss: `new` needs harmony's encoding (parsers.harmony.load_encoding(), once at start-up)."""
+        return self.tool_call_parser == HARMONY_TOOL or self.reasoning_parser == HARMONY_REASONING
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether the worker must send special tokens in the text (detokenize without skipping them): the
+        family's markers are special tokens that a skipping detokenizer drops."""
+        if self.harmony:
+            return True
+        factory = TOOL_PARSERS.get(self.tool_call_parser or "")
+        return bool(getattr(factory, "SPECIAL_TOKENS", False))
+
     def new(self, *, seed: str | None = None, tools: list[dict[str, Any]] | None = None, tool_calls: bool = True,
-            chat_template_kwargs: dict[str, Any] | None = None,
-            prompt_opens_reasoning: bool | None = None) -> StreamParser:
+            chat_template_kwargs: dict[str, Any] | None = None, prompt_opens_reasoning: bool | None = None,
+            harmony_encoding: Any = None) -> StreamParser:
         """One request's parser.
 
         seed: makes tool-call ids deterministic (use the request id); tools: the request's tools (the XML families
         type parameter values by their schema); tool_calls: False for `tool_choice: "none"` (calls are then left
         as content); chat_template_kwargs: the request's, for `enable_thinking`; prompt_opens_reasoning: True when
         the rendered prompt ends inside a reasoning block, False when it closed it, None to use the family's
-        default.
+        default; harmony_encoding: for gpt-oss (see `harmony`), ValueError without it.
         """
+        if self.harmony:
+            if harmony_encoding is None:
+                raise ValueError("gpt-oss output needs harmony's encoding: load it once with "
+                                 "orchestrator.parsers.harmony.load_encoding() and pass harmony_encoding=")
+            return HarmonyParser(harmony_encoding, CallIds(seed), tool_calls=tool_calls)
         reasoning = None
         if self.reasoning_parser is not None:
             starts_inside, switchable = REASONING_PARSERS[self.reasoning_parser]

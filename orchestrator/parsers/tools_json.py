@@ -225,6 +225,7 @@ class Llama3JsonParser(JsonCallParser):
     answer; several are separated by `;`."""
 
     START = "<|python_tag|>"
+    SPECIAL_TOKENS = True  # <|python_tag|> is a special token of Llama 3's tokenizer
 
     def __init__(self, ids: CallIds, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(ids, tools)
@@ -271,6 +272,7 @@ class MistralParser(JsonCallParser):
     `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11 on, optionally `name[CALL_ID]id[ARGS]{...}`), repeated."""
 
     START = "[TOOL_CALLS]"
+    SPECIAL_TOKENS = True  # a control token of Mistral's tokenizers (vLLM turns skip_special_tokens off for it)
     ARGS = "[ARGS]"
     CALL_ID = "[CALL_ID]"
     MAX_NAME = 256
