@@ -156,7 +156,8 @@ def test_n_on_completions_too(deployment):
     assert [c.index for c in answer.choices] == [0, 1] and answer.usage.completion_tokens == 10
 
 
-def test_litellm_runs_a_two_step_tool_loop(deployment):
+def test_litellm_runs_a_two_step_tool_loop(deployment, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price table: no fetch from the internet
     litellm = pytest.importorskip("litellm")
     kwargs = {"model": "openai/tiny-chat", "api_base": deployment.url + "/v1", "api_key": "unused",
               "tools": [WEATHER]}
