@@ -30,8 +30,8 @@ import trio
 
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.sse_client import Connection
-from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
+from orchestrator.kv import generation_leg
 from orchestrator.models import TINY_CHAT
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg

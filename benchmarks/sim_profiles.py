@@ -23,8 +23,8 @@ from pathlib import Path
 import trio
 
 from orchestrator.bench.metrics import percentile
-from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineClient, LoopThread, PrefillReady, Tokens
+from orchestrator.kv import generation_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg
 from orchestrator.sim.profiles import PROFILES

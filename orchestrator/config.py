@@ -17,7 +17,7 @@ import yaml
 
 from orchestrator.models import MODELS_DIR
 from orchestrator.parsers import UnknownParserError, resolve
-from orchestrator.workers.roles import ROLES  # the roles a config names, re-exported
+from orchestrator.roles import ROLES
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded", "kv_aware")

@@ -30,8 +30,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from orchestrator.engine.errors import ErrorCode
-from orchestrator.workers.roles import ROLES
+from orchestrator.openengine.v1.error_pb2 import ErrorCode
+from orchestrator.roles import ROLES
 
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (conditional mode picks per request)

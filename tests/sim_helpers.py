@@ -2,8 +2,8 @@
 
 import base64
 
-from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
+from orchestrator.kv import generation_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg
 from orchestrator.synthetic import solid_png

@@ -13,10 +13,9 @@ from orchestrator.convert import (
     parse_chat,
     resolve_limits,
 )
-from orchestrator.decode import generation_leg, release_leg
 from orchestrator.engine.capabilities import FeatureSupport
 from orchestrator.errors import InvalidRequest
-from orchestrator.kv import first_gen_tokens
+from orchestrator.kv import first_gen_tokens, generation_leg, release_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 from orchestrator.prefill import context_only_leg

@@ -1,4 +1,4 @@
-"""EagerReceiver (orchestrator/transport/eager_receive.py): reads what trio's receive_some would, and every read is a
+"""EagerReceiver (orchestrator/net/eager_receive.py): reads what trio's receive_some would, and every read is a
 checkpoint, as trio's is."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.net.eager_receive import EagerReceiver
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

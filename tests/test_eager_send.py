@@ -1,4 +1,4 @@
-"""EagerSender (orchestrator/transport/eager_send.py): a write the kernel takes at once skips the scheduler; anything
+"""EagerSender (orchestrator/net/eager_send.py): a write the kernel takes at once skips the scheduler; anything
 else behaves as trio's send_all."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.transport.eager_send import EagerSender
+from orchestrator.net.eager_send import EagerSender
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

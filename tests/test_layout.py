@@ -1,55 +1,18 @@
 """The house rules a newcomer can rely on, checked on the source tree."""
 
-import ast
 from pathlib import Path
 
+import grimp
 import pytest
+from importlinter.api import read_configuration
+from importlinter.contracts.acyclic_siblings import AcyclicSiblingsContract
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.contracts.layers import LayersContract
+from importlinter.domain.contract import Contract
 
 import orchestrator
 
 PACKAGE = Path(orchestrator.__file__).parent
-# The simulator is a leaf: only the launcher, the planner and the reuse bench (they step the simulator's
-# scheduler on a virtual clock) and the testkit may import it; the orchestrator itself talks to every worker
-# over gRPC.
-MAY_IMPORT_SIM = {"launch.py", "bench/plan.py", "bench/reuse.py", "testkit/plugin.py"}
-# `orchestrator check-config` runs the launcher's own checks; nothing else calls into the launcher (the frontend
-# starts its other processes with the supervisor of orchestrator/processes.py, as the launcher does).
-MAY_IMPORT_LAUNCH = {"config_check.py"}
-
-
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            # `from orchestrator import engine` imports the package too, as the name it binds
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def test_nothing_outside_the_simulator_imports_it_but_the_launcher_the_benches_and_the_testkit():
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if relative.startswith(("sim/", "openengine/v1/")) or relative in MAY_IMPORT_SIM:
-            continue
-        if any(name == "orchestrator.sim" or name.startswith("orchestrator.sim.") for name in _imports(path)):
-            offenders.append(relative)
-    assert offenders == []
-
-
-def test_nothing_imports_the_testkit_and_only_check_config_imports_the_launcher():
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE).as_posix()
-        for name in _imports(path):
-            if name.startswith("orchestrator.testkit") and not relative.startswith("testkit/"):
-                offenders.append(f"{relative} imports {name}")
-            if name == "orchestrator.launch" and relative not in MAY_IMPORT_LAUNCH:
-                offenders.append(f"{relative} imports {name}")
-    assert offenders == []
 
 
 def test_http_statuses_live_only_in_the_frontend():
@@ -65,40 +28,88 @@ def test_the_coordinator_stays_small():
 
 
 # ---- layers call down, never up -------------------------------------------------------------------------
-# A request goes frontend -> convert -> flow (plan, then prefill, KV lease, decode, migration) -> engine ->
-# transport; each package may import only what lies below it. Listed: the imports each package must never make.
-# The errors every transport reports are transport/errors.py's; engine/errors.py adds the engine's own on top.
-NEVER_IMPORTS = {
-    "flow/": ("frontend",),
-    "decode/": ("frontend", "flow"),
-    "prefill/": ("frontend", "flow"),
-    "kv/": ("frontend", "flow", "prefill"),
-    "workers/": ("frontend", "flow", "decode", "prefill", "kv", "convert"),
-    "convert/": ("frontend", "flow", "decode", "prefill", "kv", "workers"),
-    "engine/": ("frontend", "flow", "decode", "prefill", "kv", "convert"),
-    "transport/": ("frontend", "flow", "decode", "prefill", "kv", "convert", "workers", "engine"),
-}
+# The contracts are pyproject.toml's [tool.importlinter] (scripts/lint.sh runs them as `lint-imports`): the layers
+# frontend > flow > prefill | decode > kv > workers | convert > discovery > engine > transport over the leaves, with
+# the entry points on top; the simulator imported only where stepping its scheduler needs it; nothing importing the
+# testkit, the bench or (but check-config) the launcher; no cycle between the modules of any package. Here they run
+# on the package's real import graph, and on that graph with one import added, to show that they can fail.
+PYPROJECT = PACKAGE.parent / "pyproject.toml"
+CONTRACT_TYPES = {contract.type_name: contract for contract in (LayersContract, ForbiddenContract,
+                                                                   AcyclicSiblingsContract)}
 
 
-def _imported_packages(path: Path) -> set[str]:
-    return {name.split(".")[1] for name in _imports(path) if name.startswith("orchestrator.")}
+def _contracts() -> dict[str, Contract]:
+    configuration = read_configuration(str(PYPROJECT))
+    return {options["id"]: CONTRACT_TYPES[options["type"]](options["name"], configuration["session_options"], options)
+            for options in configuration["contracts_options"]}
 
 
-@pytest.mark.parametrize("package", sorted(NEVER_IMPORTS))
-def test_a_layer_never_imports_the_layers_above_it(package):
-    offenders = sorted(f"{path.relative_to(PACKAGE).as_posix()} imports orchestrator.{above}"
-                       for path in (PACKAGE / package).rglob("*.py")
-                       for above in _imported_packages(path) & set(NEVER_IMPORTS[package]))
-    assert offenders == []
+@pytest.fixture
+def import_graph() -> grimp.ImportGraph:
+    """The package's imports as the contracts see them (each test its own: a check removes ignored imports)."""
+    return grimp.build_graph("orchestrator", cache_dir=None)
 
 
-def test_the_layering_rules_catch_an_upward_import():
-    """The check itself: the frontend's app imports the flow, which the flow may not do the other way round."""
-    app = PACKAGE / "frontend" / "app.py"
-    assert "flow" in _imported_packages(app) and "flow" in NEVER_IMPORTS["decode/"]
+def _broken(contract_id: str, graph: grimp.ImportGraph) -> bool:
+    return not _contracts()[contract_id].check(graph, verbose=False).kept
 
 
-def test_the_layering_rules_see_a_package_imported_from_the_root(tmp_path):
-    module = tmp_path / "module.py"
-    module.write_text("from orchestrator import engine\n")
-    assert "engine" in _imported_packages(module) and "engine" in NEVER_IMPORTS["transport/"]
+def test_every_contract_names_a_type_this_test_knows():
+    assert {options["type"] for options in read_configuration(str(PYPROJECT))["contracts_options"]} <= set(
+        CONTRACT_TYPES)
+
+
+@pytest.mark.parametrize("contract_id", sorted(_contracts()))
+def test_the_package_keeps_every_import_contract(contract_id, import_graph):
+    assert not _broken(contract_id, import_graph)
+
+
+@pytest.mark.parametrize(("importer", "imported"), [
+    ("orchestrator.transport.calls", "orchestrator.engine.events"),  # one layer up
+    ("orchestrator.kv.release", "orchestrator.decode.stage"),  # the cycle there was
+    ("orchestrator.engine.capabilities", "orchestrator.workers.pool"),  # the other cycle there was
+    ("orchestrator.decode.stage", "orchestrator.prefill.stage"),  # two stages of one layer are independent
+    ("orchestrator.config", "orchestrator.workers.pool"),  # a leaf is a leaf
+])
+def test_the_layers_catch_an_import_that_goes_up(import_graph, importer, imported):
+    import_graph.add_import(importer=importer, imported=imported)
+    assert _broken("layers", import_graph)
+
+
+def test_the_layers_catch_an_upward_import_through_a_third_module(import_graph):
+    import_graph.add_import(importer="orchestrator.roles", imported="orchestrator.sim.server")
+    import_graph.add_import(importer="orchestrator.sim.server", imported="orchestrator.frontend.app")
+    assert _broken("layers", import_graph)
+
+
+def test_the_frontend_may_import_the_layers_below_it(import_graph):
+    import_graph.add_import(importer="orchestrator.frontend.app", imported="orchestrator.transport.calls")
+    assert not _broken("layers", import_graph)
+
+
+def test_a_new_module_at_the_root_must_take_a_place_in_the_layers(import_graph):
+    import_graph.add_module("orchestrator.newcomer")
+    assert _broken("layers", import_graph)
+
+
+@pytest.mark.parametrize("importer", ["orchestrator.flow.coordinator", "orchestrator.workers.pool",
+                                      "orchestrator.bench.loadgen", "orchestrator.testkit.plugin"])
+def test_only_the_launcher_the_planner_and_the_reuse_bench_import_the_simulator(import_graph, importer):
+    import_graph.add_import(importer=importer, imported="orchestrator.sim.scheduler")
+    assert _broken("sim-leaf", import_graph)
+
+
+def test_the_simulator_catches_an_import_of_the_request_path(import_graph):
+    import_graph.add_import(importer="orchestrator.sim.cli", imported="orchestrator.workers.routing")
+    assert _broken("sim-outside-the-request-path", import_graph)
+
+
+@pytest.mark.parametrize(("importer", "imported", "contract_id"), [
+    ("orchestrator.serve", "orchestrator.testkit.fakes", "nothing-imports-the-testkit-or-the-bench"),
+    ("orchestrator.frontend.app", "orchestrator.bench.loadgen", "nothing-imports-the-testkit-or-the-bench"),
+    ("orchestrator.bench.cli", "orchestrator.launch", "launcher"),
+    ("orchestrator.workers.states", "orchestrator.workers.pool", "acyclic"),
+])
+def test_the_other_contracts_catch_what_they_forbid(import_graph, importer, imported, contract_id):
+    import_graph.add_import(importer=importer, imported=imported)
+    assert _broken(contract_id, import_graph)

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import trio
 
-from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, ErrorCode, WorkerUnavailable
 from orchestrator.engine.client import HealthState
+from orchestrator.kv import generation_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import lifecycle_pb2
 from orchestrator.prefill import context_only_leg

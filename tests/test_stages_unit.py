@@ -12,12 +12,12 @@ import pytest
 import trio
 
 from orchestrator.convert import parse_chat, serves_features
-from orchestrator.decode import StreamState, generation_leg
+from orchestrator.decode import StreamState
 from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
-from orchestrator.kv import KvLease
+from orchestrator.kv import KvLease, generation_leg
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
 from orchestrator.models import TINY_CHAT

@@ -11,6 +11,7 @@ import asyncio
 import json
 
 import pytest
+
 from serve_helpers import Deployment, chat_body, sse_events
 
 MODEL_FLAGS = ("--time-scale", "0", "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",

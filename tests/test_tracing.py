@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator import tracing
 from orchestrator.config import TracingConfig
-from orchestrator.decode import StreamState, generation_leg
+from orchestrator.decode import StreamState
 from orchestrator.engine import EngineError, PrefillReady
+from orchestrator.kv import generation_leg
 from orchestrator.testkit.plugin import Fail, Send
 from orchestrator.tokenizer import IncrementalDetokenizer
 from test_stages_unit import SESSION, TOKENIZER, Sink, decode_tokens, deployment, full, prefill_script, workers

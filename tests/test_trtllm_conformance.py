@@ -31,14 +31,13 @@ import trio
 from google.protobuf import json_format
 
 from orchestrator.convert import check_worker_media, full_leg, parse_chat, resolve_limits
-from orchestrator.decode import generation_leg
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.engine.capabilities import WorkerCapabilities
 from orchestrator.engine.errors import from_engine_error, from_grpc_status
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import InvalidRequest
 from orchestrator.frontend.errors import to_api_error
-from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, check_session
+from orchestrator.kv import TRTLLM_HANDOFF_PROFILE, HandoffError, check_session, generation_leg
 from orchestrator.openengine.v1 import error_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill import context_only_leg, prefill_outcome

@@ -20,7 +20,8 @@ from pathlib import Path
 import attrs
 import yaml
 
-from orchestrator.config import MODES, ROLES, ConfigError, build_attrs  # one loader, one error style
+from orchestrator.config import MODES, ConfigError, build_attrs  # one loader, one error style
+from orchestrator.roles import ROLES
 
 
 @attrs.frozen

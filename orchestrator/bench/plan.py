@@ -34,10 +34,10 @@ from orchestrator.bench.compare import SloSpec, _fmt, _json_default
 from orchestrator.bench.loadgen import Range
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.config import ConfigError, build_attrs
+from orchestrator.roles import ROLES
 from orchestrator.sim.output import Vocabulary
 from orchestrator.sim.profiles import PROFILES, Profile
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, Scheduler, SimRequest, Step
-from orchestrator.workers.roles import ROLES
 
 PLAN_MODES = ("aggregated", "disaggregated", "conditional")
 

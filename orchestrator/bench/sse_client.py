@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from orchestrator.transport.eager_receive import EagerReceiver
+from orchestrator.net.eager_receive import EagerReceiver
 
 
 class HttpError(Exception):

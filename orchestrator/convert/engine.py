@@ -5,7 +5,8 @@
 - `check_media_capability`: images go only to workers whose every capability signal says they take
   images on the request's path; `check_media_sources`: and in an encoding they list;
 - `full_leg`: the one leg of aggregated mode (and of conditional mode's local path);
-- the disaggregated legs are in orchestrator.prefill.legs and orchestrator.decode.legs.
+- the disaggregated legs are in orchestrator.prefill.legs and orchestrator.kv.legs (the migration's in
+  orchestrator.decode.legs).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@
 - output: `stream_output`, engine events -> deltas for the client's sink
 - deltas: the `OutputSink` protocol, the stream state, tokens -> deltas
 - direct: direct delivery from the engine connection's reader task, and its contract
-- legs: the leg codec (generation, continuation and release legs), pure
+- legs: the continuation leg a migration sends, pure (the legs that pull a KV session are orchestrator.kv's)
 """
 
 from orchestrator.decode.deltas import OutputSink, StreamState
-from orchestrator.decode.legs import continuation_leg, generation_leg, release_leg
+from orchestrator.decode.legs import continuation_leg
 from orchestrator.decode.output import ReplayedStream, finish_answer, finish_reason, stream_output
 
 __all__ = ["OutputSink", "ReplayedStream", "StreamState", "continuation_leg", "finish_answer", "finish_reason",
-           "generation_leg", "release_leg", "stream_output"]
+           "stream_output"]

@@ -14,7 +14,7 @@ import json
 import time
 
 from orchestrator.discovery.snapshots import WorkerSpec
-from orchestrator.workers.roles import ROLES
+from orchestrator.roles import ROLES
 
 
 def workers_prefix(namespace: str, model: str | None = None) -> str:

@@ -26,7 +26,7 @@ from google.protobuf import json_format
 from orchestrator.engine.errors import ClientClosed, DiscoveryFailed, EngineError, IncompatibleWorker
 from orchestrator.log import cause_chain
 from orchestrator.openengine.v1 import generation_pb2, model_pb2, server_pb2
-from orchestrator.workers.roles import Role
+from orchestrator.roles import Role
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -31,14 +31,13 @@ from orchestrator.decode import (
     StreamState,
     continuation_leg,
     finish_answer,
-    generation_leg,
     stream_output,
 )
 from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import StreamStalled
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.kv import HandoffError, KvLease, check_session
+from orchestrator.kv import HandoffError, KvLease, check_session, generation_leg
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g

@@ -47,8 +47,8 @@ import trio
 from orchestrator.frontend import http_wire as wire
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog
-from orchestrator.transport.eager_receive import EagerReceiver
-from orchestrator.transport.eager_send import EagerSender
+from orchestrator.net.eager_receive import EagerReceiver
+from orchestrator.net.eager_send import EagerSender
 
 log = logging.getLogger(__name__)
 Application = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]

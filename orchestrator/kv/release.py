@@ -13,10 +13,10 @@ import logging
 import trio
 
 from orchestrator import tracing
-from orchestrator.decode.legs import release_leg
 from orchestrator.engine import EngineError, Failed
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv.lease import KvLease
+from orchestrator.kv.legs import release_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
 
 log = logging.getLogger(__name__)

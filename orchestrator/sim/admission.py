@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from orchestrator.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2
 from orchestrator.sim import answers, chat_prompt, handoff, kv_transfer, media, output, prefix_cache
-from orchestrator.sim.responses import Outbox
+from orchestrator.sim.outbox import Outbox
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, SimRequest
 from orchestrator.sim.worker_state import SimWorkerState
 

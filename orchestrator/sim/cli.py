@@ -10,13 +10,13 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from orchestrator.engine.errors import ErrorCode
 from orchestrator.models import TINY_CHAT
+from orchestrator.openengine.v1.error_pb2 import ErrorCode
+from orchestrator.roles import ROLES
 from orchestrator.sim.media import MediaLimits
 from orchestrator.sim.persona import GUIDED_BACKENDS, HANDOFF_SHAPES, IMAGE_PATHS, LOAD_METRICS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
 from orchestrator.sim.tool_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
-from orchestrator.workers.roles import ROLES
 
 log = logging.getLogger("orchestrator.sim")
 

@@ -8,9 +8,9 @@ import grpc
 from google.protobuf import struct_pb2
 
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.roles import Role
 from orchestrator.sim import handoff, kv_events, kv_transfer, prefix_cache
 from orchestrator.sim.worker_state import SimWorkerState
-from orchestrator.workers.roles import Role
 
 HS = lifecycle_pb2.HealthState
 

@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import uuid as uuidlib
 
 from orchestrator.openengine.v1 import generation_pb2
 from orchestrator.sim import handoff, kv_transfer, output
+from orchestrator.sim.outbox import Outbox
 from orchestrator.sim.scheduler import GENERATION_ONLY, SimRequest
 from orchestrator.sim.worker_state import SimWorkerState
-
-
-class Outbox:
-    """Responses for one Generate call, filled by the scheduler, drained by the handler."""
-
-    __slots__ = ("items", "waiter", "closed")
-
-    def __init__(self) -> None:
-        self.items: collections.deque = collections.deque()
-        self.waiter: asyncio.Future | None = None
-        self.closed = False
-
-    def put(self, item: generation_pb2.GenerateResponse, last: bool = False) -> None:
-        self.items.append(item)
-        self.closed = self.closed or last
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def drain(self) -> list:
-        while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        batch = list(self.items)
-        self.items.clear()
-        return batch
 
 
 class ResponseCallbacks(SimWorkerState):

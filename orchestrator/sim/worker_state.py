@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from orchestrator.openengine.v1 import lifecycle_pb2
     from orchestrator.sim import kv_events, kv_transfer, output
     from orchestrator.sim.config import SimConfig
+    from orchestrator.sim.outbox import Outbox
     from orchestrator.sim.persona import Persona
-    from orchestrator.sim.responses import Outbox
     from orchestrator.sim.scheduler import Scheduler, SimRequest
 
 

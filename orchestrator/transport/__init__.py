@@ -8,5 +8,4 @@
 - inbox: a call's responses handed to its one trio reader in batches, or to its direct handler
 - errors: EngineError, what every call fails with, and the one mapping of a gRPC status to it
 - keepalive: when a connection sends a PING; tls: TLS to the workers, for either channel
-- eager_send / eager_receive: socket writes and reads that skip trio's scheduler when they need not wait
 """

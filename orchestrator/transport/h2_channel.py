@@ -61,9 +61,9 @@ from typing import Any
 import grpc
 import trio
 
+from orchestrator.net.eager_receive import EagerReceiver
+from orchestrator.net.eager_send import EagerSender
 from orchestrator.transport import calls, http2
-from orchestrator.transport.eager_receive import EagerReceiver
-from orchestrator.transport.eager_send import EagerSender
 from orchestrator.transport.errors import EngineError, from_grpc_status, grpc_status_from_number
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy

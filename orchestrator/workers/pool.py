@@ -30,10 +30,10 @@ from orchestrator.engine.client import HealthState
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
+from orchestrator.roles import ROLES
 from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.kv_routing import KvRouting
-from orchestrator.workers.roles import ROLES
 from orchestrator.workers.routing import REASONS, Decision, KvAwareKnobs, LoadSample, make_policy
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
 
