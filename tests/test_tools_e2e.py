@@ -14,14 +14,14 @@ import pytest
 
 from serve_helpers import Deployment, chat_body, sse_events
 
-MODEL_FLAGS = ("--time-scale", "0", "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
+MODEL_FLAGS: tuple[str, ...] = ("--time-scale", "0", "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
                "--guided-backend", "xgrammar")
-WEATHER = {"type": "function", "function": {
+WEATHER: dict = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+TIME: dict = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -31,6 +31,7 @@ def deployment(request, tmp_path_factory):
     """Aggregated on the sibling server's persona, which advertises both parsers in ModelInfo; disaggregated on
     revision 1's, which advertises only its reasoning parser (TensorRT-LLM fills tool_call_parser nowhere
     there), so the config names the tool-call parser, as an operator of such a fleet does."""
+    roles: dict[str, list[tuple[str, ...]]]
     if request.param == "aggregated":
         roles = {"aggregated": [(*MODEL_FLAGS, "--schema-revision", "3")]}
         sections: dict = {}
@@ -54,7 +55,7 @@ def test_the_openai_sdk_runs_a_two_step_tool_loop(deployment):
     arguments = json.loads(calls[0].function.arguments)
     assert isinstance(arguments, dict) and set(arguments) >= set(
         (WEATHER if calls[0].function.name == "get_weather" else TIME)["function"]["parameters"]["required"])
-    assert choice.message.reasoning_content  # type: ignore[attr-defined]  # the model thought first (qwen3)
+    assert choice.message.reasoning_content  # the model thought first (qwen3)
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": calls[0].id, "content": "18 degrees and light rain"}]
     second = client.chat.completions.create(model="tiny-chat", messages=messages, tools=[WEATHER, TIME])
@@ -129,7 +130,7 @@ def test_thinking_can_be_turned_off_per_request(deployment):
     thinking = client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=64)
     silent = client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=64,
                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert thinking.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+    assert thinking.choices[0].message.reasoning_content
     assert "<think>" not in (thinking.choices[0].message.content or "")
     assert getattr(silent.choices[0].message, "reasoning_content", None) is None
 
