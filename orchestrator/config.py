@@ -305,6 +305,32 @@ class LaunchConfig:
     ready_timeout_s: float = attrs.field(default=120.0, validator=_positive)
 
 
+RESPONSE_STORES = ("sqlite", "redis")
+
+
+def _store_kind(instance, attribute, value):
+    if value not in RESPONSE_STORES:
+        raise _InvalidField(attribute.name, f"one of {', '.join(RESPONSE_STORES)}", value)
+
+
+@attrs.frozen
+class ResponsesConfig:
+    """Where `POST /v1/responses` keeps responses for `previous_response_id` and `GET /v1/responses/{id}`."""
+
+    store: str = attrs.field(default="sqlite", validator=_store_kind)  # sqlite: embedded; redis: shared
+    path: str | None = None  # the SQLite file (relative to the config file); None: in memory, this process only
+    url: str = "redis://127.0.0.1:6379/0"  # the Redis server several replicas share
+    key_prefix: str = "orchestrator:responses"
+    max_age_s: float = attrs.field(default=30 * 24 * 3600.0, validator=_positive)  # OpenAI keeps 30 days
+    max_count: int = attrs.field(default=100_000, validator=_positive)
+
+    def resolved_path(self, base: Path) -> Path | None:
+        if self.path is None:
+            return None
+        path = Path(self.path)
+        return path if path.is_absolute() else (base / path).resolve()
+
+
 @attrs.frozen
 class Config:
     mode: str = "disaggregated"
@@ -321,6 +347,7 @@ class Config:
     keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()
     tracing: TracingConfig | None = None  # OpenTelemetry; off without this section
+    responses: ResponsesConfig = ResponsesConfig()  # the Responses API's store
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
     base_dir: Path = attrs.field(default=Path("."), eq=False)

@@ -29,17 +29,24 @@ import trio
 
 from orchestrator import tracing
 from orchestrator.config import Config
-from orchestrator.convert import MediaLimits, parse_chat, parse_completion
+from orchestrator.convert import ApiRequest, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
+from orchestrator.flow.prompt import prompt_token_ids
+from orchestrator.frontend import messages_api
+from orchestrator.frontend import messages_format as mfmt
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
+from orchestrator.frontend.messages_api import MessagesExchange
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.frontend.response_store import open_store
+from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
@@ -98,7 +105,11 @@ class App:
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.metrics_route,
+            ("POST", "/v1/responses"): self.responses,
+            ("POST", messages_api.PATH): self.messages,
+            ("POST", messages_api.PATH + "/count_tokens"): self.count_tokens,
         }
+        self.response_store = open_store(config.responses, config.base_dir)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -110,19 +121,25 @@ class App:
         if scope["type"] != "http":
             return
         handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None and scope["path"].startswith(RESPONSE_PATH) and scope["method"] in ("GET", "DELETE"):
+            handler = self.stored_response
+        # The Messages API answers in Anthropic's error shape, from the first error on
+        error_body = mfmt.error_body if scope["path"].startswith(messages_api.PATH) else ApiError.body
         if handler is not None and self._needs_key(scope["path"]):
-            key = self.api_keys.identify(_header(scope, b"authorization"))
+            # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token
+            key = self.api_keys.identify(_header(scope, b"authorization")) or self.api_keys.identify_plain(
+                _header(scope, b"x-api-key"))
             if key is None:
-                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
-                                 code="invalid_api_key")
-                await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
+                                 "'x-api-key: KEY')", code="invalid_api_key")
+                await send_json(send, 401, error_body(error), [(b"www-authenticate", b"Bearer")])
                 return
             scope[API_KEY] = key.name
         if handler is None:
             allowed = [m for (m, p) in self.routes if p == scope["path"]]
             error = (ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
                      if allowed else ApiError(404, f"no route {scope['path']}", code="not_found"))
-            await send_json(send, error.status, error.body())
+            await send_json(send, error.status, error_body(error))
             return
         await handler(scope, receive, send)
         if self.trim_due:  # a big body was read: its memory is free now that the handler has returned
@@ -174,6 +191,39 @@ class App:
     async def completions(self, scope, receive, send) -> None:
         await self._complete("completion", scope, receive, send)
 
+    async def responses(self, scope, receive, send) -> None:
+        await self._complete("responses", scope, receive, send)
+
+    async def messages(self, scope, receive, send) -> None:
+        await self._complete("messages", scope, receive, send)
+
+    async def count_tokens(self, scope, receive, send) -> None:
+        """POST /v1/messages/count_tokens: the prompt's tokens as the model's template and tokenizer make them."""
+        try:
+            body = await read_json(receive, self.config.limits.max_request_bytes, on_size=self._body_read)
+            api = parse_messages(body, self.media_limits, counting=True)
+            tokens = await prompt_token_ids(api, self.coordinator.tokenizer, window=None)
+        except (ApiError, RequestError) as error:
+            api_error = to_api_error(error)
+            await send_json(send, api_error.status, mfmt.error_body(api_error))
+            return
+        await send_json(send, 200, {"input_tokens": len(tokens)})
+
+    async def stored_response(self, scope, receive, send) -> None:
+        """GET /v1/responses/{id}: the stored response; DELETE: remove it."""
+        response_id = scope["path"][len(RESPONSE_PATH):]
+        record = await self.response_store.get(response_id) if response_id else None
+        if record is None:
+            error = ApiError(404, f"no stored response has the id {response_id!r} (never stored, deleted, or expired)",
+                             code="response_not_found")
+            await send_json(send, 404, error.body())
+            return
+        if scope["method"] == "DELETE":
+            await self.response_store.delete(response_id)
+            await send_json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True})
+            return
+        await send_json(send, 200, json.loads(record.response))
+
     def cut_in_flight(self) -> int:
         """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
         a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
@@ -190,11 +240,13 @@ class App:
 
     async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
                       request_span) -> None:
-        route = "chat" if kind == "chat" else "completions"
+        route = "completions" if kind == "completion" else kind  # chat, completions, responses, messages
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set("orchestrator.request_id", request_id)
         server = ServerExtensions.of(scope)
         response = _Response(send, [(b"x-request-id", request_id.encode())], server.send_now)
+        if kind == "messages":  # every failure of this request in Anthropic's shape, a body or an event
+            MessagesExchange.adapt(response)
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
@@ -222,7 +274,13 @@ class App:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            api = await self._parse(kind, scope, server, receive)
+            parsed = await self._parse(kind, scope, server, receive, request_id)
+            exchange: ResponsesExchange | MessagesExchange | None = None
+            if isinstance(parsed, ApiRequest):
+                api = parsed
+            else:
+                api, exchange = parsed.api, parsed
+                exchange.adapt(response)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
@@ -232,6 +290,8 @@ class App:
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
+            if exchange is not None:
+                return await self._run_exchange(exchange, request_id, plan, response, server.on_disconnect)
             return await self._run(kind, request_id, api, plan, response, server.on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
@@ -264,9 +324,11 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive):
-        """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
-        it announces more than limits.max_request_bytes."""
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive,
+                     request_id: str) -> ApiRequest | ResponsesExchange | MessagesExchange:
+        """The request body read, parsed and validated: an ApiRequest, or for the Responses API its exchange (the
+        chat request it runs as, and how its answer is written). Refused before any of it is read when it
+        announces more than limits.max_request_bytes."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
         limit = self.config.limits.max_request_bytes
@@ -278,6 +340,11 @@ class App:
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
+        if kind == "messages":
+            return MessagesExchange(body, request_id, self.media_limits)
+        if kind == "responses":
+            return await ResponsesExchange.parse(body, self.response_store, request_id, self.media_limits,
+                                                 self.coordinator.tokenizer)
         return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
 
     def _body_read(self, size: int) -> None:
@@ -325,6 +392,42 @@ class App:
             response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
 
+
+    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan,
+                            response: _Response,
+                            on_disconnect: Callable[[Callable[[], None]], None]) -> str:
+        """Run a request of an API whose answer is blocks (the Responses API): the same execution as a chat
+        request's, with its exchange's sink, answer and record."""
+        disconnected = False
+
+        def watch(request: trio.Nursery) -> None:
+            def gone() -> None:
+                nonlocal disconnected
+                disconnected = True
+                request.cancel_scope.cancel()
+
+            on_disconnect(gone)
+
+        parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
+        sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
+        try:
+            await self.coordinator.execute(plan, sink, watch=watch)
+        except (ApiError, RequestError, EngineError) as error:
+            if not response.streaming:
+                raise
+            await response.stream_error(to_api_error(error))
+            return "error"
+        if disconnected:
+            raise ClientGone()
+        answer = exchange.response()
+        await exchange.keep(self.response_store, answer)
+        response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
+        if exchange.api.stream:
+            await response.chunk(exchange.finish_event(answer))
+            await response.end_stream()
+        else:
+            await send_json(response.send, 200, answer, response.headers)
+        return "ok"
 
     async def _run_choices(self, kind: str, request_id: str, api, response: _Response,
                            on_disconnect: Callable[[Callable[[], None]], None], account: KeyAccount | None) -> str:
@@ -587,6 +690,11 @@ class _Response:
     def __init__(self, send: Send, headers: list, send_now: Callable[[bytes], bool] | None = None):
         self.send = send
         self.send_now = send_now  # our server's ServerExtensions.send_now, if there is one
+        # How this API writes a failure: as a body, and as a stream's last event (with its end marker). OpenAI's
+        # by default; the Responses and Messages APIs set their own (their exchanges).
+        self.error_body: Callable[[ApiError], dict] = ApiError.body
+        self.stream_failure: Callable[[ApiError], bytes] = lambda error: fmt.error_event(error.body()) + fmt.DONE
+        self.end_marker = fmt.DONE
         self.headers = headers
         self.streaming = False
         self.done = False
@@ -621,12 +729,11 @@ class _Response:
 
     async def end_stream(self) -> None:
         self.done = True
-        await self.send({"type": "http.response.body", "body": self.tail + fmt.DONE, "more_body": False})
+        await self.send({"type": "http.response.body", "body": self.tail + self.end_marker, "more_body": False})
 
     async def stream_error(self, error: ApiError) -> None:
         self.done = True
-        await self.send({"type": "http.response.body", "body": fmt.error_event(error.body()) + fmt.DONE,
-                         "more_body": False})
+        await self.send({"type": "http.response.body", "body": self.stream_failure(error), "more_body": False})
 
     async def error(self, error: ApiError) -> None:
         if self.done:
@@ -638,7 +745,7 @@ class _Response:
         extra = list(self.headers)
         if error.retry_after is not None:
             extra.append((b"retry-after", str(int(max(1, error.retry_after))).encode()))
-        await send_json(self.send, error.status, error.body(), extra)
+        await send_json(self.send, error.status, self.error_body(error), extra)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
