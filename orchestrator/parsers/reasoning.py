@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from orchestrator.parsers.events import EMPTY, Delta, new_delta
 from orchestrator.parsers.text import held_suffix
-
-ReasoningOutput = tuple[str, str]  # (reasoning, content)
 
 
 class ThinkReasoning:
@@ -20,36 +19,42 @@ class ThinkReasoning:
     OPEN = "<think>"
     CLOSE = "</think>"
 
-    __slots__ = ("_in_reasoning", "_buf")
+    __slots__ = ("in_reasoning", "held")
 
     def __init__(self, in_reasoning: bool = False) -> None:
-        self._in_reasoning = in_reasoning
-        self._buf = ""
+        self.in_reasoning = in_reasoning  # read by ChatParser's hot path; written only here
+        self.held = ""  # a partial tag waiting for the next delta
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._in_reasoning
-
-    def feed(self, text: str) -> ReasoningOutput:
-        if self._buf:
-            text = self._buf + text
-            self._buf = ""
+    def feed(self, text: str) -> Delta:
+        if self.held:
+            text = self.held + text
+            self.held = ""
+        elif "<" not in text:  # the hot path: neither tag nor the start of one in this delta, none pending
+            if not text:
+                return EMPTY
+            return new_delta(Delta, ("", text, ()) if self.in_reasoning else (text, "", ()))
         reasoning: list[str] = []
         content: list[str] = []
         while text:
-            marker = self.CLOSE if self._in_reasoning else self.OPEN
-            side = reasoning if self._in_reasoning else content
+            marker = self.CLOSE if self.in_reasoning else self.OPEN
+            side = reasoning if self.in_reasoning else content
             i = text.find(marker)
             if i == -1:
                 held = held_suffix(text, marker)
                 side.append(text[:len(text) - held])
-                self._buf = text[len(text) - held:]
+                self.held = text[len(text) - held:]
                 break
             side.append(text[:i])
             text = text[i + len(marker):]
-            self._in_reasoning = not self._in_reasoning
-        return "".join(reasoning), "".join(content)
+            self.in_reasoning = not self.in_reasoning
+        return Delta("".join(content), "".join(reasoning))
 
-    def finish(self) -> ReasoningOutput:
-        held, self._buf = self._buf, ""
-        return (held, "") if self._in_reasoning else ("", held)
+    def finish(self) -> Delta:
+        held, self.held = self.held, ""
+        if not held:
+            return EMPTY
+        return Delta("", held) if self.in_reasoning else Delta(held)
+
+    @property
+    def tool_calls_begun(self) -> int:
+        return 0

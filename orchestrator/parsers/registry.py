@@ -153,9 +153,9 @@ class ParserSpec:
         parser = None
         if self.tool_call_parser is not None and tool_calls:
             parser = TOOL_PARSERS[self.tool_call_parser](CallIds(seed), tools)
-        if reasoning is None and parser is None:
-            return PassThrough()
-        return ChatParser(reasoning, parser)
+        if reasoning is not None and parser is not None:
+            return ChatParser(reasoning, parser)
+        return reasoning or parser or PassThrough()
 
 
 def resolve(tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ParserSpec:
