@@ -234,3 +234,43 @@ def test_deepseek_call_that_names_nothing_is_content():
 def test_special_tokens_are_needed_only_where_markers_are_special_tokens():
     assert parsers.resolve("mistral").needs_special_tokens
     assert not parsers.resolve("qwen3").needs_special_tokens
+
+
+# ---- hostile text: fragments of every family's markup, in any order, in any split --------------------
+FRAGMENTS = [
+    "hello ", "\n", " ", "<", ">", "{", "}", "[", "]", '"', "\\", ",", ";", ":", "<think>", "</think>", "</thi",
+    "<tool_call>", "</tool_call>", "<tool_c", '{"name": "f", "arguments": {', '{"name": "g", "parameters": {',
+    '"a": "x}\\"', '"b": [1, {"c": 2}]', "}}", "<|python_tag|>", "[TOOL_CALLS]", "f[ARGS]", "[CALL_ID]",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "function",
+    "<\uff5ctool\u2581sep\uff5c>", "```json\n", "\n```", "<\uff5ctool\u2581call\u2581end\uff5c>",
+    "<\uff5ctool\u2581calls\u2581end\uff5c>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+    "functions.f:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+    "<function=f>", "<parameter=p>", "</parameter>", "</function>", "<arg_key>", "</arg_key>", "<arg_value>",
+    "</arg_value>", "1", "true", "東京",
+]
+FAMILIES = [("qwen3", "qwen3"), ("llama3_json", None), ("mistral", None), ("deepseek_v3", "deepseek-r1"),
+            ("deepseek_v31", None), ("kimi_k2", None), ("qwen3_coder", None), ("glm4", None), (None, "qwen3")]
+
+
+@pytest.mark.parametrize("names", FAMILIES, ids=[f"{t}+{r}" for t, r in FAMILIES])
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=14),
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10))
+def test_any_text_in_any_split_gives_one_answer(names: tuple[str | None, str | None], pieces: list[str],
+                                                 cuts: list[int]):
+    spec = parsers.resolve(*names)
+    text = "".join(pieces)
+    deltas = stream(spec, split(text, cuts))
+    check_stream_shape(deltas)
+    assert collect(deltas) == collect(stream(spec, [text]))
+
+
+@pytest.mark.parametrize("names", FAMILIES, ids=[f"{t}+{r}" for t, r in FAMILIES])
+@settings(max_examples=100, deadline=None)
+@given(words=st.lists(st.sampled_from(["hello", " ", "\n", "world", "{", "}", "<", "[", "x: 1", "é"]), max_size=20))
+def test_text_without_any_markup_is_content_untouched(names: tuple[str | None, str | None], words: list[str]):
+    text = "".join(words)
+    if text.lstrip().startswith("{") and names[0] == "llama3_json":
+        return  # a bare object opening the answer may be a Llama call: held by the other tests
+    expected = parsers.Message("", text, ()) if names[1] == "deepseek-r1" else parsers.Message(text, "", ())
+    assert collect(stream(parsers.resolve(*names), [text])) == expected
