@@ -1,18 +1,25 @@
 """What parsing model output costs per streamed token (orchestrator/parsers/), in-process.
 
-    python benchmarks/parsers.py [--tokens 20000] [--repeats 7]
+    python benchmarks/parsers.py [--tokens 20000] [--repeats 7] [--instructions]
 
 Each case feeds a request's parser a stream cut into 4-character tokens (about an English token's length) and
 prints µs per token: the best of --repeats runs (the least disturbed by other processes on a shared machine;
 the spread to the median is printed too). "loop only" is the cost of the measuring loop itself. Cases: no parser
 (PassThrough), a parser pair selected on a plain-content answer (the target: under 2 µs per token), and answers
 with tool calls in each family's format.
+
+--instructions also counts, under valgrind's callgrind, the instructions per token of the plain-content cases:
+each case runs twice, with --tokens and with twice as many, and the difference over the extra tokens is the
+count per token (start-up and imports cancel out). The same code on the same input gives the same count whatever
+else the machine does, where the timings here swing by 2x between runs on a shared 2-core VM.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -95,20 +102,47 @@ def stream_case(spec: parsers.ParserSpec | None, answers: list[list[str]]) -> Ca
     return run
 
 
+PLAIN_CASES: dict[str, tuple[str | None, str | None]] = {
+    "no parser (pass-through)": (None, None),
+    "qwen3 tools, plain content": ("qwen3", None),
+    "qwen3 tools + qwen3 reasoning, plain content": ("qwen3", "qwen3"),
+}
+
+
+LOOP_ONLY = "loop only"
+
+
+def run_one(label: str, tokens: int) -> None:
+    """One plain-content case, once, untimed (what callgrind counts)."""
+    spec = None if label == LOOP_ONLY else parsers.resolve(*PLAIN_CASES[label])
+    stream_case(spec, [tokens_of(PLAIN * 8, tokens)])()
+
+
+def callgrind_instructions(label: str, tokens: int) -> int:
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                          __file__, "--only", label, "--tokens", str(tokens)], capture_output=True, text=True,
+                         check=True).stderr
+    found = re.search(r"Collected : (\d+)", out)
+    if found is None:
+        raise RuntimeError(f"callgrind printed no total:\n{out}")
+    return int(found.group(1))
+
+
 def main(argv: list[str] | None = None) -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     options.add_argument("--tokens", type=int, default=20_000)
     options.add_argument("--repeats", type=int, default=7)
+    options.add_argument("--instructions", action="store_true", help="count instructions under callgrind too")
+    options.add_argument("--only", choices=[LOOP_ONLY, *PLAIN_CASES], help=argparse.SUPPRESS)  # callgrind's run
     args = options.parse_args(argv)
+    if args.only:
+        run_one(args.only, args.tokens)
+        return 0
     plain = [tokens_of(PLAIN * 8, args.tokens)]  # one long plain answer
-    cases: list[tuple[str, parsers.ParserSpec | None, list[list[str]]]] = [
-        ("loop only", None, plain),
-        ("no parser (pass-through)", parsers.resolve(None, None), plain),
-        ("qwen3 tools, plain content", parsers.resolve("qwen3"), plain),
-        ("qwen3 tools + qwen3 reasoning, plain content", parsers.resolve("qwen3", "qwen3"), plain),
-        ("deepseek_v31 tools + deepseek-r1 reasoning, plain content", parsers.resolve("deepseek_v31", "deepseek-r1"),
-         plain),
-    ]
+    cases: list[tuple[str, parsers.ParserSpec | None, list[list[str]]]] = [(LOOP_ONLY, None, plain)]
+    cases += [(label, parsers.resolve(*names), plain) for label, names in PLAIN_CASES.items()]
+    cases.append(("deepseek_v31 tools + deepseek-r1 reasoning, plain content",
+                  parsers.resolve("deepseek_v31", "deepseek-r1"), plain))
     for family in ("qwen3", "mistral", "llama3_json", "deepseek_v31", "kimi_k2", "qwen3_coder", "glm4"):
         cases.append((f"{family}: content + 2 calls", parsers.resolve(family), answers_of(calls_text(family),
                                                                                          args.tokens)))
@@ -117,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, spec, answers in cases:
         best, median = measure(stream_case(spec, answers), args.repeats)
         print(f"{label:60} {best:9.3f} {median:8.3f}")
+    if args.instructions:
+        print(f"\ninstructions per token (callgrind, {args.tokens} extra tokens)")
+        for label in [LOOP_ONLY, *PLAIN_CASES]:
+            extra = callgrind_instructions(label, 2 * args.tokens) - callgrind_instructions(label, args.tokens)
+            print(f"{label:60} {extra / args.tokens:9.0f}")
     return 0
 
 
