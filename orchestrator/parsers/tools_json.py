@@ -269,7 +269,8 @@ class Llama3JsonParser(JsonCallParser):
 
 class MistralParser(JsonCallParser):
     """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizer v3 and earlier) or
-    `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11 on, optionally `name[CALL_ID]id[ARGS]{...}`), repeated."""
+    `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11 on, optionally `name[CALL_ID]id[ARGS]{...}`; `name{...}` when
+    the detokenizer skipped the [ARGS] control token), repeated."""
 
     START = "[TOOL_CALLS]"
     SPECIAL_TOKENS = True  # a control token of Mistral's tokenizers (vLLM turns skip_special_tokens off for it)
@@ -310,21 +311,26 @@ class MistralParser(JsonCallParser):
     def _read_name(self, final: bool) -> bool:
         buf = self._buf
         i = buf.find(self.ARGS)
-        if i == -1:
-            # a name is short: past MAX_NAME characters without `[ARGS]` this is not a call
+        brace = buf.find("{")
+        if brace != -1 and (i == -1 or brace < i):
+            # `name{...}`: the text of a detokenizer that skipped the [ARGS] control token (vLLM's form)
+            head, rest = buf[:brace], buf[brace:]
+        elif i != -1:
+            head, rest = buf[:i], buf[i + len(self.ARGS):]
+        else:
+            # a name is short: past MAX_NAME characters without `[ARGS]` or `{` this is not a call
             if final or len(buf) - held_suffix(buf, self.ARGS) > self.MAX_NAME:
                 self._raw += buf
                 self._buf = ""
                 self._reject(final)
                 return not final
             return False
-        name = buf[:i].partition(self.CALL_ID)[0].strip()
-        rest = buf[i + len(self.ARGS):]
+        name = head.partition(self.CALL_ID)[0].strip()
         stripped = rest.lstrip()
         if not stripped and not final:
             return False
         if not name or any(c in name for c in ' \n{}[]"') or stripped[:1] != "{":
-            self._raw += buf[:i + len(self.ARGS)]
+            self._raw += buf[:len(buf) - len(rest)]
             self._buf = rest
             self._reject(final)
             return True
