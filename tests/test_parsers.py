@@ -274,3 +274,32 @@ def test_text_without_any_markup_is_content_untouched(names: tuple[str | None, s
         return  # a bare object opening the answer may be a Llama call: held by the other tests
     expected = parsers.Message("", text, ()) if names[1] == "deepseek-r1" else parsers.Message(text, "", ())
     assert collect(stream(parsers.resolve(*names), [text])) == expected
+
+
+def test_deltas_and_calls_render_as_openai_shapes():
+    parser = parsers.resolve("qwen3").new(seed="s")
+    first = parser.feed('<tool_call>{"name": "f", "arguments": {"a"')
+    later = parser.feed(": 1}}</tool_call>")
+    (call,) = parsers.parse_whole(parsers.resolve("qwen3").new(seed="s"),
+                                  '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>').tool_calls
+    assert first.tool_calls[0].openai() == {"index": 0, "id": call.id, "type": "function",
+                                            "function": {"name": "f", "arguments": '{"a"'}}
+    assert later.tool_calls[0].openai() == {"index": 0, "function": {"arguments": ": 1}"}}
+    assert call.openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_the_parsers_package_is_a_leaf():
+    import ast
+    from pathlib import Path
+
+    package = Path(parsers.__file__).parent
+    imported = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    outside = {name for name in imported if name.startswith("orchestrator") and not name.startswith(
+        "orchestrator.parsers")}
+    assert outside == set()
