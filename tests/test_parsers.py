@@ -303,3 +303,48 @@ def test_the_parsers_package_is_a_leaf():
     outside = {name for name in imported if name.startswith("orchestrator") and not name.startswith(
         "orchestrator.parsers")}
     assert outside == set()
+
+
+# ---- one hard call in every family: nested JSON, unicode, escaped quotes, after some text --------------
+HARD_ARGUMENTS = {"q": {"deep": [1, {"k": "v}"}]}, "city": "Zürich 東京", "say": 'he said "hi" \\ <b>'}
+HARD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "q": {"type": "object"}, "city": {"type": "string"}, "say": {"type": "string"}}}}}]
+
+
+def written_by(family: str, name: str, arguments: dict) -> str:
+    """One call as the family writes it."""
+    raw = json.dumps(arguments, ensure_ascii=False)
+    begins, begin, sep, end, ends = (f"<\uff5c{words.replace(' ', chr(0x2581))}\uff5c>" for words in (
+        "tool calls begin", "tool call begin", "tool sep", "tool call end", "tool calls end"))
+    if family == "qwen3":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {raw}}}\n</tool_call>'
+    if family == "llama3_json":
+        return f'<|python_tag|>{{"name": "{name}", "parameters": {raw}}}'
+    if family == "mistral":
+        return f"[TOOL_CALLS]{name}[ARGS]{raw}"
+    if family == "deepseek_v3":
+        return f"{begins}{begin}function{sep}{name}\n```json\n{raw}\n```{end}{ends}"
+    if family == "deepseek_v31":
+        return f"{begins}{begin}{name}{sep}{raw}{end}{ends}"
+    if family == "kimi_k2":
+        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>"
+                f"{raw}<|tool_call_end|><|tool_calls_section_end|>")
+    text = {key: value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            for key, value in arguments.items()}
+    if family == "qwen3_coder":
+        params = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in text.items())
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    if family == "glm4":
+        params = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in text.items())
+        return f"<tool_call>{name}\n{params}</tool_call>"
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                                    "qwen3_coder", "glm4"])
+def test_a_hard_call_after_text_parses_whole_in_every_family(family: str):
+    spec = parsers.resolve(family)
+    text = "Let me look: é 東京 " + written_by(family, "f", HARD_ARGUMENTS)
+    message = answer(text, spec, tools=HARD_TOOLS)
+    assert message.content == "Let me look: é 東京 "
+    assert calls_of(message) == [("f", HARD_ARGUMENTS)]
