@@ -348,3 +348,16 @@ def test_a_hard_call_after_text_parses_whole_in_every_family(family: str):
     message = answer(text, spec, tools=HARD_TOOLS)
     assert message.content == "Let me look: é 東京 "
     assert calls_of(message) == [("f", HARD_ARGUMENTS)]
+
+
+def test_an_end_tag_closes_a_call_whose_json_the_model_left_open():
+    message = answer('<tool_call>{"name": "f", "arguments": {"a": [1</tool_call> Then text.')
+    assert [(call.name, call.arguments) for call in message.tool_calls] == [("f", '{"a": [1')]
+    assert message.content == " Then text."
+    message = answer('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>after')
+    assert calls_of(message) == [("f", {"a": 1})] and message.content == "after"
+
+
+def test_an_end_tag_inside_a_string_argument_is_text():
+    message = answer('<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>')
+    assert calls_of(message) == [("f", {"html": "</tool_call>"})] and message.content == ""

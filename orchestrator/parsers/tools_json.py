@@ -37,6 +37,8 @@ class JsonCallParser(ToolParser):
     """A call is one JSON object; the family says what opens the calls (`_scan_content`) and what may come
     between and after them (`_after_call`)."""
 
+    GUARD = ""  # an end tag that closes the call even inside an unbalanced object (outside strings)
+
     def __init__(self, ids: CallIds, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(ids, tools)
         self._state = "content"
@@ -115,36 +117,61 @@ class JsonCallParser(ToolParser):
         self._whole = JsonValueEnd(depth=0)  # already closed: _close_outer passes at once
         return True
 
+    def _scan(self, scanner: JsonValueEnd, buf: str) -> tuple[str, int]:
+        """Scan buf for the end of an open JSON value, minding the family's end tag (GUARD): ("closed", index
+        past the value), ("guard", index of an end tag outside any string: the value was never closed), or
+        ("more", how much of buf is decided; the rest may be the start of the end tag)."""
+        guard = self.GUARD
+        pos = 0
+        while True:
+            i = buf.find(guard, pos) if guard else -1
+            end = scanner.scan(buf[pos:] if i == -1 else buf[pos:i])
+            if end != -1:
+                return "closed", pos + end
+            if i == -1:
+                # a held partial end tag has no quote, bracket or backslash: scanning it again later is harmless
+                held = held_suffix(buf, guard) if guard and not scanner.in_string else 0
+                return "more", len(buf) - held
+            if not scanner.in_string:
+                return "guard", i
+            pos = i + len(guard)  # the end tag sits inside a string value: it is text
+
     def _read_args(self, final: bool) -> bool:
         scanner = self._args
         if scanner is None:
             return False
         buf = self._buf
-        end = scanner.scan(buf)
-        if end == -1:
-            self._emit_arguments(buf)
-            self._buf = ""
+        outcome, at = self._scan(scanner, buf)
+        if outcome == "more":
             if final:  # cut off: the call keeps the arguments it streamed
+                at = len(buf)
+            self._emit_arguments(buf[:at])
+            self._buf = buf[at:]
+            if final:
+                self._buf = ""
                 self._to_content()
             return False
-        self._emit_arguments(buf[:end])
-        self._buf = buf[end:]
+        self._emit_arguments(buf[:at])
+        self._buf = buf[at:]
         self._args = None
+        if outcome == "guard":  # the end tag came first: the call ends with its arguments as written
+            self._state = "after"
+            return True
         self._whole = JsonValueEnd(depth=1)  # what is left of the outer object: its `}` (or extra keys)
         self._state = "close"
         return True
 
     def _close_outer(self) -> bool:
-        """Skip the rest of the outer object after the arguments; True once past its closing brace."""
+        """Skip the rest of the outer object after the arguments; True once past its closing brace (or at the
+        family's end tag, when the model left the object open)."""
         scanner = self._whole
         if scanner is None or scanner.depth == 0:
             self._whole = None
             return True
-        end = scanner.scan(self._buf)
-        if end == -1:
-            self._buf = ""
+        outcome, at = self._scan(scanner, self._buf)
+        self._buf = self._buf[at:]
+        if outcome == "more":
             return False
-        self._buf = self._buf[end:]
         self._whole = None
         return True
 
@@ -169,6 +196,7 @@ class HermesParser(JsonCallParser):
 
     START = "<tool_call>"
     END = "</tool_call>"
+    GUARD = END
 
     def _reject(self, final: bool) -> None:
         # not a call: the whole block, tags and all, becomes content once its end tag is read
