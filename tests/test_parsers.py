@@ -249,7 +249,8 @@ FRAGMENTS = [
     "</arg_value>", "1", "true", "東京",
 ]
 FAMILIES = [("qwen3", "qwen3"), ("llama3_json", None), ("mistral", None), ("deepseek_v3", "deepseek-r1"),
-            ("deepseek_v31", None), ("kimi_k2", None), ("qwen3_coder", None), ("glm4", None), (None, "qwen3")]
+            ("deepseek_v31", None), ("kimi_k2", "kimi_k2"), ("qwen3_coder", None), ("glm4", None), (None, "qwen3"),
+            ("qwen3", "nemotron-v3")]
 
 
 @pytest.mark.parametrize("names", FAMILIES, ids=[f"{t}+{r}" for t, r in FAMILIES])
@@ -272,7 +273,8 @@ def test_text_without_any_markup_is_content_untouched(names: tuple[str | None, s
     text = "".join(words)
     if text.lstrip().startswith("{") and names[0] == "llama3_json":
         return  # a bare object opening the answer may be a Llama call: held by the other tests
-    expected = parsers.Message("", text, ()) if names[1] == "deepseek-r1" else parsers.Message(text, "", ())
+    inside = names[1] in ("deepseek-r1", "nemotron-v3")  # these answers start inside the reasoning
+    expected = parsers.Message("", text, ()) if inside else parsers.Message(text, "", ())
     assert collect(stream(parsers.resolve(*names), [text])) == expected
 
 

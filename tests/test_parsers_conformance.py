@@ -124,6 +124,12 @@ SAMPLES = [
            '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
            '{"city": "Berlin"}}\n</tool_call>',
            "\n\n", "\nI need the weather.\n", (("get_weather", {"city": "Berlin"}),)),
+    Sample("kimi k2 thinking into a call", "kimi_k2", "kimi_k2",
+           f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
+           "(a tool section ends the reasoning without </think>)",
+           "<think>I should search.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0"
+           '<|tool_call_argument_begin|>{"q": "x"}<|tool_call_end|><|tool_calls_section_end|>',
+           "", "I should search.", (("search", {"q": "x"}),)),
     Sample("qwen3 thinking off", None, "qwen3",
            f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
            "(enable_thinking=false prefills an empty block)",
