@@ -234,3 +234,132 @@ def test_deepseek_call_that_names_nothing_is_content():
 def test_special_tokens_are_needed_only_where_markers_are_special_tokens():
     assert parsers.resolve("mistral").needs_special_tokens
     assert not parsers.resolve("qwen3").needs_special_tokens
+
+
+# ---- hostile text: fragments of every family's markup, in any order, in any split --------------------
+FRAGMENTS = [
+    "hello ", "\n", " ", "<", ">", "{", "}", "[", "]", '"', "\\", ",", ";", ":", "<think>", "</think>", "</thi",
+    "<tool_call>", "</tool_call>", "<tool_c", '{"name": "f", "arguments": {', '{"name": "g", "parameters": {',
+    '"a": "x}\\"', '"b": [1, {"c": 2}]', "}}", "<|python_tag|>", "[TOOL_CALLS]", "f[ARGS]", "[CALL_ID]",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "function",
+    "<\uff5ctool\u2581sep\uff5c>", "```json\n", "\n```", "<\uff5ctool\u2581call\u2581end\uff5c>",
+    "<\uff5ctool\u2581calls\u2581end\uff5c>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+    "functions.f:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+    "<function=f>", "<parameter=p>", "</parameter>", "</function>", "<arg_key>", "</arg_key>", "<arg_value>",
+    "</arg_value>", "1", "true", "東京",
+]
+FAMILIES = [("qwen3", "qwen3"), ("llama3_json", None), ("mistral", None), ("deepseek_v3", "deepseek-r1"),
+            ("deepseek_v31", None), ("kimi_k2", "kimi_k2"), ("qwen3_coder", None), ("glm4", None), (None, "qwen3"),
+            ("qwen3", "nemotron-v3")]
+
+
+@pytest.mark.parametrize("names", FAMILIES, ids=[f"{t}+{r}" for t, r in FAMILIES])
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=14),
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10))
+def test_any_text_in_any_split_gives_one_answer(names: tuple[str | None, str | None], pieces: list[str],
+                                                 cuts: list[int]):
+    spec = parsers.resolve(*names)
+    text = "".join(pieces)
+    deltas = stream(spec, split(text, cuts))
+    check_stream_shape(deltas)
+    assert collect(deltas) == collect(stream(spec, [text]))
+
+
+@pytest.mark.parametrize("names", FAMILIES, ids=[f"{t}+{r}" for t, r in FAMILIES])
+@settings(max_examples=100, deadline=None)
+@given(words=st.lists(st.sampled_from(["hello", " ", "\n", "world", "{", "}", "<", "[", "x: 1", "é"]), max_size=20))
+def test_text_without_any_markup_is_content_untouched(names: tuple[str | None, str | None], words: list[str]):
+    text = "".join(words)
+    if text.lstrip().startswith("{") and names[0] == "llama3_json":
+        return  # a bare object opening the answer may be a Llama call: held by the other tests
+    inside = names[1] in ("deepseek-r1", "nemotron-v3")  # these answers start inside the reasoning
+    expected = parsers.Message("", text, ()) if inside else parsers.Message(text, "", ())
+    assert collect(stream(parsers.resolve(*names), [text])) == expected
+
+
+def test_deltas_and_calls_render_as_openai_shapes():
+    parser = parsers.resolve("qwen3").new(seed="s")
+    first = parser.feed('<tool_call>{"name": "f", "arguments": {"a"')
+    later = parser.feed(": 1}}</tool_call>")
+    (call,) = parsers.parse_whole(parsers.resolve("qwen3").new(seed="s"),
+                                  '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>').tool_calls
+    assert first.tool_calls[0].openai() == {"index": 0, "id": call.id, "type": "function",
+                                            "function": {"name": "f", "arguments": '{"a"'}}
+    assert later.tool_calls[0].openai() == {"index": 0, "function": {"arguments": ": 1}"}}
+    assert call.openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_the_parsers_package_is_a_leaf():
+    import ast
+    from pathlib import Path
+
+    package = Path(parsers.__file__).parent
+    imported = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    outside = {name for name in imported if name.startswith("orchestrator") and not name.startswith(
+        "orchestrator.parsers")}
+    assert outside == set()
+
+
+# ---- one hard call in every family: nested JSON, unicode, escaped quotes, after some text --------------
+HARD_ARGUMENTS = {"q": {"deep": [1, {"k": "v}"}]}, "city": "Zürich 東京", "say": 'he said "hi" \\ <b>'}
+HARD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "q": {"type": "object"}, "city": {"type": "string"}, "say": {"type": "string"}}}}}]
+
+
+def written_by(family: str, name: str, arguments: dict) -> str:
+    """One call as the family writes it."""
+    raw = json.dumps(arguments, ensure_ascii=False)
+    begins, begin, sep, end, ends = (f"<\uff5c{words.replace(' ', chr(0x2581))}\uff5c>" for words in (
+        "tool calls begin", "tool call begin", "tool sep", "tool call end", "tool calls end"))
+    if family == "qwen3":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {raw}}}\n</tool_call>'
+    if family == "llama3_json":
+        return f'<|python_tag|>{{"name": "{name}", "parameters": {raw}}}'
+    if family == "mistral":
+        return f"[TOOL_CALLS]{name}[ARGS]{raw}"
+    if family == "deepseek_v3":
+        return f"{begins}{begin}function{sep}{name}\n```json\n{raw}\n```{end}{ends}"
+    if family == "deepseek_v31":
+        return f"{begins}{begin}{name}{sep}{raw}{end}{ends}"
+    if family == "kimi_k2":
+        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>"
+                f"{raw}<|tool_call_end|><|tool_calls_section_end|>")
+    text = {key: value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            for key, value in arguments.items()}
+    if family == "qwen3_coder":
+        params = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in text.items())
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    if family == "glm4":
+        params = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in text.items())
+        return f"<tool_call>{name}\n{params}</tool_call>"
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                                    "qwen3_coder", "glm4"])
+def test_a_hard_call_after_text_parses_whole_in_every_family(family: str):
+    spec = parsers.resolve(family)
+    text = "Let me look: é 東京 " + written_by(family, "f", HARD_ARGUMENTS)
+    message = answer(text, spec, tools=HARD_TOOLS)
+    assert message.content == "Let me look: é 東京 "
+    assert calls_of(message) == [("f", HARD_ARGUMENTS)]
+
+
+def test_an_end_tag_closes_a_call_whose_json_the_model_left_open():
+    message = answer('<tool_call>{"name": "f", "arguments": {"a": [1</tool_call> Then text.')
+    assert [(call.name, call.arguments) for call in message.tool_calls] == [("f", '{"a": [1')]
+    assert message.content == " Then text."
+    message = answer('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>after')
+    assert calls_of(message) == [("f", {"a": 1})] and message.content == "after"
+
+
+def test_an_end_tag_inside_a_string_argument_is_text():
+    message = answer('<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>')
+    assert calls_of(message) == [("f", {"html": "</tool_call>"})] and message.content == ""

@@ -14,6 +14,7 @@ from orchestrator import parsers
 TRTLLM = "NVIDIA/TensorRT-LLM"
 VLLM = "vllm-project/vllm"
 TRT_PARSERS = f"{TRTLLM} tensorrt_llm/serve/tool_parser"
+VLLM_PARSERS = f"{VLLM} vllm/entrypoints/openai/tool_parsers"
 
 
 def ds(words: str) -> str:
@@ -46,29 +47,30 @@ SAMPLES = [
            "I will check.\n", "",
            (("get_current_weather", {"location": "Tokyo"}), ("get_current_weather", {"location": "Paris"}))),
     Sample("hermes (vLLM name)", "hermes", None,
-           f"{VLLM} vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py (model card NousResearch/"
-           "Hermes-2-Pro-Llama-3-8B)",
+           f"{VLLM_PARSERS}/hermes_tool_parser.py@836d1f31211015f62485b0151fbbf85b6cc7a934 (model card "
+           "NousResearch/Hermes-2-Pro-Llama-3-8B)",
            '<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n</tool_call>',
            "", "", (("get_stock_fundamentals", {"symbol": "TSLA"}),)),
     Sample("llama 3.x python_tag", "llama3_json", None,
-           f"{VLLM} vllm/entrypoints/openai/tool_parsers/llama_tool_parser.py (Llama 3.1 model card, JSON tool "
-           "calling)",
+           f"{VLLM_PARSERS}/llama_tool_parser.py@500932bbc320fe504bf7d323283e708fd956a549 (Llama 3.1 model "
+           "card, JSON tool calling)",
            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "San Francisco", "metric": "celsius"}}',
            "", "", (("get_weather", {"city": "San Francisco", "metric": "celsius"}),)),
     Sample("llama 3.x bare JSON", "llama3_json", None,
-           f"{VLLM} vllm/entrypoints/openai/tool_parsers/llama_tool_parser.py (Llama 3.2 model card)",
+           f"{VLLM_PARSERS}/llama_tool_parser.py@500932bbc320fe504bf7d323283e708fd956a549 (Llama 3.2 model card)",
            '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
            '{"name": "get_time", "parameters": {"zone": "CET"}}',
            "", "", (("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"}))),
     Sample("mistral JSON array", "mistral", None,
-           f"{VLLM} vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (tokenizer v3 and earlier)",
+           f"{VLLM_PARSERS}/mistral_tool_parser.py@021235c55cb811d29770331cef7e08a25b6f4241 (tokenizer v3 and "
+           "earlier)",
            '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"city": "Dallas", "state": "TX", '
            '"unit": "fahrenheit"}}, {"name": "get_time", "arguments": {}}]',
            "", "", (("get_current_weather", {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}),
                     ("get_time", {}))),
     Sample("mistral name[ARGS]", "mistral", None,
-           f"{VLLM} vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (tokenizer v11 on, Mistral Small "
-           "3.2 / Devstral)",
+           f"{VLLM_PARSERS}/mistral_tool_parser.py@021235c55cb811d29770331cef7e08a25b6f4241 (tokenizer v11 on, "
+           "with the [ARGS] control token in the text)",
            'Sure.[TOOL_CALLS]get_current_weather[ARGS]{"city": "Dallas"}[TOOL_CALLS]get_time[ARGS]{}',
            "Sure.", "", (("get_current_weather", {"city": "Dallas"}), ("get_time", {}))),
     Sample("qwen3-coder XML", "qwen3_coder", None,
@@ -108,6 +110,10 @@ SAMPLES = [
            "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Beijing</arg_value><arg_key>days</arg_key>"
            "<arg_value>2</arg_value></tool_call>",
            "", "", (("get_weather", {"city": "Beijing", "days": 2}),)),
+    Sample("mistral name{args}", "mistral", None,
+           f"{VLLM_PARSERS}/mistral_tool_parser.py@021235c55cb811d29770331cef7e08a25b6f4241 (tokenizer v11 on, "
+           "[ARGS] skipped by the detokenizer)",
+           '[TOOL_CALLS]add{"a": 3.5, "b": 4}', "", "", (("add", {"a": 3.5, "b": 4}),)),
     Sample("deepseek-r1 reasoning", None, "deepseek-r1",
            f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
            "(the prompt ends with <think>)",
@@ -118,6 +124,12 @@ SAMPLES = [
            '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
            '{"city": "Berlin"}}\n</tool_call>',
            "\n\n", "\nI need the weather.\n", (("get_weather", {"city": "Berlin"}),)),
+    Sample("kimi k2 thinking into a call", "kimi_k2", "kimi_k2",
+           f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
+           "(a tool section ends the reasoning without </think>)",
+           "<think>I should search.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0"
+           '<|tool_call_argument_begin|>{"q": "x"}<|tool_call_end|><|tool_calls_section_end|>',
+           "", "I should search.", (("search", {"q": "x"}),)),
     Sample("qwen3 thinking off", None, "qwen3",
            f"{TRTLLM} tensorrt_llm/llmapi/reasoning_parser.py@033a9d09d040acf7024ef3190d1fdf8780e2b192 "
            "(enable_thinking=false prefills an empty block)",

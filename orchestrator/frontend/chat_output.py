@@ -22,6 +22,7 @@ from orchestrator.engine.capabilities import WorkerCapabilities
 from orchestrator.parsers import ParserSpec, PassThrough, StreamParser, UnknownParserError, resolve
 from orchestrator.parsers.events import CallIds
 from orchestrator.parsers.guided import NamedCall, RequiredCalls
+from orchestrator.parsers.harmony import load_encoding
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class OutputParsers:
         # the config's override (validated when the config was loaded); None: what the workers advertise
         self._configured = (tool_call_parser, reasoning_parser)
         self._specs: dict[tuple[str | None, str | None], ParserSpec] = {}
+        self._harmony: object = None  # gpt-oss's encoding, read once when a gpt-oss answer first needs it
+        self._harmony_failed = False
 
     def spec(self, caps: Sequence[WorkerCapabilities]) -> ParserSpec:
         """The parsers of a planned request's workers: the first name any of them advertises of each kind (they
@@ -76,7 +79,25 @@ class OutputParsers:
             return NamedCall(use.choice.name, ids)
         if use.choice.mode is ToolChoiceMode.REQUIRED:
             return RequiredCalls(ids)
-        parser = self.spec(caps).new(
-            seed=request_id, tools=use.template_tools(), tool_calls=use.offered,
-            chat_template_kwargs=json.loads(api.template_kwargs) if api.template_kwargs else None)
+        spec = self.spec(caps)
+        harmony = None
+        if spec.harmony:
+            harmony = self._harmony_encoding()
+            if harmony is None:
+                return None
+        parser = spec.new(seed=request_id, tools=use.template_tools(), tool_calls=use.offered,
+                          chat_template_kwargs=json.loads(api.template_kwargs) if api.template_kwargs else None,
+                          harmony_encoding=harmony)
         return None if isinstance(parser, PassThrough) else parser
+
+    def _harmony_encoding(self) -> object:
+        """gpt-oss's harmony encoding, or None when it cannot be read (openai-harmony reads its vocabulary from
+        TIKTOKEN_ENCODINGS_BASE, else downloads it): logged once, and gpt-oss answers go out as text."""
+        if self._harmony is None and not self._harmony_failed:
+            try:
+                self._harmony = load_encoding()
+            except Exception as exc:  # noqa: BLE001  # any failure of the library's loading: say it once, go on
+                self._harmony_failed = True
+                log.warning("gpt-oss output cannot be parsed: openai-harmony could not load its encoding (%s); set "
+                            "TIKTOKEN_ENCODINGS_BASE to a directory holding its vocabulary", exc)
+        return self._harmony

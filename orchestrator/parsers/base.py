@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.parsers.events import CallIds, ToolCallDelta
+from orchestrator.parsers.events import EMPTY, CallIds, Delta, ToolCallDelta, new_delta
 from orchestrator.parsers.text import held_suffix
-
-ToolOutput = tuple[str, tuple[ToolCallDelta, ...]]
-NO_OUTPUT: ToolOutput = ("", ())
 
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
@@ -42,7 +39,8 @@ def json_text(value: Any) -> str:
 
 
 class ToolParser:
-    """Base of the incremental tool-call parsers. `feed(text)` -> (content, tool-call deltas); `finish()` flushes.
+    """Base of the incremental tool-call parsers: a StreamParser on its own (`feed(text)` and `finish()` give
+    Deltas with content and tool calls), or behind a reasoning parser in a ChatParser.
 
     Whitespace that follows a call is held: it is dropped when another call or the end follows, and goes out with
     the content when text follows, so parallel calls separated by newlines add no stray content.
@@ -64,22 +62,17 @@ class ToolParser:
         self._out_calls: list[ToolCallDelta] = []
 
     # ---- the public face ------------------------------------------------------------------------------------
-    def feed(self, text: str) -> ToolOutput:
-        if self._in_content and not self._buf and not self._holding:
-            # the hot path: plain content, no marker in sight
-            start = self.START
-            if text.find(start) == -1:
-                held = held_suffix(text, start)
-                if not held:
-                    return text, ()
-                self._buf = text[len(text) - held:]
-                return text[:len(text) - held], ()
+    def feed(self, text: str) -> Delta:
+        if self._in_content and not self._buf and not self._holding and self.START[0] not in text:
+            # the hot path: plain content without the marker's first character, so neither the marker nor the
+            # start of one (a single `in`, no regex, no scan)
+            return new_delta(Delta, (text, "", ())) if text else EMPTY
         self._buf += text
         while self._step(False):
             pass
         return self._take()
 
-    def finish(self) -> ToolOutput:
+    def finish(self) -> Delta:
         while self._step(True):
             pass
         if self._buf:  # a family that left text undecided at the end: it was never part of a call
@@ -88,7 +81,8 @@ class ToolParser:
         return self._take()
 
     @property
-    def calls(self) -> int:
+    def tool_calls_begun(self) -> int:
+        """How many tool calls the answer has begun (the caller's `finish_reason: "tool_calls"` test)."""
         return self._count
 
     # ---- for the families -----------------------------------------------------------------------------------
@@ -150,9 +144,11 @@ class ToolParser:
         else:
             self._out_calls.append(ToolCallDelta(index, None, None, text))
 
-    def _take(self) -> ToolOutput:
-        content = "".join(self._out_content) if self._out_content else ""
+    def _take(self) -> Delta:
+        if not self._out_content and not self._out_calls:
+            return EMPTY
+        content = "".join(self._out_content)
         calls = tuple(self._out_calls)
         self._out_content.clear()
         self._out_calls.clear()
-        return content, calls
+        return Delta(content, "", calls)

@@ -48,13 +48,25 @@ TOOL_ALIASES: dict[str, str] = {
     "harmony": HARMONY_TOOL,
 }
 
-# canonical name -> (reasoning starts at the answer's first character?, is it switched by enable_thinking?)
-REASONING_PARSERS: dict[str, tuple[bool, bool]] = {
-    "deepseek-r1": (True, False),  # the template ends the prompt with <think>
-    "qwen3": (False, True),  # the model opens <think> itself; enable_thinking=false prefills an empty block
-    "qwen3_5": (True, True),  # the template prefills <think> unless enable_thinking=false
-    "nemotron-v3": (True, True),
-    "deepseek_v4": (True, True),  # thinking only when the request turns it on (see _thinking_on)
+
+
+@attrs.frozen
+class ThinkFamily:
+    """How a `<think>` model's answer starts and ends its reasoning."""
+
+    starts_inside: bool  # the template ends the prompt with <think>: the answer starts inside the reasoning
+    switchable: bool  # the request's enable_thinking / thinking turns the reasoning off (or, see below, on)
+    implicit_close: str = ""  # a marker that also ends the reasoning, left in the content (a tool section)
+
+
+REASONING_PARSERS: dict[str, ThinkFamily] = {
+    "deepseek-r1": ThinkFamily(True, False),
+    "qwen3": ThinkFamily(False, True),  # the model opens <think> itself; enable_thinking=false prefills a closed one
+    "qwen3_5": ThinkFamily(True, True),
+    "nemotron-v3": ThinkFamily(True, True, "<tool_call>"),
+    "deepseek_v4": ThinkFamily(True, True),  # thinking only when the request turns it on (_THINKING_OFF_BY_DEFAULT)
+    "kimi_k2": ThinkFamily(False, False, "<|tool_calls_section_begin|>"),
+    "kimi_k25": ThinkFamily(True, True, "<|tool_calls_section_begin|>"),
 }
 REASONING_ALIASES: dict[str, str] = {
     "deepseek_r1": "deepseek-r1",  # vLLM's spelling
@@ -144,18 +156,18 @@ class ParserSpec:
             return HarmonyParser(harmony_encoding, CallIds(seed), tool_calls=tool_calls)
         reasoning = None
         if self.reasoning_parser is not None:
-            starts_inside, switchable = REASONING_PARSERS[self.reasoning_parser]
-            thinking = _thinking_on(self.reasoning_parser, chat_template_kwargs or {}) if switchable else True
+            family = REASONING_PARSERS[self.reasoning_parser]
+            thinking = _thinking_on(self.reasoning_parser, chat_template_kwargs or {}) if family.switchable else True
             if prompt_opens_reasoning is not None:
-                reasoning = ThinkReasoning(in_reasoning=prompt_opens_reasoning)
+                reasoning = ThinkReasoning(prompt_opens_reasoning, family.implicit_close)
             elif thinking:
-                reasoning = ThinkReasoning(in_reasoning=starts_inside)
+                reasoning = ThinkReasoning(family.starts_inside, family.implicit_close)
         parser = None
         if self.tool_call_parser is not None and tool_calls:
             parser = TOOL_PARSERS[self.tool_call_parser](CallIds(seed), tools)
-        if reasoning is None and parser is None:
-            return PassThrough()
-        return ChatParser(reasoning, parser)
+        if reasoning is not None and parser is not None:
+            return ChatParser(reasoning, parser)
+        return reasoning or parser or PassThrough()
 
 
 def resolve(tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ParserSpec:

@@ -37,6 +37,8 @@ class JsonCallParser(ToolParser):
     """A call is one JSON object; the family says what opens the calls (`_scan_content`) and what may come
     between and after them (`_after_call`)."""
 
+    GUARD = ""  # an end tag that closes the call even inside an unbalanced object (outside strings)
+
     def __init__(self, ids: CallIds, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(ids, tools)
         self._state = "content"
@@ -115,36 +117,61 @@ class JsonCallParser(ToolParser):
         self._whole = JsonValueEnd(depth=0)  # already closed: _close_outer passes at once
         return True
 
+    def _scan(self, scanner: JsonValueEnd, buf: str) -> tuple[str, int]:
+        """Scan buf for the end of an open JSON value, minding the family's end tag (GUARD): ("closed", index
+        past the value), ("guard", index of an end tag outside any string: the value was never closed), or
+        ("more", how much of buf is decided; the rest may be the start of the end tag)."""
+        guard = self.GUARD
+        pos = 0
+        while True:
+            i = buf.find(guard, pos) if guard else -1
+            end = scanner.scan(buf[pos:] if i == -1 else buf[pos:i])
+            if end != -1:
+                return "closed", pos + end
+            if i == -1:
+                # a held partial end tag has no quote, bracket or backslash: scanning it again later is harmless
+                held = held_suffix(buf, guard) if guard and not scanner.in_string else 0
+                return "more", len(buf) - held
+            if not scanner.in_string:
+                return "guard", i
+            pos = i + len(guard)  # the end tag sits inside a string value: it is text
+
     def _read_args(self, final: bool) -> bool:
         scanner = self._args
         if scanner is None:
             return False
         buf = self._buf
-        end = scanner.scan(buf)
-        if end == -1:
-            self._emit_arguments(buf)
-            self._buf = ""
+        outcome, at = self._scan(scanner, buf)
+        if outcome == "more":
             if final:  # cut off: the call keeps the arguments it streamed
+                at = len(buf)
+            self._emit_arguments(buf[:at])
+            self._buf = buf[at:]
+            if final:
+                self._buf = ""
                 self._to_content()
             return False
-        self._emit_arguments(buf[:end])
-        self._buf = buf[end:]
+        self._emit_arguments(buf[:at])
+        self._buf = buf[at:]
         self._args = None
+        if outcome == "guard":  # the end tag came first: the call ends with its arguments as written
+            self._state = "after"
+            return True
         self._whole = JsonValueEnd(depth=1)  # what is left of the outer object: its `}` (or extra keys)
         self._state = "close"
         return True
 
     def _close_outer(self) -> bool:
-        """Skip the rest of the outer object after the arguments; True once past its closing brace."""
+        """Skip the rest of the outer object after the arguments; True once past its closing brace (or at the
+        family's end tag, when the model left the object open)."""
         scanner = self._whole
         if scanner is None or scanner.depth == 0:
             self._whole = None
             return True
-        end = scanner.scan(self._buf)
-        if end == -1:
-            self._buf = ""
+        outcome, at = self._scan(scanner, self._buf)
+        self._buf = self._buf[at:]
+        if outcome == "more":
             return False
-        self._buf = self._buf[end:]
         self._whole = None
         return True
 
@@ -169,6 +196,7 @@ class HermesParser(JsonCallParser):
 
     START = "<tool_call>"
     END = "</tool_call>"
+    GUARD = END
 
     def _reject(self, final: bool) -> None:
         # not a call: the whole block, tags and all, becomes content once its end tag is read
@@ -269,7 +297,8 @@ class Llama3JsonParser(JsonCallParser):
 
 class MistralParser(JsonCallParser):
     """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizer v3 and earlier) or
-    `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11 on, optionally `name[CALL_ID]id[ARGS]{...}`), repeated."""
+    `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11 on, optionally `name[CALL_ID]id[ARGS]{...}`; `name{...}` when
+    the detokenizer skipped the [ARGS] control token), repeated."""
 
     START = "[TOOL_CALLS]"
     SPECIAL_TOKENS = True  # a control token of Mistral's tokenizers (vLLM turns skip_special_tokens off for it)
@@ -310,21 +339,26 @@ class MistralParser(JsonCallParser):
     def _read_name(self, final: bool) -> bool:
         buf = self._buf
         i = buf.find(self.ARGS)
-        if i == -1:
-            # a name is short: past MAX_NAME characters without `[ARGS]` this is not a call
+        brace = buf.find("{")
+        if brace != -1 and (i == -1 or brace < i):
+            # `name{...}`: the text of a detokenizer that skipped the [ARGS] control token (vLLM's form)
+            head, rest = buf[:brace], buf[brace:]
+        elif i != -1:
+            head, rest = buf[:i], buf[i + len(self.ARGS):]
+        else:
+            # a name is short: past MAX_NAME characters without `[ARGS]` or `{` this is not a call
             if final or len(buf) - held_suffix(buf, self.ARGS) > self.MAX_NAME:
                 self._raw += buf
                 self._buf = ""
                 self._reject(final)
                 return not final
             return False
-        name = buf[:i].partition(self.CALL_ID)[0].strip()
-        rest = buf[i + len(self.ARGS):]
+        name = head.partition(self.CALL_ID)[0].strip()
         stripped = rest.lstrip()
         if not stripped and not final:
             return False
         if not name or any(c in name for c in ' \n{}[]"') or stripped[:1] != "{":
-            self._raw += buf[:i + len(self.ARGS)]
+            self._raw += buf[:len(buf) - len(rest)]
             self._buf = rest
             self._reject(final)
             return True

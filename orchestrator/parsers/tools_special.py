@@ -52,35 +52,42 @@ class SectionParser(ToolParser):
         return self._read_call_end(final)
 
     def _read_section(self, final: bool) -> bool:
-        buf = self._buf.lstrip()
-        self._buf = buf
+        # whitespace before a marker in the section is dropped; the buffer is not touched until that is decided,
+        # so how the text was split cannot change what is kept
+        buf = self._buf
+        stripped = buf.lstrip()
         for marker, state in ((self.CALL_BEGIN, "header"), (self.SECTION_END, "content")):
-            if buf.startswith(marker):
-                self._buf = buf[len(marker):]
+            if stripped.startswith(marker):
+                self._buf = stripped[len(marker):]
                 self._state = state
                 if state == "content":
                     self._in_content = True
                     self._call_ended()
                 return True
-        if not buf:
+        if not stripped:
             if final:
+                self._buf = ""
                 self._to_content()
             return False
-        if not final and (self.CALL_BEGIN.startswith(buf) or self.SECTION_END.startswith(buf)):
+        if not final and (self.CALL_BEGIN.startswith(stripped) or self.SECTION_END.startswith(stripped)):
             return False
         # text in the section that is neither a call nor the section's end: content, never lost
         ends = [i for i in (buf.find(self.CALL_BEGIN), buf.find(self.SECTION_END)) if i != -1]
         if ends:
             cut = min(ends)
-        elif final:
-            cut = len(buf)
-        else:
-            cut = len(buf) - held_suffix_any(buf, (self.CALL_BEGIN, self.SECTION_END))
-        self._emit_content(buf[:cut])
-        self._buf = buf[cut:]
-        if final and not self._buf:
+            self._emit_content(buf[:cut].rstrip())
+            self._buf = buf[cut:]
+            return True
+        if final:
+            self._emit_content(buf)
+            self._buf = ""
             self._to_content()
-        return bool(ends)
+            return False
+        keep = len(buf) - held_suffix_any(buf, (self.CALL_BEGIN, self.SECTION_END))
+        keep = len(buf[:keep].rstrip())  # trailing whitespace waits: a marker may follow it
+        self._emit_content(buf[:keep])
+        self._buf = buf[keep:]
+        return False
 
     def _read_header(self, final: bool) -> bool:
         buf = self._buf

@@ -82,19 +82,22 @@ class XmlCallParser(ToolParser):
         self._state = "params"
 
     def _read_params(self, final: bool) -> bool:
-        buf = self._buf.lstrip()
-        self._buf = buf
-        if not buf:
+        # whitespace between parameters is dropped; the buffer is not touched until that is decided, so how the
+        # text was split cannot change what is kept
+        buf = self._buf
+        stripped = buf.lstrip()
+        if not stripped:
             if final:
+                self._buf = ""
                 self._to_content()
             return False
-        rest = self._closes_call(buf)
+        rest = self._closes_call(stripped)
         if rest is not None:
             self._emit_arguments("}")
             self._buf = rest
             return True
-        if buf.startswith(self.KEY_OPEN):
-            param = self._read_param(buf, final)
+        if stripped.startswith(self.KEY_OPEN):
+            param = self._read_param(stripped, final)
             if param is None:
                 if final:  # cut off inside a parameter: the call keeps what it streamed
                     self._buf = ""
@@ -105,13 +108,25 @@ class XmlCallParser(ToolParser):
             self._emit_arguments(("" if self._first else ", ") + json_text(key) + ": " + json_text(value))
             self._first = False
             return True
-        if not final and any(marker.startswith(buf) for marker in self._markers()):
+        if not final and any(marker.startswith(stripped) for marker in self._markers()):
             return False
         # text between parameters that is none of the format's markers: content, never lost
-        cut = min((i for i in (buf.find(m) for m in self._markers()) if i != -1), default=len(buf))
-        self._emit_content(buf[:cut])
-        self._buf = buf[cut:]
-        return cut < len(buf)
+        ends = [i for i in (buf.find(m) for m in self._markers()) if i != -1]
+        if ends:
+            cut = min(ends)
+            self._emit_content(buf[:cut].rstrip())
+            self._buf = buf[cut:]
+            return True
+        if final:
+            self._emit_content(buf)
+            self._buf = ""
+            self._to_content()
+            return False
+        keep = len(buf) - max(held_suffix(buf, marker) for marker in self._markers())
+        keep = len(buf[:keep].rstrip())  # trailing whitespace waits: a marker may follow it
+        self._emit_content(buf[:keep])
+        self._buf = buf[keep:]
+        return False
 
     def _markers(self) -> tuple[str, ...]:
         return (self.KEY_OPEN, self.END)
