@@ -38,16 +38,7 @@ class MessagesExchange:
     def make_sink(self, parser: StreamParser | None, send: Callable[[bytes], Awaitable[None]],
                   prompt_tokens: int) -> BlockSink:
         writer = self.writer = mfmt.EventWriter(self.message_id, self.api.model, prompt_tokens)
-        started = False
-
-        async def send_events(data: bytes) -> None:
-            nonlocal started
-            if not started:  # `message_start` leads the first write: until then a failure is a plain error
-                started = True
-                data = writer.start() + data
-            await send(data)
-
-        self.sink = BlockSink(parser, writer if self.api.stream else None, send_events if self.api.stream else None)
+        self.sink = BlockSink(parser, writer if self.api.stream else None, send if self.api.stream else None)
         return self.sink
 
     def _stop_and_usage(self) -> tuple[str, dict]:
@@ -67,8 +58,7 @@ class MessagesExchange:
         if writer is None:
             raise RuntimeError("the answer has no writer yet")
         stop_reason, usage = self._stop_and_usage()
-        started = self.sink is not None and self.sink.answer.blocks
-        return (b"" if started else writer.start()) + writer.finish(stop_reason, usage)
+        return writer.finish(stop_reason, usage)
 
     async def keep(self, store, answer: dict) -> None:
         """(Messages are not stored.)"""

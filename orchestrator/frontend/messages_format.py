@@ -69,13 +69,17 @@ def message(message_id: str, model: str, blocks: list[Block], stop_reason: str |
 class EventWriter:
     def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
         self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        self.started = False  # `message_start` and a `ping` lead the first events written
 
-    def start(self) -> bytes:
+    def _start(self) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
         start = message(self.message_id, self.model, [], None, usage(self.prompt_tokens, 0, None))
-        return event("message_start", {"message": start}) + event("ping", {})
+        return [event("message_start", {"message": start}), event("ping", {})]
 
     def blocks(self, events: list[BlockEvent]) -> bytes:
-        out = []
+        out = self._start()
         for item in events:
             block = item.block
             if isinstance(item, Opened):
@@ -88,11 +92,11 @@ class EventWriter:
                 out.append(event("content_block_delta", {"index": block.index, "delta": delta}))
             elif isinstance(item, Closed):
                 if block.kind == "reasoning":  # (no signature: the reasoning is the model's own text)
-                    out.append(event("content_block_delta",
-                                     {"index": block.index, "delta": {"type": "signature_delta", "signature": ""}}))
+                    signature = {"type": "signature_delta", "signature": ""}
+                    out.append(event("content_block_delta", {"index": block.index, "delta": signature}))
                 out.append(event("content_block_stop", {"index": block.index}))
         return b"".join(out)
 
     def finish(self, stop_reason: str, usage_body: dict) -> bytes:
-        return event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": None},
-                                       "usage": usage_body}) + event("message_stop", {})
+        delta = {"delta": {"stop_reason": stop_reason, "stop_sequence": None}, "usage": usage_body}
+        return b"".join(self._start()) + event("message_delta", delta) + event("message_stop", {})

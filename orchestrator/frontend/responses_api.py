@@ -66,23 +66,11 @@ class ResponsesExchange:
 
     def make_sink(self, parser: StreamParser | None, send: Callable[[bytes], Awaitable[None]],
                   prompt_tokens: int) -> BlockSink:
-        started = False
-
-        async def send_events(data: bytes) -> None:
-            # `response.created` leads the first write: until then a failure is a plain HTTP error
-            nonlocal started
-            if not started:
-                started = True
-                data = self.writer.start() + data
-            await send(data)
-
-        self.sink = BlockSink(parser, self.writer if self.api.stream else None,
-                              send_events if self.api.stream else None)
+        self.sink = BlockSink(parser, self.writer if self.api.stream else None, send if self.api.stream else None)
         return self.sink
 
     def finish_event(self, answer: dict) -> bytes:
-        return (b"" if self.sink is not None and self.sink.answer.blocks else self.writer.start()) + \
-            self.writer.finish(answer)
+        return self.writer.finish(answer)
 
     def response(self, status: str | None = None, error: dict | None = None) -> dict:
         sink = self.sink

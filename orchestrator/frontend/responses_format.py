@@ -86,19 +86,23 @@ class EventWriter:
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int) -> None:
         self.request, self.response_id, self.created_at = request, response_id, created_at
         self._sequence = 0
+        self.started = False  # `response.created` and `response.in_progress` lead the first events written
 
     def _event(self, kind: str, body: dict) -> bytes:
         body = {"type": kind, "sequence_number": self._sequence, **body}
         self._sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + _dumps(body).encode() + b"\n\n"
 
-    def start(self) -> bytes:
+    def _start(self) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
         response = response_object(self.request, self.response_id, self.created_at, status="in_progress", output=[])
-        return self._event("response.created", {"response": response}) + \
-            self._event("response.in_progress", {"response": response})
+        return [self._event("response.created", {"response": response}),
+                self._event("response.in_progress", {"response": response})]
 
     def blocks(self, events: list[BlockEvent]) -> bytes:
-        out = []
+        out = self._start()
         for event in events:
             block = event.block
             item_id = _item_id(block, self.response_id)
@@ -141,7 +145,7 @@ class EventWriter:
 
     def finish(self, response: dict) -> bytes:
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return self._event(kind, {"response": response})
+        return b"".join(self._start()) + self._event(kind, {"response": response})
 
     def failed(self, response: dict) -> bytes:
-        return self._event("response.failed", {"response": response})
+        return b"".join(self._start()) + self._event("response.failed", {"response": response})
