@@ -7,6 +7,7 @@ the user spoke last, answer in text after a tool result, and think first.
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -214,3 +215,34 @@ def test_two_replicas_sharing_redis_continue_each_others_responses(tmp_path, red
             client_a.responses.retrieve(answer.id)
     finally:
         first.close()
+
+
+# ---- a continuation follows its prefix ---------------------------------------------------------------------
+
+def test_a_continuation_is_routed_where_its_conversation_is_cached(tmp_path):
+    """previous_response_id makes the new prompt the stored conversation plus the new input: with kv_aware
+    routing over three workers, every continuation lands where its conversation was served and finds it cached
+    (round robin would move two in three of them to a worker that holds none of it)."""
+    deployment = Deployment(tmp_path, "aggregated", {"aggregated": [MODEL_FLAGS] * 3},
+                            routing={"aggregated": "kv_aware"})
+    try:
+        client = deployment.openai()
+        threads = {}
+        for name in ("heron", "otter", "lynx"):
+            instructions = f"You are the {name} guide. " + " ".join(f"{name}-rule-{i} holds;" for i in range(60))
+            threads[name] = (instructions, client.responses.create(
+                model="tiny-chat", input=f"Tell me about the {name}.", instructions=instructions,
+                max_output_tokens=16, reasoning={"effort": "low"}))
+        for turn, order in enumerate((["lynx", "otter", "heron"], ["otter", "heron", "lynx"])):
+            for name in order:  # (not the order they started in: a round robin would line up by chance)
+                instructions, previous = threads[name]
+                # the load each worker reports is fresh with its next health check (kv-routing.md)
+                time.sleep(0.5)
+                answer = client.responses.create(model="tiny-chat", input=f"And then ({turn})?",
+                                                 instructions=instructions, previous_response_id=previous.id,
+                                                 max_output_tokens=16)
+                assert answer.usage is not None
+                assert answer.usage.input_tokens_details.cached_tokens >= 18 * 32, (name, turn, answer.usage)
+                threads[name] = (instructions, answer)
+    finally:
+        deployment.close()
