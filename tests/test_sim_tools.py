@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -19,8 +20,12 @@ from orchestrator.tokenizer import ModelTokenizer
 from sim_helpers import Finished, Tokens, collect, run_disaggregated, terminal, token_ids
 
 FAST = ("--time-scale", "0")
+# DeepSeek's markers: fullwidth bars and U+2581 for spaces (written as escapes: they look like ASCII)
+CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CALL_BEGIN, CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+SEP = "<\uff5ctool\u2581sep\uff5c>"
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "required": ["city", "unit", "days"], "properties": {
         "city": {"type": "string", "minLength": 2, "maxLength": 40},
@@ -31,7 +36,7 @@ WEATHER = {"type": "function", "function": {
             "lat": {"type": "number", "minimum": -90, "maximum": 90},
             "lon": {"type": "number", "minimum": -180, "maximum": 180}}},
         "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string"}}}}}}
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+SEARCH: dict[str, Any] = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}}
 
 
@@ -121,12 +126,11 @@ def parse_calls(parser: str, text: str) -> list[tuple[str, dict]]:
         assert text.startswith("[TOOL_CALLS]")
         return [(c["name"], c["arguments"]) for c in json.loads(text.removeprefix("[TOOL_CALLS]"))]
     if parser in ("deepseek_v3", "deepseekv3"):
-        assert text.startswith("<｜tool▁calls▁begin｜>") and text.endswith("<｜tool▁calls▁end｜>")
+        assert text.startswith(CALLS_BEGIN) and text.endswith(CALLS_END)
         return [(n, json.loads(a)) for n, a in re.findall(
-            r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", text, re.DOTALL)]
+            f"{CALL_BEGIN}function{SEP}(.*?)\n```json\n(.*?)\n```{CALL_END}", text, re.DOTALL)]
     if parser in ("deepseek_v31", "deepseekv3.1"):
-        return [(n, json.loads(a)) for n, a in re.findall(
-            r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", text, re.DOTALL)]
+        return [(n, json.loads(a)) for n, a in re.findall(f"{CALL_BEGIN}(.*?){SEP}(.*?){CALL_END}", text, re.DOTALL)]
     if parser == "kimi_k2":
         assert text.startswith("<|tool_calls_section_begin|>") and text.endswith("<|tool_calls_section_end|>")
         return [(n, json.loads(a)) for n, a in re.findall(
@@ -186,7 +190,8 @@ async def test_arguments_are_deterministic_per_seed_and_vary_with_it(sim_workers
     worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "qwen3")
     ids = chat_ids([{"role": "user", "content": "Weather?"}], tools=[WEATHER])
     async with engine_client(worker.address) as client:
-        texts = [(await answer(client, request(f"s{seed}-{n}", ids, seed=seed)))[0] for seed in range(6) for n in (0, 1)]
+        texts = [(await answer(client, request(f"s{seed}-{n}", ids, seed=seed)))[0]
+                 for seed in range(6) for n in (0, 1)]
     assert all(texts[i] == texts[i + 1] for i in range(0, len(texts), 2))
     arguments = {json.dumps(parse_calls("qwen3", t)[0][1], sort_keys=True) for t in texts}
     assert len(arguments) > 1
@@ -257,7 +262,8 @@ async def test_a_json_schema_guide_is_answered_with_a_valid_instance(sim_workers
                                                           guided=g.GuidedDecoding(json_schema=json.dumps(schema))))
             validate(json.loads(text), schema)  # no reasoning block: the grammar holds from the first token
             assert ended_by_eos(finished)
-        text, _ = await answer(client, request("obj", ids, guided=g.GuidedDecoding(json_object=g.JsonObjectConstraint())))
+        json_object = g.GuidedDecoding(json_object=g.JsonObjectConstraint())
+        text, _ = await answer(client, request("obj", ids, guided=json_object))
         assert isinstance(json.loads(text), dict)
 
 
