@@ -38,6 +38,7 @@ WEATHER: dict[str, Any] = {"type": "function", "function": {
         "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string"}}}}}}
 SEARCH: dict[str, Any] = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}}
+TOOLS = [WEATHER, SEARCH]
 
 
 def validate(value, schema, path="$"):
@@ -186,6 +187,20 @@ async def test_each_family_calls_a_tool_in_its_format_with_schema_valid_argument
     assert again == text  # deterministic for a prompt and seed
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "llama3_json", "mistral", "kimi_k2", "deepseek_v3", "glm45"])
+async def test_parallel_calls_when_the_template_allows_them(sim_workers, engine_client, parser):
+    worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", parser)
+    user = [{"role": "user", "content": "Weather and news?"}]
+    async with engine_client(worker.address) as client:
+        several, _ = await answer(client, request("p", chat_ids(user, tools=TOOLS, parallel_tool_calls=True)))
+        single, _ = await answer(client, request("s", chat_ids(user, tools=TOOLS, parallel_tool_calls=False)))
+    calls = parse_calls(parser, several)
+    assert sorted(name for name, _ in calls) == ["get_weather", "search"], several
+    for name, arguments in calls:
+        validate(arguments, {"get_weather": WEATHER, "search": SEARCH}[name]["function"]["parameters"])
+    assert len(parse_calls(parser, single)) == 1
+
+
 async def test_arguments_are_deterministic_per_seed_and_vary_with_it(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "qwen3")
     ids = chat_ids([{"role": "user", "content": "Weather?"}], tools=[WEATHER])
@@ -217,10 +232,10 @@ async def test_tool_choice_none_required_and_named_are_obeyed(sim_workers, engin
     assert [name for name, _ in parse_calls("qwen3", forced)] == ["get_weather"]
 
 
-async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_workers, engine_client):
-    agg = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "kimi_k2")
-    pre = sim_workers.start("prefill", *FAST, "--tool-call-parser", "kimi_k2")
-    dec = sim_workers.start("decode", *FAST, "--tool-call-parser", "kimi_k2")
+@pytest.mark.parametrize("revision", ["1", "3"])
+async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_workers, engine_client, revision):
+    flags = (*FAST, "--schema-revision", revision, "--tool-call-parser", "kimi_k2", "--reasoning-parser", "qwen3")
+    agg, pre, dec = (sim_workers.start(role, *flags) for role in ("aggregated", "prefill", "decode"))
     ids = chat_ids([{"role": "user", "content": "Weather?"}], tools=[WEATHER])
     async with engine_client(agg.address) as a, engine_client(pre.address) as p, engine_client(dec.address) as d:
         whole = await collect(a, request("whole", ids, max_tokens=500))
@@ -230,6 +245,38 @@ async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_w
     assert token_ids(gen_events) == token_ids(whole)
     assert sent + token_ids(rest) == token_ids(whole)
     assert isinstance(terminal(rest), Finished) and ended_by_eos(terminal(rest))
+
+
+# ---- the schema-instance generator (pure) -------------------------------------------------------------------
+
+def test_schema_instances_are_valid_for_every_keyword_the_generator_takes():
+    import random
+
+    from orchestrator.sim.schema_instance import instance
+
+    schema: dict[str, Any] = {"type": "object", "required": ["id", "kind", "point", "items", "choice", "note"],
+              "$defs": {"point": {"type": "object", "required": ["x"], "properties": {
+                  "x": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}},
+              "properties": {
+                  "id": {"type": "integer", "minimum": 10, "maximum": 20, "multipleOf": 5},
+                  "kind": {"const": "fixed"},
+                  "point": {"$ref": "#/$defs/point"},
+                  "items": {"type": "array", "minItems": 2, "maxItems": 4, "uniqueItems": True,
+                            "items": {"type": "integer", "minimum": 0, "maximum": 1000}},
+                  "choice": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "boolean"}]},
+                  "note": {"allOf": [{"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}},
+                                     {"required": ["b"], "properties": {"b": {"type": "null"}}}]},
+                  "when": {"type": "string", "format": "date-time"}},
+              "additionalProperties": False}
+    for seed in range(200):
+        value = instance(schema, random.Random(seed))
+        assert set(value) <= set(schema["properties"]) and value["kind"] == "fixed"
+        assert value["id"] in (10, 15, 20) and 0 < value["point"]["x"] < 1
+        assert 2 <= len(value["items"]) <= 4 and len(set(value["items"])) == len(value["items"])
+        assert (isinstance(value["choice"], str) and len(value["choice"]) <= 5) or isinstance(value["choice"], bool)
+        assert isinstance(value["note"]["a"], str) and value["note"]["b"] is None
+        validate(value["items"], schema["properties"]["items"])
+    assert instance(schema, random.Random(3)) == instance(schema, random.Random(3))
 
 
 # ---- reasoning ----------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ legs, and a migrated continuation, script the same answer.
   decoding forces; no reasoning block then (the grammar holds from the first token). A regex or EBNF guide is not
   modelled: the text stays unconstrained.
 - A chat whose tools are offered calls one when tool_choice is required or a named function, or when it is auto and
-  the last turn is the user's; the call is written in the advertised tool parser's format (hermes without one:
-  the tiny-chat template's own) with arguments valid under the function's parameters, then EOS. After a tool
-  result (last turn `tool`) the model answers in text that quotes the result. tool_choice none: text.
+  the last turn is the user's (two distinct functions when the template allowed parallel calls); the calls are
+  written in the advertised tool parser's format (hermes without one: the tiny-chat template's own) with
+  arguments valid under each function's parameters, then EOS. After a tool result (last turn `tool`) the model
+  answers in text that quotes the result. tool_choice none: text.
 - With a reasoning parser and thinking on (the template did not close an empty block), the answer starts with
   a reasoning block in that parser's format.
 - Free text (after any scripted start) is the usual deterministic words; without max_tokens it ends with EOS
@@ -94,17 +95,25 @@ def _calls(chat: ChatPrompt, rng: random.Random) -> list[tool_formats.Call]:
         return []
     if chat.tool_choice == "auto" and chat.last_role != "user":
         return []  # after a tool result (or anything but a question) the model answers in text
-    function = None
+    named = None
     if chat.tool_choice == "function":
-        function = next((f for f in chat.tools if f["name"] == chat.named_function), None)
-    if function is None:
-        function = rng.choice(chat.tools)
+        named = next((f for f in chat.tools if f["name"] == chat.named_function), None)
+    if named is not None:
+        functions = [named]
+    elif chat.parallel_calls and len(chat.tools) > 1:  # allowed several: two distinct functions, as models do
+        functions = rng.sample(list(chat.tools), 2)
+    else:
+        functions = [rng.choice(chat.tools)]
+    return [(function["name"], _arguments(function, rng)) for function in functions]
+
+
+def _arguments(function: dict, rng: random.Random) -> dict:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     try:
         arguments = schema_instance.instance(parameters, rng)
     except schema_instance.SchemaError:
         arguments = {}
-    return [(function["name"], arguments if isinstance(arguments, dict) else {})]
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def guided_text(guide: tuple[str, Any], rng: random.Random) -> str | None:

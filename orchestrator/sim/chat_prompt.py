@@ -10,6 +10,7 @@ The engine sees only token ids, so the sim detokenizes the prompt and reads what
   each `{"type": "function", "function": {name, description, parameters}}`;
 - `tool_choice` is the sentence the template adds after them: "Answer without calling a function." (none), "Call
   at least one function." (required) or "Call the function NAME." (a named function); none of them: auto;
+- "You may call several functions at once." (`parallel_tool_calls` true) allows more than one call;
 - the role and text of the last turn before the answer (`user`, `tool`, ...).
 
 A prompt that is not such a chat (a completion, another template) reads as None: the sim answers it as before.
@@ -28,6 +29,7 @@ ANSWER_HEADER = IM_START + "assistant\n"
 THINKING_OFF = "<think>\n\n</think>\n\n"
 CHOICE_NONE = "Answer without calling a function."
 CHOICE_REQUIRED = "Call at least one function."
+PARALLEL_CALLS = "You may call several functions at once."
 _CHOICE_NAMED = re.compile(r"Call the function (\S+?)\.(?:\n|$)")
 _TOOLS = re.compile(r"<tools>\n(.*?)</tools>", re.DOTALL)
 _MAX_HEADER_TOKENS = 32
@@ -38,6 +40,7 @@ class ChatPrompt:
     tools: tuple[dict, ...]  # each a function: {name, description?, parameters?}
     tool_choice: str  # auto | none | required | function
     named_function: str | None
+    parallel_calls: bool  # the template allowed several calls in one answer (parallel_tool_calls true)
     last_role: str
     last_content: str
     thinking_off: bool  # the template closed an empty thinking block (enable_thinking false)
@@ -59,7 +62,7 @@ def read(prompt_ids: list[int], tokenizer: Tokenizer) -> ChatPrompt | None:
         return None
     turns = _turns(tokenizer.decode(prompt_ids[:last], skip_special_tokens=False))
     tools: tuple[dict, ...] = ()
-    choice, named = "auto", None
+    choice, named, parallel = "auto", None, False
     if turns and turns[0][0] == "system":
         tools = _tools(turns[0][1])
         if tools:
@@ -68,9 +71,11 @@ def read(prompt_ids: list[int], tokenizer: Tokenizer) -> ChatPrompt | None:
             match = _CHOICE_NAMED.search(system)
             if match is not None:
                 choice, named = "function", match.group(1)
+            parallel = PARALLEL_CALLS in system
     role, content = turns[-1] if turns else ("", "")
-    return ChatPrompt(tools=tools, tool_choice=choice, named_function=named, last_role=role, last_content=content,
-                      thinking_off=thinking_off, prefix_len=last + header, answered=len(prompt_ids) - last - header)
+    return ChatPrompt(tools=tools, tool_choice=choice, named_function=named, parallel_calls=parallel,
+                      last_role=role, last_content=content, thinking_off=thinking_off, prefix_len=last + header,
+                      answered=len(prompt_ids) - last - header)
 
 
 def _token_count(ids: list[int], tokenizer: Tokenizer, text: str) -> int | None:
