@@ -297,6 +297,24 @@ async def test_thinking_writes_a_reasoning_block_unless_the_template_turned_it_o
     assert "</think>\n\n<tool_call>" in call and parse_calls("qwen3", call.partition("</think>\n\n")[2])
 
 
+async def test_gpt_oss_writes_every_part_in_its_harmony_channel(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "openai")
+    user = [{"role": "user", "content": "Weather?"}]
+    async with engine_client(worker.address) as client:
+        call, finished = await answer(client, request("call", chat_ids(user, tools=[WEATHER])))
+        text, _ = await answer(client, request("text", chat_ids(user)))
+        quiet, _ = await answer(client, request("quiet", chat_ids(user, enable_thinking=False), max_tokens=30))
+    analysis = re.compile(r"<\|channel\|>analysis<\|message\|>[^<]+<\|end\|><\|start\|>assistant")
+    head = analysis.match(call)
+    assert head is not None and ended_by_eos(finished)
+    (name, arguments), = parse_calls("openai", call[head.end():])
+    assert name == "get_weather" and call.endswith("<|call|>")
+    validate(arguments, WEATHER["function"]["parameters"])
+    final = analysis.match(text)
+    assert final is not None and text[final.end():].startswith("<|channel|>final<|message|>")
+    assert quiet.startswith("<|channel|>final<|message|>")
+
+
 # ---- guides -------------------------------------------------------------------------------------------------
 
 async def test_a_json_schema_guide_is_answered_with_a_valid_instance(sim_workers, engine_client):

@@ -11,7 +11,7 @@ legs, and a migrated continuation, script the same answer.
   arguments valid under each function's parameters, then EOS. After a tool result (last turn `tool`) the model
   answers in text that quotes the result. tool_choice none: text.
 - With a reasoning parser and thinking on (the template did not close an empty block), the answer starts with
-  a reasoning block in that parser's format.
+  a reasoning block in that parser's format. gpt-oss (harmony) writes every part in its channel.
 - Free text (after any scripted start) is the usual deterministic words; without max_tokens it ends with EOS
   after a natural length: a log-normal draw per prompt and seed, median 64 tokens, sigma 0.75, clipped to
   [8, 1024] (chat answers are mostly short, with a long tail), counted from the start of the answer.
@@ -67,13 +67,18 @@ def plan(chat: ChatPrompt | None, guide: tuple[str, Any] | None, parsers: Parser
     if chat is None:
         return Plan(natural_length=natural)
     pieces = []
-    if parsers.reasoning and not chat.thinking_off:
+    harmony = tool_formats.harmony(parsers.tool_call)
+    if harmony and not chat.thinking_off:
+        pieces.append(tool_formats.HARMONY_ANALYSIS.format(_sentence(rng, 12, 40)))
+    elif parsers.reasoning and not chat.thinking_off:
         pieces.append(tool_formats.render_reasoning(parsers.reasoning, _sentence(rng, 12, 40),
                                                     opened_in_prompt=False))
     calls = _calls(chat, rng)
     if calls:
         pieces.append(tool_formats.render_calls(parsers.tool_call or "hermes", calls))
         return Plan(_encode(tokenizer, "".join(pieces)), ends=True, offset=offset)
+    if harmony:
+        pieces.append(tool_formats.HARMONY_FINAL)
     if chat.last_role == "tool":
         pieces.append(f"The tool returned {chat.last_content.strip()[:200]}. ")
     script = _encode(tokenizer, "".join(pieces)) if pieces else ()

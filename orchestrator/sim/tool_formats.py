@@ -5,6 +5,10 @@ so the orchestrator's parsers can be tested end to end. docs/simulator.md has th
 are in tests/test_trtllm_conformance.py (UPSTREAM tool-formats, reasoning-formats). DeepSeek's markers are
 written with fullwidth bars (U+FF5C) and U+2581 for spaces, as its tokenizer has them.
 
+gpt-oss (`openai`, `gpt_oss`) writes its whole answer in harmony channels, reasoning included, whatever the
+reasoning parser: `<|channel|>analysis<|message|>R<|end|><|start|>assistant` first (unless thinking is off), then
+a call in the commentary channel or text after `<|channel|>final<|message|>`.
+
 In the XML families (qwen3_coder, glm45) a string value is written raw and any other value as JSON. Reasoning:
 `qwen3` writes `<think>\\n...\\n</think>\\n\\n` before its answer; `deepseek-r1`, `qwen3_5` and `minimax_m2`
 start inside the block (their templates prefill `<think>\\n` into the prompt) and write `...\\n</think>\\n\\n`.
@@ -78,6 +82,15 @@ def render_calls(parser: str, calls: list[Call]) -> str:
         return "".join(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{_json(args)}"
                        "<|call|>" for name, args in calls)
     raise ValueError(f"unknown tool-call parser {parser!r}")
+
+
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant"
+HARMONY_FINAL = "<|channel|>final<|message|>"
+
+
+def harmony(parser: str) -> bool:
+    """gpt-oss writes everything in harmony channels: its reasoning (analysis), calls (commentary), text (final)."""
+    return TOOL_FAMILIES.get(parser) == "harmony"
 
 
 def render_reasoning(parser: str, reasoning: str, *, opened_in_prompt: bool) -> str:
