@@ -318,6 +318,7 @@ async def test_gpt_oss_writes_every_part_in_its_harmony_channel(sim_workers, eng
 # ---- guides -------------------------------------------------------------------------------------------------
 
 async def test_a_json_schema_guide_is_answered_with_a_valid_instance(sim_workers, engine_client):
+    """UPSTREAM guide-fields: the engine builds the grammar from GuidedDecoding.json_schema / json_object."""
     schema = WEATHER["function"]["parameters"]
     worker = sim_workers.start("aggregated", *FAST, "--guided-backend", "xgrammar", "--reasoning-parser", "qwen3")
     ids = chat_ids([{"role": "user", "content": "Weather as JSON"}])
