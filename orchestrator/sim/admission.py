@@ -240,8 +240,8 @@ class AdmissionService(SimWorkerState):
             if guide not in persona.guide_modes(c.guided_backend) and not persona.ignores_unsupported_guides:
                 raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not "
                                     f"supported by the '{c.guided_backend}' grammar backend")
-            # Taken (a backend that has the mode), or passed on and ignored by the engine (the sibling server
-            # without a backend): either way the simulated text is not constrained.
+            # Taken (a backend that has the mode: answers.py writes a valid instance), or passed on and ignored by
+            # the engine (the sibling server without a backend: the text stays free).
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")

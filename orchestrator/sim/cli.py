@@ -60,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--total-kv-blocks", type=int, default=None)
     p.add_argument("--guided-backend", choices=GUIDED_BACKENDS, default="none",
                    help="the grammar backend TensorRT-LLM was started with; none: guided decoding unsupported "
-                        "(the simulated text is never constrained: only the capability and admission are modelled)")
+                        "(json_schema, json_object, choice and structural_tag guides are answered with a valid "
+                        "instance; regex and EBNF guides are not modelled)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="",
                    help="the model writes tool calls in this parser's format (TensorRT-LLM's names; hermes, "
                         "llama3_json, mistral, glm45 as vLLM names them) and ModelInfo.tool_call_parser says so "
