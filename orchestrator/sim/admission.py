@@ -325,7 +325,8 @@ class AdmissionService(SimWorkerState):
         if chat is not None:  # the answer is a function of the conversation before it, not of what it resends
             key = output.request_key(prompt_ids[:chat.prefix_len], media_ids, seed)
         return answers.plan(chat, guide, answers.Parsers(c.tool_call_parser, c.reasoning_parser), key,
-                            self.tokenizer, max_tokens_given=request.stopping.HasField("max_tokens"))
+                            self.tokenizer,
+                            max_tokens_given=request.stopping.HasField("max_tokens") and not c.natural_eos)
 
     def _max_tokens(self, stopping, room: int, prompt_len: int, window: int) -> int:
         persona = self.persona
