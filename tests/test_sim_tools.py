@@ -386,6 +386,18 @@ async def test_without_max_tokens_the_answer_ends_with_eos_after_a_natural_lengt
     assert len(token_ids(bounded)) == 1500  # a given max_tokens is still the length (benchmarks rely on it)
 
 
+async def test_with_natural_eos_a_given_max_tokens_is_only_a_bound(sim_workers, engine_client):
+    """What the orchestrator sends (every text request has a max_tokens): the model still stops when done."""
+    worker = sim_workers.start("aggregated", *FAST, "--natural-eos")
+    async with engine_client(worker.address) as client:
+        for seed in range(4):
+            ids = chat_ids([{"role": "user", "content": f"Tell me a story {seed}"}])
+            events = await collect(client, request(f"b{seed}", ids, seed=seed, max_tokens=3000))
+            finished = terminal(events)
+            assert isinstance(finished, Finished) and ended_by_eos(finished)
+            assert 8 <= len(token_ids(events)) <= 1024
+
+
 # ---- the template -------------------------------------------------------------------------------------------
 
 def test_the_shipped_template_is_the_builders_and_renders_plain_chats_as_chatml():
