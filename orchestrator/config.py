@@ -279,6 +279,7 @@ class SimSpec:
     guided_backend: str = "none"
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    natural_eos: bool = False  # the model stops when it is done, whatever max_tokens allows (sim-worker --natural-eos)
     args: tuple[str, ...] = ()
 
 

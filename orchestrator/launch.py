@@ -240,6 +240,8 @@ def sim_model_flags(sim) -> tuple[str, ...]:
         flags += ("--tool-call-parser", sim.tool_call_parser)
     if sim.reasoning_parser:
         flags += ("--reasoning-parser", sim.reasoning_parser)
+    if sim.natural_eos:
+        flags += ("--natural-eos",)
     return flags
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -19,8 +20,12 @@ from orchestrator.tokenizer import ModelTokenizer
 from sim_helpers import Finished, Tokens, collect, run_disaggregated, terminal, token_ids
 
 FAST = ("--time-scale", "0")
+# DeepSeek's markers: fullwidth bars and U+2581 for spaces (written as escapes: they look like ASCII)
+CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CALL_BEGIN, CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+SEP = "<\uff5ctool\u2581sep\uff5c>"
 TOKENIZER = ModelTokenizer.from_dir(TINY_CHAT)
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "required": ["city", "unit", "days"], "properties": {
         "city": {"type": "string", "minLength": 2, "maxLength": 40},
@@ -31,8 +36,9 @@ WEATHER = {"type": "function", "function": {
             "lat": {"type": "number", "minimum": -90, "maximum": 90},
             "lon": {"type": "number", "minimum": -180, "maximum": 180}}},
         "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string"}}}}}}
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+SEARCH: dict[str, Any] = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}}
+TOOLS = [WEATHER, SEARCH]
 
 
 def validate(value, schema, path="$"):
@@ -121,12 +127,11 @@ def parse_calls(parser: str, text: str) -> list[tuple[str, dict]]:
         assert text.startswith("[TOOL_CALLS]")
         return [(c["name"], c["arguments"]) for c in json.loads(text.removeprefix("[TOOL_CALLS]"))]
     if parser in ("deepseek_v3", "deepseekv3"):
-        assert text.startswith("<｜tool▁calls▁begin｜>") and text.endswith("<｜tool▁calls▁end｜>")
+        assert text.startswith(CALLS_BEGIN) and text.endswith(CALLS_END)
         return [(n, json.loads(a)) for n, a in re.findall(
-            r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", text, re.DOTALL)]
+            f"{CALL_BEGIN}function{SEP}(.*?)\n```json\n(.*?)\n```{CALL_END}", text, re.DOTALL)]
     if parser in ("deepseek_v31", "deepseekv3.1"):
-        return [(n, json.loads(a)) for n, a in re.findall(
-            r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", text, re.DOTALL)]
+        return [(n, json.loads(a)) for n, a in re.findall(f"{CALL_BEGIN}(.*?){SEP}(.*?){CALL_END}", text, re.DOTALL)]
     if parser == "kimi_k2":
         assert text.startswith("<|tool_calls_section_begin|>") and text.endswith("<|tool_calls_section_end|>")
         return [(n, json.loads(a)) for n, a in re.findall(
@@ -182,11 +187,26 @@ async def test_each_family_calls_a_tool_in_its_format_with_schema_valid_argument
     assert again == text  # deterministic for a prompt and seed
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "llama3_json", "mistral", "kimi_k2", "deepseek_v3", "glm45"])
+async def test_parallel_calls_when_the_template_allows_them(sim_workers, engine_client, parser):
+    worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", parser)
+    user = [{"role": "user", "content": "Weather and news?"}]
+    async with engine_client(worker.address) as client:
+        several, _ = await answer(client, request("p", chat_ids(user, tools=TOOLS, parallel_tool_calls=True)))
+        single, _ = await answer(client, request("s", chat_ids(user, tools=TOOLS, parallel_tool_calls=False)))
+    calls = parse_calls(parser, several)
+    assert sorted(name for name, _ in calls) == ["get_weather", "search"], several
+    for name, arguments in calls:
+        validate(arguments, {"get_weather": WEATHER, "search": SEARCH}[name]["function"]["parameters"])
+    assert len(parse_calls(parser, single)) == 1
+
+
 async def test_arguments_are_deterministic_per_seed_and_vary_with_it(sim_workers, engine_client):
     worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "qwen3")
     ids = chat_ids([{"role": "user", "content": "Weather?"}], tools=[WEATHER])
     async with engine_client(worker.address) as client:
-        texts = [(await answer(client, request(f"s{seed}-{n}", ids, seed=seed)))[0] for seed in range(6) for n in (0, 1)]
+        texts = [(await answer(client, request(f"s{seed}-{n}", ids, seed=seed)))[0]
+                 for seed in range(6) for n in (0, 1)]
     assert all(texts[i] == texts[i + 1] for i in range(0, len(texts), 2))
     arguments = {json.dumps(parse_calls("qwen3", t)[0][1], sort_keys=True) for t in texts}
     assert len(arguments) > 1
@@ -212,10 +232,10 @@ async def test_tool_choice_none_required_and_named_are_obeyed(sim_workers, engin
     assert [name for name, _ in parse_calls("qwen3", forced)] == ["get_weather"]
 
 
-async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_workers, engine_client):
-    agg = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "kimi_k2")
-    pre = sim_workers.start("prefill", *FAST, "--tool-call-parser", "kimi_k2")
-    dec = sim_workers.start("decode", *FAST, "--tool-call-parser", "kimi_k2")
+@pytest.mark.parametrize("revision", ["1", "3"])
+async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_workers, engine_client, revision):
+    flags = (*FAST, "--schema-revision", revision, "--tool-call-parser", "kimi_k2", "--reasoning-parser", "qwen3")
+    agg, pre, dec = (sim_workers.start(role, *flags) for role in ("aggregated", "prefill", "decode"))
     ids = chat_ids([{"role": "user", "content": "Weather?"}], tools=[WEATHER])
     async with engine_client(agg.address) as a, engine_client(pre.address) as p, engine_client(dec.address) as d:
         whole = await collect(a, request("whole", ids, max_tokens=500))
@@ -225,6 +245,38 @@ async def test_a_disaggregated_and_a_migrated_call_are_the_aggregated_call(sim_w
     assert token_ids(gen_events) == token_ids(whole)
     assert sent + token_ids(rest) == token_ids(whole)
     assert isinstance(terminal(rest), Finished) and ended_by_eos(terminal(rest))
+
+
+# ---- the schema-instance generator (pure) -------------------------------------------------------------------
+
+def test_schema_instances_are_valid_for_every_keyword_the_generator_takes():
+    import random
+
+    from orchestrator.sim.schema_instance import instance
+
+    schema: dict[str, Any] = {"type": "object", "required": ["id", "kind", "point", "items", "choice", "note"],
+              "$defs": {"point": {"type": "object", "required": ["x"], "properties": {
+                  "x": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}},
+              "properties": {
+                  "id": {"type": "integer", "minimum": 10, "maximum": 20, "multipleOf": 5},
+                  "kind": {"const": "fixed"},
+                  "point": {"$ref": "#/$defs/point"},
+                  "items": {"type": "array", "minItems": 2, "maxItems": 4, "uniqueItems": True,
+                            "items": {"type": "integer", "minimum": 0, "maximum": 1000}},
+                  "choice": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "boolean"}]},
+                  "note": {"allOf": [{"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}},
+                                     {"required": ["b"], "properties": {"b": {"type": "null"}}}]},
+                  "when": {"type": "string", "format": "date-time"}},
+              "additionalProperties": False}
+    for seed in range(200):
+        value = instance(schema, random.Random(seed))
+        assert set(value) <= set(schema["properties"]) and value["kind"] == "fixed"
+        assert value["id"] in (10, 15, 20) and 0 < value["point"]["x"] < 1
+        assert 2 <= len(value["items"]) <= 4 and len(set(value["items"])) == len(value["items"])
+        assert (isinstance(value["choice"], str) and len(value["choice"]) <= 5) or isinstance(value["choice"], bool)
+        assert isinstance(value["note"]["a"], str) and value["note"]["b"] is None
+        validate(value["items"], schema["properties"]["items"])
+    assert instance(schema, random.Random(3)) == instance(schema, random.Random(3))
 
 
 # ---- reasoning ----------------------------------------------------------------------------------------------
@@ -245,9 +297,28 @@ async def test_thinking_writes_a_reasoning_block_unless_the_template_turned_it_o
     assert "</think>\n\n<tool_call>" in call and parse_calls("qwen3", call.partition("</think>\n\n")[2])
 
 
+async def test_gpt_oss_writes_every_part_in_its_harmony_channel(sim_workers, engine_client):
+    worker = sim_workers.start("aggregated", *FAST, "--tool-call-parser", "openai")
+    user = [{"role": "user", "content": "Weather?"}]
+    async with engine_client(worker.address) as client:
+        call, finished = await answer(client, request("call", chat_ids(user, tools=[WEATHER])))
+        text, _ = await answer(client, request("text", chat_ids(user)))
+        quiet, _ = await answer(client, request("quiet", chat_ids(user, enable_thinking=False), max_tokens=30))
+    analysis = re.compile(r"<\|channel\|>analysis<\|message\|>[^<]+<\|end\|><\|start\|>assistant")
+    head = analysis.match(call)
+    assert head is not None and ended_by_eos(finished)
+    (name, arguments), = parse_calls("openai", call[head.end():])
+    assert name == "get_weather" and call.endswith("<|call|>")
+    validate(arguments, WEATHER["function"]["parameters"])
+    final = analysis.match(text)
+    assert final is not None and text[final.end():].startswith("<|channel|>final<|message|>")
+    assert quiet.startswith("<|channel|>final<|message|>")
+
+
 # ---- guides -------------------------------------------------------------------------------------------------
 
 async def test_a_json_schema_guide_is_answered_with_a_valid_instance(sim_workers, engine_client):
+    """UPSTREAM guide-fields: the engine builds the grammar from GuidedDecoding.json_schema / json_object."""
     schema = WEATHER["function"]["parameters"]
     worker = sim_workers.start("aggregated", *FAST, "--guided-backend", "xgrammar", "--reasoning-parser", "qwen3")
     ids = chat_ids([{"role": "user", "content": "Weather as JSON"}])
@@ -257,7 +328,8 @@ async def test_a_json_schema_guide_is_answered_with_a_valid_instance(sim_workers
                                                           guided=g.GuidedDecoding(json_schema=json.dumps(schema))))
             validate(json.loads(text), schema)  # no reasoning block: the grammar holds from the first token
             assert ended_by_eos(finished)
-        text, _ = await answer(client, request("obj", ids, guided=g.GuidedDecoding(json_object=g.JsonObjectConstraint())))
+        json_object = g.GuidedDecoding(json_object=g.JsonObjectConstraint())
+        text, _ = await answer(client, request("obj", ids, guided=json_object))
         assert isinstance(json.loads(text), dict)
 
 
@@ -312,6 +384,18 @@ async def test_without_max_tokens_the_answer_ends_with_eos_after_a_natural_lengt
         bounded = await collect(client, request("bounded", [11, 12, 13, 0], seed=0, max_tokens=1500))
     assert all(8 <= n <= 1024 for n in lengths) and len(set(lengths)) > 1
     assert len(token_ids(bounded)) == 1500  # a given max_tokens is still the length (benchmarks rely on it)
+
+
+async def test_with_natural_eos_a_given_max_tokens_is_only_a_bound(sim_workers, engine_client):
+    """What the orchestrator sends (every text request has a max_tokens): the model still stops when done."""
+    worker = sim_workers.start("aggregated", *FAST, "--natural-eos")
+    async with engine_client(worker.address) as client:
+        for seed in range(4):
+            ids = chat_ids([{"role": "user", "content": f"Tell me a story {seed}"}])
+            events = await collect(client, request(f"b{seed}", ids, seed=seed, max_tokens=3000))
+            finished = terminal(events)
+            assert isinstance(finished, Finished) and ended_by_eos(finished)
+            assert 8 <= len(token_ids(events)) <= 1024
 
 
 # ---- the template -------------------------------------------------------------------------------------------

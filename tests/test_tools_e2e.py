@@ -15,7 +15,7 @@ import pytest
 from serve_helpers import Deployment, chat_body, sse_events
 
 MODEL_FLAGS: tuple[str, ...] = ("--time-scale", "0", "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
-               "--guided-backend", "xgrammar")
+                                "--guided-backend", "xgrammar", "--natural-eos")
 WEATHER: dict = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},

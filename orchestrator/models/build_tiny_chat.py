@@ -27,6 +27,7 @@ IMAGE_TOKEN = "<|image|>"  # added after training, so the ids of every other tok
 #   {"name": N}}) adds one sentence to that turn, which the simulated model obeys;
 # - an assistant message's `tool_calls` are written as <tool_call>{"name", "arguments"}</tool_call> blocks,
 #   a `tool` message as a turn of role tool;
+# - `parallel_tool_calls` (optional) true adds a sentence allowing several calls in one answer;
 # - `enable_thinking` false closes an empty <think></think> block after the generation prompt, as Qwen3 does.
 # The simulator reads these back (orchestrator/sim/chat_prompt.py); docs/simulator.md is the contract.
 _CONTENT = (
@@ -64,6 +65,8 @@ CHAT_TEMPLATE = (
     "{{ '\\nCall at least one function.' }}"
     "{% elif tool_choice is defined and tool_choice is mapping %}"
     "{{ '\\nCall the function ' + tool_choice['function']['name'] + '.' }}{% endif %}"
+    "{% if parallel_tool_calls is defined and parallel_tool_calls is true %}"
+    "{{ '\\nYou may call several functions at once.' }}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endif %}"
     "{% for message in messages %}"

@@ -240,8 +240,8 @@ class AdmissionService(SimWorkerState):
             if guide not in persona.guide_modes(c.guided_backend) and not persona.ignores_unsupported_guides:
                 raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not "
                                     f"supported by the '{c.guided_backend}' grammar backend")
-            # Taken (a backend that has the mode), or passed on and ignored by the engine (the sibling server
-            # without a backend): either way the simulated text is not constrained.
+            # Taken (a backend that has the mode: answers.py writes a valid instance), or passed on and ignored by
+            # the engine (the sibling server without a backend: the text stays free).
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")
@@ -325,7 +325,8 @@ class AdmissionService(SimWorkerState):
         if chat is not None:  # the answer is a function of the conversation before it, not of what it resends
             key = output.request_key(prompt_ids[:chat.prefix_len], media_ids, seed)
         return answers.plan(chat, guide, answers.Parsers(c.tool_call_parser, c.reasoning_parser), key,
-                            self.tokenizer, max_tokens_given=request.stopping.HasField("max_tokens"))
+                            self.tokenizer,
+                            max_tokens_given=request.stopping.HasField("max_tokens") and not c.natural_eos)
 
     def _max_tokens(self, stopping, room: int, prompt_len: int, window: int) -> int:
         persona = self.persona

@@ -6,11 +6,12 @@ legs, and a migrated continuation, script the same answer.
   decoding forces; no reasoning block then (the grammar holds from the first token). A regex or EBNF guide is not
   modelled: the text stays unconstrained.
 - A chat whose tools are offered calls one when tool_choice is required or a named function, or when it is auto and
-  the last turn is the user's; the call is written in the advertised tool parser's format (hermes without one:
-  the tiny-chat template's own) with arguments valid under the function's parameters, then EOS. After a tool
-  result (last turn `tool`) the model answers in text that quotes the result. tool_choice none: text.
+  the last turn is the user's (two distinct functions when the template allowed parallel calls); the calls are
+  written in the advertised tool parser's format (hermes without one: the tiny-chat template's own) with
+  arguments valid under each function's parameters, then EOS. After a tool result (last turn `tool`) the model
+  answers in text that quotes the result. tool_choice none: text.
 - With a reasoning parser and thinking on (the template did not close an empty block), the answer starts with
-  a reasoning block in that parser's format.
+  a reasoning block in that parser's format. gpt-oss (harmony) writes every part in its channel.
 - Free text (after any scripted start) is the usual deterministic words; without max_tokens it ends with EOS
   after a natural length: a log-normal draw per prompt and seed, median 64 tokens, sigma 0.75, clipped to
   [8, 1024] (chat answers are mostly short, with a long tail), counted from the start of the answer.
@@ -66,13 +67,18 @@ def plan(chat: ChatPrompt | None, guide: tuple[str, Any] | None, parsers: Parser
     if chat is None:
         return Plan(natural_length=natural)
     pieces = []
-    if parsers.reasoning and not chat.thinking_off:
+    harmony = tool_formats.harmony(parsers.tool_call)
+    if harmony and not chat.thinking_off:
+        pieces.append(tool_formats.HARMONY_ANALYSIS.format(_sentence(rng, 12, 40)))
+    elif parsers.reasoning and not chat.thinking_off:
         pieces.append(tool_formats.render_reasoning(parsers.reasoning, _sentence(rng, 12, 40),
                                                     opened_in_prompt=False))
     calls = _calls(chat, rng)
     if calls:
         pieces.append(tool_formats.render_calls(parsers.tool_call or "hermes", calls))
         return Plan(_encode(tokenizer, "".join(pieces)), ends=True, offset=offset)
+    if harmony:
+        pieces.append(tool_formats.HARMONY_FINAL)
     if chat.last_role == "tool":
         pieces.append(f"The tool returned {chat.last_content.strip()[:200]}. ")
     script = _encode(tokenizer, "".join(pieces)) if pieces else ()
@@ -94,17 +100,25 @@ def _calls(chat: ChatPrompt, rng: random.Random) -> list[tool_formats.Call]:
         return []
     if chat.tool_choice == "auto" and chat.last_role != "user":
         return []  # after a tool result (or anything but a question) the model answers in text
-    function = None
+    named = None
     if chat.tool_choice == "function":
-        function = next((f for f in chat.tools if f["name"] == chat.named_function), None)
-    if function is None:
-        function = rng.choice(chat.tools)
+        named = next((f for f in chat.tools if f["name"] == chat.named_function), None)
+    if named is not None:
+        functions = [named]
+    elif chat.parallel_calls and len(chat.tools) > 1:  # allowed several: two distinct functions, as models do
+        functions = rng.sample(list(chat.tools), 2)
+    else:
+        functions = [rng.choice(chat.tools)]
+    return [(function["name"], _arguments(function, rng)) for function in functions]
+
+
+def _arguments(function: dict, rng: random.Random) -> dict:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     try:
         arguments = schema_instance.instance(parameters, rng)
     except schema_instance.SchemaError:
         arguments = {}
-    return [(function["name"], arguments if isinstance(arguments, dict) else {})]
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def guided_text(guide: tuple[str, Any], rng: random.Random) -> str | None:

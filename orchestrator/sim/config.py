@@ -57,6 +57,7 @@ class SimConfig:
     # and what ModelInfo advertises (revision 1 advertises only the reasoning parser, as its control.py does)
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    natural_eos: bool = False  # free text ends at a natural length even under a given max_tokens (--natural-eos)
     load_metrics: str = "on"  # persona.LOAD_METRICS
     stall_timeout_s: float | None = None  # None: the persona's; 0: no watchdog
     media_limits: media.MediaLimits = media.MediaLimits()

@@ -24,9 +24,8 @@ _FORMATS = {"date": lambda r: f"20{r.randint(10, 30)}-{r.randint(1, 12):02d}-{r.
             "time": lambda r: f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}:00",
             "email": lambda r: f"{r.choice(_WORDS).lower()}@example.com",
             "uri": lambda r: f"https://example.com/{r.choice(_WORDS).lower()}",
-            "uuid": lambda r: "%08x-%04x-4%03x-8%03x-%012x" % (r.getrandbits(32), r.getrandbits(16),
-                                                              r.getrandbits(12), r.getrandbits(12),
-                                                              r.getrandbits(48)),
+            "uuid": lambda r: f"{r.getrandbits(32):08x}-{r.getrandbits(16):04x}-4{r.getrandbits(12):03x}-"
+                              f"8{r.getrandbits(12):03x}-{r.getrandbits(48):012x}",
             "ipv4": lambda r: ".".join(str(r.randint(1, 254)) for _ in range(4))}
 _MAX_DEPTH = 8
 
@@ -73,7 +72,7 @@ class _Generator:
                 merged = _merge(merged, self.resolve(part) if isinstance(part, dict) else {})
             schema = merged
         for key in ("anyOf", "oneOf"):
-            if key in schema and schema[key]:
+            if schema.get(key):
                 branch = self.rng.choice(schema[key])
                 rest = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
                 return self.value(_merge(rest, self.resolve(branch) if isinstance(branch, dict) else {}), depth)
@@ -199,7 +198,8 @@ def _infer_type(schema: dict) -> str | None:
 
 
 def _bounds(schema: dict, *, integer: bool) -> tuple:
-    low, high = schema.get("minimum"), schema.get("maximum")
+    low: Any = schema.get("minimum")
+    high: Any = schema.get("maximum")
     exclusive_low, exclusive_high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
     if isinstance(exclusive_low, bool):  # draft 4: a flag on minimum
         exclusive_low = low if exclusive_low else None

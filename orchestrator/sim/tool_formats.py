@@ -1,24 +1,17 @@
 """How each model family writes tool calls and reasoning, by the parser names TensorRT-LLM (and vLLM) use. Pure.
 
 A sim worker started with `--tool-call-parser NAME` answers tool calls as a model behind that parser writes them,
-so the orchestrator's parsers can be tested end to end. The formats (sources in tests/test_trtllm_conformance.py,
-UPSTREAM tool-formats):
+so the orchestrator's parsers can be tested end to end. docs/simulator.md has the table of formats; the sources
+are in tests/test_trtllm_conformance.py (UPSTREAM tool-formats, reasoning-formats). DeepSeek's markers are
+written with fullwidth bars (U+FF5C) and U+2581 for spaces, as its tokenizer has them.
 
-| family | names | one call |
-|---|---|---|
-| hermes | qwen3, hermes | `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>` |
-| qwen3_coder | qwen3_coder | `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>` |
-| llama3_json | llama3_json, llama3 | `{"name": N, "parameters": {...}}` (bare JSON; several joined by `; `) |
-| mistral | mistral | `[TOOL_CALLS][{"name": N, "arguments": {...}}]` |
-| deepseek_v3 | deepseek_v3, deepseekv3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>` |
-| deepseek_v31 | deepseek_v31, deepseekv3.1 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>` |
-| kimi_k2 | kimi_k2 | `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>` |
-| glm45 | glm4, glm45 | `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>` |
-| harmony | openai, gpt_oss | `<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>` |
+gpt-oss (`openai`, `gpt_oss`) writes its whole answer in harmony channels, reasoning included, whatever the
+reasoning parser: `<|channel|>analysis<|message|>R<|end|><|start|>assistant` first (unless thinking is off), then
+a call in the commentary channel or text after `<|channel|>final<|message|>`.
 
 In the XML families (qwen3_coder, glm45) a string value is written raw and any other value as JSON. Reasoning:
-`qwen3` writes `<think>\\n...\\n</think>\\n\\n` before its answer; `deepseek-r1`, `qwen3_5` and `minimax_m2` start
-inside the block (their templates prefill `<think>\\n` into the prompt) and write `...\\n</think>\\n\\n`.
+`qwen3` writes `<think>\\n...\\n</think>\\n\\n` before its answer; `deepseek-r1`, `qwen3_5` and `minimax_m2`
+start inside the block (their templates prefill `<think>\\n` into the prompt) and write `...\\n</think>\\n\\n`.
 """
 
 from __future__ import annotations
@@ -37,6 +30,13 @@ TOOL_CALL_PARSERS = tuple(TOOL_FAMILIES)
 REASONING_PARSERS = tuple(REASONING_OPENS_BLOCK)
 
 Call = tuple[str, dict[str, Any]]  # (function name, arguments)
+
+_BAR, _SPACE = "\uff5c", "\u2581"  # DeepSeek's marker characters
+DS_CALLS_BEGIN = f"<{_BAR}tool{_SPACE}calls{_SPACE}begin{_BAR}>"
+DS_CALLS_END = f"<{_BAR}tool{_SPACE}calls{_SPACE}end{_BAR}>"
+DS_CALL_BEGIN = f"<{_BAR}tool{_SPACE}call{_SPACE}begin{_BAR}>"
+DS_CALL_END = f"<{_BAR}tool{_SPACE}call{_SPACE}end{_BAR}>"
+DS_SEP = f"<{_BAR}tool{_SPACE}sep{_BAR}>"
 
 
 def _json(value: Any) -> str:
@@ -63,13 +63,11 @@ def render_calls(parser: str, calls: list[Call]) -> str:
     if family == "mistral":
         return "[TOOL_CALLS]" + _json([{"name": name, "arguments": args} for name, args in calls])
     if family == "deepseek_v3":
-        return ("<｜tool▁calls▁begin｜>" +
-                "\n".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{_json(args)}\n```"
-                          "<｜tool▁call▁end｜>" for name, args in calls) + "<｜tool▁calls▁end｜>")
+        return (DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{_json(args)}\n```"
+                                           f"{DS_CALL_END}" for name, args in calls) + DS_CALLS_END)
     if family == "deepseek_v31":
-        return ("<｜tool▁calls▁begin｜>" +
-                "".join(f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{_json(args)}<｜tool▁call▁end｜>"
-                        for name, args in calls) + "<｜tool▁calls▁end｜>")
+        return (DS_CALLS_BEGIN + "".join(f"{DS_CALL_BEGIN}{name}{DS_SEP}{_json(args)}{DS_CALL_END}"
+                                         for name, args in calls) + DS_CALLS_END)
     if family == "kimi_k2":
         return ("<|tool_calls_section_begin|>" +
                 "".join(f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{_json(args)}"
@@ -81,9 +79,18 @@ def render_calls(parser: str, calls: list[Call]) -> str:
                                  for key, value in args.items()) + "</tool_call>"
                          for name, args in calls)
     if family == "harmony":
-        return "".join(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{_json(args)}<|call|>"
-                       for name, args in calls)
+        return "".join(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{_json(args)}"
+                       "<|call|>" for name, args in calls)
     raise ValueError(f"unknown tool-call parser {parser!r}")
+
+
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant"
+HARMONY_FINAL = "<|channel|>final<|message|>"
+
+
+def harmony(parser: str) -> bool:
+    """gpt-oss writes everything in harmony channels: its reasoning (analysis), calls (commentary), text (final)."""
+    return TOOL_FAMILIES.get(parser) == "harmony"
 
 
 def render_reasoning(parser: str, reasoning: str, *, opened_in_prompt: bool) -> str:
