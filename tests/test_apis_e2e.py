@@ -18,7 +18,7 @@ import pytest
 from serve_helpers import Deployment
 
 MODEL_FLAGS: tuple[str, ...] = ("--time-scale", "0", "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
-                                "--guided-backend", "xgrammar", "--schema-revision", "3")
+                                "--guided-backend", "xgrammar", "--schema-revision", "3", "--natural-eos")
 SCHEMA: dict = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 RESPONSES_TOOL: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                         "parameters": SCHEMA}
