@@ -560,10 +560,17 @@ class _StreamingSink:
         await self.response.flush()
 
     def _events(self, items) -> bytes:
-        if self.api.logprobs or self.parser is not None:
+        if self.api.logprobs:
             return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
-        # no logprobs and no text offsets to track: the events are texts between fixed fragments
-        return self.writer.deltas([text for text, _, _ in items])
+        parser = self.parser
+        if parser is None:
+            # no logprobs and no text offsets to track: the events are texts between fixed fragments
+            return self.writer.deltas([text for text, _, _ in items])
+        parsed = [parser.feed(text) for text, _, _ in items]
+        if not any([delta.reasoning or delta.tool_calls for delta in parsed]):  # plain content: the same path
+            return self.writer.deltas([delta.content for delta in parsed if delta.content])
+        self.tool_calls |= any([delta.tool_calls for delta in parsed])
+        return b"".join([self.writer.parsed(delta) for delta in parsed if delta])
 
     def _event(self, text, logprobs) -> bytes:
         lp = None
