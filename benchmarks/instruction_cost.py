@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=2, help="rounds in which the trees take turns")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="model.reasoning_parser for serve (e.g. qwen3): every chat answer then goes through the "
+                             "output parser, so a run with and one without show what parsing costs per token")
     parser.add_argument("--idle-seconds", type=float, default=10.0,
                         help="how long idle instructions are counted, health checks every second (0: not)")
     args = parser.parse_args(argv)
@@ -139,8 +142,9 @@ def main(argv=None) -> int:
             roles = ("aggregated",) if mode == "aggregated" else ("prefill", "decode")
             addresses = {role: workers.start(role, "--time-scale", "0").address for role in roles}
             # Health polls run on a timer, so slow serve would count more of them: one poll a minute.
+            model = {"reasoning_parser": args.reasoning_parser} if args.reasoning_parser else {}
             config = write_config(tmp / f"{mode}.yaml", mode, {r: [a] for r, a in addresses.items()},
-                                  limits={"health_interval_s": 60.0})
+                                  limits={"health_interval_s": 60.0}, model=model)
             if args.idle_seconds > 0:
                 idle_config = write_config(tmp / f"{mode}-idle.yaml", mode, {r: [a] for r, a in addresses.items()},
                                            limits={"health_interval_s": 1.0})  # the shipped default

@@ -17,6 +17,7 @@ import attrs
 import yaml
 
 from orchestrator.models import MODELS_DIR
+from orchestrator.parsers import UnknownParserError, resolve
 from orchestrator.roles import ROLES
 
 MODES = ("aggregated", "disaggregated", "conditional")
@@ -63,6 +64,17 @@ def _positive(instance, attribute, value):
         raise _InvalidField(attribute.name, "a number > 0", value)
 
 
+def _parser_name(kind: str):
+    def check(instance, attribute, value):
+        if value is None:
+            return
+        try:
+            resolve(**{f"{kind}_parser" if kind == "reasoning" else "tool_call_parser": value})
+        except UnknownParserError as exc:
+            raise _InvalidField(attribute.name, f"one of {', '.join(exc.known)}", value) from None
+    return check
+
+
 class _InvalidField(ValueError):
     """Raised by validators; build_attrs turns it into a ConfigError with the full key."""
 
@@ -77,6 +89,9 @@ class ModelConfig:
     dir: str = "builtin:tiny-chat"  # tokenizer.json + tokenizer_config.json; builtin:NAME = shipped
     context_window: int | None = attrs.field(default=None, validator=_positive)
     aliases: tuple[str, ...] = ()
+    # The output parsers (TensorRT-LLM's names, docs/parsers.md); unset: what the workers advertise in ModelInfo
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name("tool"))
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name("reasoning"))
 
     def resolved_dir(self, base: Path) -> Path:
         if self.dir.startswith("builtin:"):
@@ -286,6 +301,12 @@ class SimSpec:
     # Which TensorRT-LLM OpenEngine server the simulator behaves as: 1, tensorrt_llm/grpc/openengine (role per
     # request, no media); 3, tensorrt_llm/openengine (declared roles, images). See orchestrator/sim/persona.py.
     schema_revision: int = 1
+    # What the simulated engine was started with (orchestrator/sim/tool_formats.py, persona.py): TensorRT-LLM's
+    # guided_decoding_backend (none | xgrammar | llguidance) and the model's parsers, by TensorRT-LLM's names.
+    guided_backend: str = "none"
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    natural_eos: bool = False  # the model stops when it is done, whatever max_tokens allows (sim-worker --natural-eos)
     args: tuple[str, ...] = ()
 
 
@@ -324,6 +345,32 @@ class LaunchConfig:
     restart_backoff_max_s: float = attrs.field(default=30.0, validator=_positive)
 
 
+RESPONSE_STORES = ("sqlite", "redis")
+
+
+def _store_kind(instance, attribute, value):
+    if value not in RESPONSE_STORES:
+        raise _InvalidField(attribute.name, f"one of {', '.join(RESPONSE_STORES)}", value)
+
+
+@attrs.frozen
+class ResponsesConfig:
+    """Where `POST /v1/responses` keeps responses for `previous_response_id` and `GET /v1/responses/{id}`."""
+
+    store: str = attrs.field(default="sqlite", validator=_store_kind)  # sqlite: embedded; redis: shared
+    path: str | None = None  # the SQLite file (relative to the config file); None: in memory, this process only
+    url: str = "redis://127.0.0.1:6379/0"  # the Redis server several replicas share
+    key_prefix: str = "orchestrator:responses"
+    max_age_s: float = attrs.field(default=30 * 24 * 3600.0, validator=_positive)  # OpenAI keeps 30 days
+    max_count: int = attrs.field(default=100_000, validator=_positive)
+
+    def resolved_path(self, base: Path) -> Path | None:
+        if self.path is None:
+            return None
+        path = Path(self.path)
+        return path if path.is_absolute() else (base / path).resolve()
+
+
 @attrs.frozen
 class Config:
     mode: str = "disaggregated"
@@ -340,6 +387,7 @@ class Config:
     keepalive: KeepaliveConfig = KeepaliveConfig()  # PINGs on the worker connections
     launch: LaunchConfig = LaunchConfig()
     tracing: TracingConfig | None = None  # OpenTelemetry; off without this section
+    responses: ResponsesConfig = ResponsesConfig()  # the Responses API's store
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
     base_dir: Path = attrs.field(default=Path("."), eq=False)

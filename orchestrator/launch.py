@@ -123,7 +123,8 @@ class Worker:
 def _sim_argv(model: str, role: str, sim: SimSpec, etcd_flags: list[str], port: int) -> list[str]:
     return orchestrator_command("sim-worker", "--role", role, "--port", str(port), "--model", model,
                                 "--profile", sim.profile, "--time-scale", repr(sim.time_scale),
-                                "--schema-revision", str(sim.schema_revision), *etcd_flags, *sim.args)
+                                "--schema-revision", str(sim.schema_revision), *sim_model_flags(sim), *etcd_flags,
+                                *sim.args)
 
 
 def _command_argv(command: tuple[str, ...], port: int) -> list[str]:
@@ -392,13 +393,34 @@ async def _first_death(launcher: Launcher, scope: trio.CancelScope, outcome: dic
 
 
 def check_sim_workers(config: Config, file: str) -> None:
-    """What only the launcher can check: the simulated workers' profiles exist."""
+    """What only the launcher can check: the simulated workers' profiles, grammar backends and parsers exist."""
+    from orchestrator.sim.persona import GUIDED_BACKENDS
     from orchestrator.sim.profiles import PROFILES
+    from orchestrator.sim.tool_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 
     for i, worker in enumerate(config.launch.workers):
-        if worker.sim is not None and worker.sim.profile not in PROFILES:
-            raise ConfigError(file, f"launch.workers[{i}].sim.profile", " or ".join(sorted(PROFILES)),
-                              worker.sim.profile)
+        if worker.sim is None:
+            continue
+        for key, value, known in (("profile", worker.sim.profile, sorted(PROFILES)),
+                                  ("guided_backend", worker.sim.guided_backend, GUIDED_BACKENDS),
+                                  ("tool_call_parser", worker.sim.tool_call_parser, ("", *TOOL_CALL_PARSERS)),
+                                  ("reasoning_parser", worker.sim.reasoning_parser, ("", *REASONING_PARSERS))):
+            if value not in known:
+                raise ConfigError(file, f"launch.workers[{i}].sim.{key}", " or ".join(k or "''" for k in known), value)
+
+
+def sim_model_flags(sim) -> tuple[str, ...]:
+    """The sim-worker flags for what a simulated engine was started with (only those the config sets)."""
+    flags: tuple[str, ...] = ()
+    if sim.guided_backend != "none":
+        flags += ("--guided-backend", sim.guided_backend)
+    if sim.tool_call_parser:
+        flags += ("--tool-call-parser", sim.tool_call_parser)
+    if sim.reasoning_parser:
+        flags += ("--reasoning-parser", sim.reasoning_parser)
+    if sim.natural_eos:
+        flags += ("--natural-eos",)
+    return flags
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from orchestrator.roles import ROLES
 
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _PATHS = ("aggregated", "disaggregated", "local")  # how a request was served (conditional mode picks per request)
-ROUTES = ("chat", "completions")
+ROUTES = ("chat", "completions", "responses", "messages")
 OUTCOMES = ("ok", "error", "client_error", "disconnected")
 KV_CLEANUP_WAYS = ("decode_pull", "decode_first_token")  # only a pull frees a session (kv/lease.py)
 KV_INDEX_MODES = ("events", "approximate")  # orchestrator.workers.kv_index.MODES, a label of kv_index_mode

@@ -22,6 +22,7 @@ placeholder either way cannot take images: that is an error, not a guess.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from codecs import utf_8_decode as _utf8_decode
@@ -54,8 +55,14 @@ class ModelTokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.image_token = config.get("image_token") or None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        # The environment Hugging Face's apply_chat_template renders in (transformers' chat_template_utils), so
+        # that a model's template behaves here as it was written: an undefined name is falsy (`{% if tools %}`,
+        # `message.tool_calls`), loop controls, `tojson` without ASCII escapes, `strftime_now`.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(template) if template else None
         if self._template is not None:
             # The same globals as a plain dict instead of jinja's ChainMap over the environment's: every
@@ -63,7 +70,7 @@ class ModelTokenizer:
             self._template.globals = dict(self._template.globals)
         # What every render passes besides the messages, merged with the template's globals once: render()
         # merges its chain of globals into a new dict on every call, half of a short chat's render.
-        self._render_vars = ({**self._template.globals, "add_generation_prompt": True,
+        self._render_vars = ({**self._template.globals, "add_generation_prompt": True, "tools": None,
                               "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
                              if self._template is not None else {})
         self.takes_content_parts = _iterates_message_content(env.parse(template)) if template else False
@@ -86,15 +93,22 @@ class ModelTokenizer:
     def image_token_id(self) -> int | None:
         return self.tokenizer.token_to_id(self.image_token) if self.image_token else None
 
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        """`messages`: {"role", "content"} with content a string or a list of text/image parts."""
+    def render_chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    variables: dict | None = None) -> str:
+        """`messages`: {"role", "content"} with content a string or a list of text/image parts (and, as Hugging
+        Face templates read them, an assistant's `tool_calls`, a tool message's `tool_call_id`). `tools`: the
+        function tools offered, {"type": "function", "function": {...}} each, or None. `variables`: more template
+        variables (a request's chat_template_kwargs); they cannot replace the messages or the tools."""
         if self._template is None:
             raise TemplateError(f"{self.source}/tokenizer_config.json has no chat_template")
         if not self.takes_content_parts:
             messages = [{**m, "content": self._flatten(m["content"])} for m in messages]
         template = self._template
+        extra = {**variables} if variables else {}
+        if tools is not None:
+            extra["tools"] = list(tools)
         try:  # Template.render's own two steps, with the variables above shared instead of merged again
-            context = template.new_context({**self._render_vars, "messages": list(messages)}, shared=True)
+            context = template.new_context({**self._render_vars, **extra, "messages": list(messages)}, shared=True)
             return template.environment.concat(template.root_render_func(context))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
@@ -135,6 +149,16 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    # Hugging Face's `tojson`: jinja's own escapes HTML characters and writes ASCII only, which changes the
+    # prompt a model was trained on.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 def _byte_level_token_bytes(tokenizer: Tokenizer) -> tuple[bytes, ...] | None:

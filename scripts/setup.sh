@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the project needs on a fresh Debian machine into .venv:
-#   scripts/setup.sh          everything the tests need: etcd (etcd-server, and etcd-client for etcdctl) from
-#                             Debian, and the package with its test and benchmark extras
+#   scripts/setup.sh          everything the tests need: etcd (etcd-server, and etcd-client for etcdctl) and
+#                             redis-server from Debian, and the package with its test and benchmark extras
 #   scripts/setup.sh --demo   only what the demo needs: the package itself
 # A .venv already installed from this very pyproject.toml with those extras is left as it is (the stamp file
 # .venv/.orchestrator-installed says what was installed); delete .venv to install afresh.
@@ -12,10 +12,11 @@ if [ "${1:-}" = "--demo" ]; then
   extras=""
 fi
 
-if [ -n "$extras" ] && ! { command -v etcd && command -v etcdctl; } >/dev/null 2>&1; then
+# etcd (discovery) and Redis (the Responses API's shared store) are real servers in the tests
+if [ -n "$extras" ] && ! { command -v etcd && command -v etcdctl && command -v redis-server; } >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client redis-server >/dev/null
 fi
 
 stamp=.venv/.orchestrator-installed

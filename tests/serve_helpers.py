@@ -21,6 +21,7 @@ class Deployment:
                             for role, flag_sets in roles.items()}
             config = write_config(tmp / f"{mode}.yaml", mode,
                                   {role: [w.address for w in ws] for role, ws in self.by_role.items()}, **sections)
+            self.config = config  # (another replica may serve the same file)
             self.server = self.servers.start(config, env=server_env)
         except BaseException:
             self.close()

@@ -42,7 +42,7 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
     (chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "messages[0].content[0].type"),
-    (chat(n=2), "n"),
+    (chat(n=17), "n"),
     (chat(best_of=3), "best_of"),
     (chat(use_beam_search=True), "use_beam_search"),
     (chat(max_tokens="ten"), "max_tokens"),
@@ -59,7 +59,7 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(response_format={"type": "xml"}), "response_format.type"),
     (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format.json_schema"),
-    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(tools=[{"type": "function"}]), "tools[0].function"),
     (chat(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_chat_input_is_a_400_naming_the_field(body, param):

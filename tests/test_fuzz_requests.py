@@ -41,7 +41,7 @@ BAD_FIELDS = [
                        st.lists(st.just("x"), min_size=17, max_size=20), st.just(["\ud800"]))),
     ("stop_token_ids", st.one_of(st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
                                  st.lists(st.integers(min_value=UINT32), min_size=1, max_size=3), st.text(min_size=1))),
-    ("n", st.integers(min_value=2, max_value=2**80)),
+    ("n", st.one_of(st.integers(max_value=0), st.integers(min_value=17, max_value=2**80))),
     ("presence_penalty", st.one_of(st.floats(min_value=2.01, allow_infinity=False), NOT_NUMBER)),
     ("stream", st.one_of(st.integers(), st.text(min_size=1))),
     ("stream_options", st.just({"include_usage": True})),  # only allowed with stream: true

@@ -94,9 +94,10 @@ def test_disagg_with_a_launched_etcd(tmp_path):
 def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text((CONFIGS / "disagg.yaml").read_text().replace(
-        "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, schema_revision: 3}",
+        "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, schema_revision: 3,",
         "    - role: decode\n      sim: {profile: llama3-8b-h100, time_scale: 0.1, schema_revision: 3, "
-        "args: [--crash-after-tokens, lots]}"))
+        "args: [--crash-after-tokens, lots],"))
+    assert "lots" in config.read_text()  # the replacement found its line
     launcher = ManagedProcess("launch-broken", orchestrator_command("launch", str(config), "--http-port", "0"),
                               log_dir=tmp_path)
     with pytest.raises(ProcessFailed):

@@ -169,6 +169,35 @@ UPSTREAM = {
                              "data_parallel_rank below data_parallel_size, one source per rank and no duplicate, an "
                              "endpoint_addr with protocol tcp, a host that is not empty, '*', '0.0.0.0' or '::', and "
                              "a port; events need a positive kv_block_size"),
+    # Parsers, guides and tool-call formats the simulated model follows (orchestrator/sim/tool_formats.py,
+    # answers.py; tests/test_sim_tools.py)
+    "parsers-advertised": ("R1 control.py @ 06cb2191b0be GetModelInfo; proto/openengine/v1/model.proto @ "
+                           "c78c8c5c5db7; R3 servicer.py @ 3a8b4f203346 GetModelInfo (open PR #16336)",
+                           "revision 1 sets reasoning_parser = llm.args.reasoning_parser or '' and never "
+                           "tool_call_parser, though its proto has it (field 26); the sibling server sets both from "
+                           "its reasoning_parser / tool_parser options"),
+    "guide-fields": ("R1 request_mapping.py @ e416b94d7b91 _guided_decoding_from_request; R3 converters.py @ "
+                     "58132ce1f654 to_sampling_params",
+                     "json_schema -> GuidedDecodingParams(json=), regex, ebnf_grammar -> grammar, structural_tag "
+                     "(the JSON text as given), json_object -> json_object=True; R3 also choice -> an anchored "
+                     "regex of the escaped choices; R1 refuses a per-request guided.backend"),
+    "llm-args-names": ("NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py @ fcd3f3168280 BaseLlmArgs",
+                       "the LLM-API options are guided_decoding_backend (xgrammar | llguidance) and "
+                       "reasoning_parser; the tool-call parser is a server option, not an LLM argument"),
+    "reasoning-formats": ("NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/reasoning_parser.py @ 033a9d09d040",
+                          "<think>...</think>; 'qwen3' expects the opening tag in the output, 'deepseek-r1', "
+                          "'qwen3_5' and 'minimax_m2' (reasoning_at_start) start inside the block, the template "
+                          "having prefilled it"),
+    "tool-formats": ("NVIDIA/TensorRT-LLM tensorrt_llm/serve/tool_parser/: tool_parser_factory.py (names qwen3, "
+                     "qwen3_coder, kimi_k2, deepseek_v3, deepseek_v31, deepseek_v32, glm4, glm47, minimax_m2); "
+                     "qwen3_tool_parser.py @ f343b8f6e216; qwen3_coder_parser.py @ 0e6260459464; "
+                     "kimi_k2_tool_parser.py @ 65b31db1b401; deepseekv3_parser.py @ 205f8c25d5e2; "
+                     "deepseekv31_parser.py @ 4e71d888b583; glm4_parser.py @ 2f5b0091b425",
+                     "<tool_call> JSON {name, arguments}; Qwen3-Coder <function=N><parameter=K>V; Kimi "
+                     "functions.N:I between section/call tokens; DeepSeek V3 function<tool_sep>N + a json "
+                     "fence, V3.1 N<tool_sep>JSON (fullwidth markers); GLM-4.5 <tool_call>N\\n<arg_key>K"
+                     "</arg_key><arg_value>V</arg_value>. llama3_json and mistral are vLLM's names (no "
+                     "TensorRT-LLM parser)"),
 }
 
 

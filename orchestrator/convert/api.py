@@ -14,6 +14,7 @@ from typing import Literal, overload
 import attrs
 
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
+from orchestrator.convert.tools import ToolCall, ToolUse, parse_tool_calls, parse_tool_use
 from orchestrator.errors import invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,6 +36,7 @@ class Sampling:
 class Guided:
     kind: str  # "json_schema" | "json_object"
     json_schema: str = ""
+    param: str = "response_format"  # the request field that asked for it: response_format, or tool_choice
 
 
 @attrs.frozen
@@ -53,10 +55,21 @@ class Part:
 class Message:
     role: str
     content: str | tuple[Part, ...]  # a string, or the message's parts in order
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (a tool loop's history)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, sent back by clients that keep it
 
     def as_template_dict(self) -> dict:
+        """As Hugging Face chat templates read a message: the keys beyond role and content only when set."""
         content = self.content if isinstance(self.content, str) else [p.as_template_dict() for p in self.content]
-        return {"role": self.role, "content": content}
+        message: dict = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
 @attrs.frozen
@@ -78,6 +91,10 @@ class ApiRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     guided: Guided | None = None
+    tool_use: ToolUse = ToolUse()  # chat: the tools offered, the choice, parallel calls
+    # chat: extra variables for the chat template (Qwen3's enable_thinking, ...) as canonical JSON
+    template_kwargs: str | None = None
+    n: int = 1  # choices asked for
     echo: bool = False
     conversation_id: str | None = None  # forwarded as extra.conversation_id on every leg
     media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
@@ -127,6 +144,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
+MAX_CHOICES = 16  # `n`: each choice is a request of its own to the workers (frontend/app.py)
 INT32_MAX = 2**31 - 1
 
 
@@ -143,17 +161,12 @@ def _common(body: dict, kind: str) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: a model name is required", param="model")
-    n = _number(body, "n", 1, integer=True)
-    if n is not None and n > 1:
-        raise invalid("n: only n=1 is supported (each engine leg produces one sequence)", param="n")
+    n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     best_of = _number(body, "best_of", 1, integer=True)
     if best_of is not None and best_of > 1:
         raise invalid("best_of: only best_of=1 is supported", param="best_of")
     if body.get("use_beam_search"):
         raise invalid("use_beam_search: beam search is not supported", param="use_beam_search")
-    for unsupported in ("tools", "functions"):
-        if body.get(unsupported):
-            raise invalid(f"{unsupported}: tool calling is not supported by this deployment", param=unsupported)
     stream = _bool(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False
@@ -197,7 +210,7 @@ def _common(body: dict, kind: str) -> dict:
     return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
             "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,
             "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"), "sampling": sampling,
-            "conversation_id": conversation_id, "media_options": _media_options(body)}
+            "conversation_id": conversation_id, "media_options": _media_options(body), "n": n}
 
 
 MEDIA_OPTION_MODALITIES = ("image", "video", "audio")
@@ -261,8 +274,9 @@ def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiReq
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
+        extras = _message_extras(message, role, where)
         if isinstance(content, str):
-            parsed.append(Message(role, content))
+            parsed.append(Message(role, content, **extras))
             continue
         if not isinstance(content, list):
             raise invalid(f"{where}.content: expected a string or a list of content parts", param=f"{where}.content")
@@ -289,14 +303,76 @@ def parse_chat(body: dict, limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ApiReq
             else:
                 raise invalid(f"{part_where}.type: expected text or image_url, got {kind!r}",
                               param=f"{part_where}.type")
-        parsed.append(Message(role, tuple(parts)))
+        parsed.append(Message(role, tuple(parts), **extras))
     logprobs = _bool(body, "logprobs")
     top_logprobs = _number(body, "top_logprobs", 0, 20, integer=True) or 0
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    tool_use = parse_tool_use(body)
+    guided = _guided(body)
+    tool_schema = tool_use.guide_schema()
+    if tool_schema is not None:
+        if guided is not None:
+            raise invalid(f"response_format: cannot be combined with tool_choice {tool_use.choice.mode.value!r}, "
+                          "which guides the output itself", param="response_format")
+        guided = Guided("json_schema", tool_schema, param="tool_choice")
     return ApiRequest(kind="chat", messages=tuple(parsed),
                       images=apply_request_uuids(images, body.get("multi_modal_uuids"), limits),
-                      logprobs=logprobs, top_logprobs=top_logprobs, guided=_guided(body), **common)
+                      logprobs=logprobs, top_logprobs=top_logprobs, guided=guided, tool_use=tool_use,
+                      template_kwargs=_template_kwargs(body), **common)
+
+
+def _message_extras(message: dict, role: str, where: str) -> dict:
+    """A message's fields beyond role and content: an assistant's `tool_calls` (and `reasoning_content`), a tool
+    message's `tool_call_id`."""
+    extras: dict = {}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise invalid(f"{where}.tool_calls: only assistant messages carry tool calls", param=f"{where}.tool_calls")
+        extras["tool_calls"] = parse_tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id: a tool message names the call it answers",
+                          param=f"{where}.tool_call_id")
+        extras["tool_call_id"] = call_id
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and role == "assistant":
+        if not isinstance(reasoning, str):
+            raise invalid(f"{where}.reasoning_content: expected a string", param=f"{where}.reasoning_content")
+        extras["reasoning_content"] = reasoning
+    return extras
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(body: dict) -> str | None:
+    """`chat_template_kwargs` (as vLLM and TensorRT-LLM's HTTP server take them, e.g. {"enable_thinking":
+    false}) and `reasoning_effort` (a template variable of gpt-oss's template) -> canonical JSON, or None."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs: expected an object of template variables", param="chat_template_kwargs")
+    for name in _RESERVED_TEMPLATE_VARIABLES:
+        if name in kwargs:
+            raise invalid(f"chat_template_kwargs.{name}: set by the request itself, not a template variable",
+                          param=f"chat_template_kwargs.{name}")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)}, got {_shown(effort)}",
+                          param="reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    if not kwargs:
+        return None
+    try:
+        return json.dumps(kwargs, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        raise invalid(f"chat_template_kwargs: not plain JSON values ({exc})", param="chat_template_kwargs") from exc
 
 
 def parse_completion(body: dict) -> ApiRequest:

@@ -110,8 +110,10 @@ def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabi
             said = ("guided decoding is not supported (ModelInfo.generation.guided_decoding.supported is not "
                     "true: TensorRT-LLM has no grammar backend configured)" if not caps.guided_decoding.supported
                     else f"its guided decoding modes are {', '.join(sorted(caps.guided_decoding.modes))}")
-            raise invalid(f"response_format {req.guided.kind}: {where} cannot constrain the output: {said}",
-                          param="response_format", code="guided_decoding_not_supported")
+            asked = (f"response_format {req.guided.kind}" if req.guided.param == "response_format"
+                     else f"tool_choice {req.tool_use.choice.mode.value!r} (guided by the tools' schemas)")
+            raise invalid(f"{asked}: {where} cannot constrain the output: {said}",
+                          param=req.guided.param, code="guided_decoding_not_supported")
         if req.logprobs:
             logprobs, top_n = caps.output_logprobs, candidates_asked(req)
             if not logprobs.takes("top_n"):

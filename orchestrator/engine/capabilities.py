@@ -123,6 +123,9 @@ class WorkerCapabilities:
     data_parallel_size: int = 1
     kv_block_size: int | None = None
     extra: tuple[tuple[str, str], ...] = ()  # ServerInfo.extra, each value as JSON (the operator's view)
+    # the output parsers the model needs, by TensorRT-LLM's names ("" / None: none said); the frontend runs them
+    tool_call_parser: str | None = None  # ModelInfo.tool_call_parser (the sibling server fills it)
+    reasoning_parser: str | None = None  # ModelInfo.reasoning_parser (both servers: llm.args.reasoning_parser)
 
     def serves_role(self, role: str) -> bool:
         return self.role in (role, UNSPECIFIED_ROLE)
@@ -184,6 +187,8 @@ class WorkerCapabilities:
             kv_block_size=capacity.kv_block_size if capacity.HasField("kv_block_size") else None,
             extra=tuple(sorted((key, json.dumps(value, sort_keys=True))
                                for key, value in json_format.MessageToDict(server.extra).items())),
+            tool_call_parser=model.tool_call_parser[:64] or None,  # (a name: never more than a short word)
+            reasoning_parser=model.reasoning_parser[:64] or None,
         )
 
 

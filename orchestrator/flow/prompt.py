@@ -7,6 +7,8 @@ worker thread, so the event loop keeps serving every other stream meanwhile.
 
 from __future__ import annotations
 
+import json
+
 import trio
 
 from orchestrator.convert import ApiRequest
@@ -23,7 +25,9 @@ async def prompt_token_ids(api: ApiRequest, tokenizer: ModelTokenizer, *, window
         text = api.prompt or ""
     else:
         try:
-            text = tokenizer.render_chat([m.as_template_dict() for m in api.messages])
+            text = tokenizer.render_chat([m.as_template_dict() for m in api.messages],
+                                         tools=api.tool_use.template_tools(),
+                                         variables=json.loads(api.template_kwargs) if api.template_kwargs else None)
         except TemplateError as exc:
             raise InvalidRequest(f"messages: {exc}", param="messages") from exc
     if window is not None and (at_least := tokenizer.min_tokens(text)) >= window:

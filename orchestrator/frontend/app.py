@@ -25,23 +25,33 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import trio
 
 from orchestrator import tracing
 from orchestrator.config import Config
-from orchestrator.convert import MediaLimits, parse_chat, parse_completion
+from orchestrator.convert import ApiRequest, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
+from orchestrator.flow.prompt import prompt_token_ids
+from orchestrator.frontend import messages_api
+from orchestrator.frontend import messages_format as mfmt
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
+from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
+from orchestrator.frontend.messages_api import MessagesExchange
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.frontend.response_store import open_store
+from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
+from orchestrator.parsers import Collector, StreamParser
 from orchestrator.processes import SUPERVISOR_STATUS_ENV
 from orchestrator.workers.pool import WorkerPool
 
@@ -96,6 +106,7 @@ class App:
                          for key in self.api_keys.keys}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
+        self.output_parsers = OutputParsers(config.model.tool_call_parser, config.model.reasoning_parser)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
         self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
@@ -109,7 +120,11 @@ class App:
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.metrics_route,
+            ("POST", "/v1/responses"): self.responses,
+            ("POST", messages_api.PATH): self.messages,
+            ("POST", messages_api.PATH + "/count_tokens"): self.count_tokens,
         }
+        self.response_store = open_store(config.responses, config.base_dir)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -121,19 +136,25 @@ class App:
         if scope["type"] != "http":
             return
         handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None and scope["path"].startswith(RESPONSE_PATH) and scope["method"] in ("GET", "DELETE"):
+            handler = self.stored_response
+        # The Messages API answers in Anthropic's error shape, from the first error on
+        error_body = mfmt.error_body if scope["path"].startswith(messages_api.PATH) else ApiError.body
         if handler is not None and self._needs_key(scope["path"]):
-            key = self.api_keys.identify(_header(scope, b"authorization"))
+            # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token
+            key = self.api_keys.identify(_header(scope, b"authorization")) or self.api_keys.identify_plain(
+                _header(scope, b"x-api-key"))
             if key is None:
-                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
-                                 code="invalid_api_key")
-                await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
+                                 "'x-api-key: KEY')", code="invalid_api_key")
+                await send_json(send, 401, error_body(error), [(b"www-authenticate", b"Bearer")])
                 return
             scope[API_KEY] = key.name
         if handler is None:
             allowed = [m for (m, p) in self.routes if p == scope["path"]]
             error = (ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
                      if allowed else ApiError(404, f"no route {scope['path']}", code="not_found"))
-            await send_json(send, error.status, error.body())
+            await send_json(send, error.status, error_body(error))
             return
         await handler(scope, receive, send)
         if self.trim_due:  # a big body was read: its memory is free now that the handler has returned
@@ -188,6 +209,39 @@ class App:
     async def completions(self, scope, receive, send) -> None:
         await self._complete("completion", scope, receive, send)
 
+    async def responses(self, scope, receive, send) -> None:
+        await self._complete("responses", scope, receive, send)
+
+    async def messages(self, scope, receive, send) -> None:
+        await self._complete("messages", scope, receive, send)
+
+    async def count_tokens(self, scope, receive, send) -> None:
+        """POST /v1/messages/count_tokens: the prompt's tokens as the model's template and tokenizer make them."""
+        try:
+            body = await read_json(receive, self.config.limits.max_request_bytes, on_size=self._body_read)
+            api = parse_messages(body, self.media_limits, counting=True)
+            tokens = await prompt_token_ids(api, self.coordinator.tokenizer, window=None)
+        except (ApiError, RequestError) as error:
+            api_error = to_api_error(error)
+            await send_json(send, api_error.status, mfmt.error_body(api_error))
+            return
+        await send_json(send, 200, {"input_tokens": len(tokens)})
+
+    async def stored_response(self, scope, receive, send) -> None:
+        """GET /v1/responses/{id}: the stored response; DELETE: remove it."""
+        response_id = scope["path"][len(RESPONSE_PATH):]
+        record = await self.response_store.get(response_id) if response_id else None
+        if record is None:
+            error = ApiError(404, f"no stored response has the id {response_id!r} (never stored, deleted, or expired)",
+                             code="response_not_found")
+            await send_json(send, 404, error.body())
+            return
+        if scope["method"] == "DELETE":
+            await self.response_store.delete(response_id)
+            await send_json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True})
+            return
+        await send_json(send, 200, json.loads(record.response))
+
     def cut_in_flight(self) -> int:
         """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
         a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
@@ -204,11 +258,13 @@ class App:
 
     async def _answer(self, kind: str, scope: Scope, receive: Receive, send: Send, account: KeyAccount | None,
                       request_span) -> None:
-        route = "chat" if kind == "chat" else "completions"
+        route = "completions" if kind == "completion" else kind  # chat, completions, responses, messages
         request_id = new_request_id(_header(scope, b"x-request-id"))
         request_span.set("orchestrator.request_id", request_id)
         server = ServerExtensions.of(scope)
         response = _Response(send, [(b"x-request-id", request_id.encode())], server.send_now)
+        if kind == "messages":  # every failure of this request in Anthropic's shape, a body or an event
+            MessagesExchange.adapt(response)
         self.metrics.inflight.inc()
         self.inflight += 1
         outcome = "error"
@@ -236,14 +292,24 @@ class App:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            api = await self._parse(kind, scope, server, receive)
+            parsed = await self._parse(kind, scope, server, receive, request_id)
+            exchange: ResponsesExchange | MessagesExchange | None = None
+            if isinstance(parsed, ApiRequest):
+                api = parsed
+            else:
+                api, exchange = parsed.api, parsed
+                exchange.adapt(response)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
+            if api.n > 1:
+                return await self._run_choices(kind, request_id, api, response, server.on_disconnect, account)
             with tracing.span("plan"):
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
+            if exchange is not None:
+                return await self._run_exchange(exchange, request_id, plan, response, server.on_disconnect)
             return await self._run(kind, request_id, api, plan, response, server.on_disconnect)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
@@ -276,9 +342,11 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive):
-        """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
-        it announces more than limits.max_request_bytes."""
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive,
+                     request_id: str) -> ApiRequest | ResponsesExchange | MessagesExchange:
+        """The request body read, parsed and validated: an ApiRequest, or for the Responses API its exchange (the
+        chat request it runs as, and how its answer is written). Refused before any of it is read when it
+        announces more than limits.max_request_bytes."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
         limit = self.config.limits.max_request_bytes
@@ -290,6 +358,11 @@ class App:
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
+        if kind == "messages":
+            return MessagesExchange(body, request_id, self.media_limits)
+        if kind == "responses":
+            return await ResponsesExchange.parse(body, self.response_store, request_id, self.media_limits,
+                                                 self.coordinator.tokenizer)
         return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
 
     def _body_read(self, size: int) -> None:
@@ -310,14 +383,15 @@ class App:
             on_disconnect(gone)  # our server's reader task calls it: no task watches receive()
 
         token_text = self.coordinator.tokenizer.token_text
+        parser = self.output_parsers.for_request(api, request_id, plan.caps)
         sink: _StreamingSink | _CollectingSink
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
             # them, and a failure before the first byte is still a plain HTTP error with its status.
             sink = _StreamingSink(response, fmt.ChunkWriter(kind, request_id, model, created), api, token_text,
-                                  per_token=not self.config.http.coalesce_tokens)
+                                  per_token=not self.config.http.coalesce_tokens, parser=parser)
         else:
-            sink = _CollectingSink(kind, api, token_text)
+            sink = _CollectingSink(kind, api, token_text, parser=parser)
         try:
             await self.coordinator.execute(plan, sink, watch=watch)
         except (ApiError, RequestError, EngineError) as error:
@@ -337,16 +411,152 @@ class App:
         return "ok"
 
 
+    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan,
+                            response: _Response,
+                            on_disconnect: Callable[[Callable[[], None]], None]) -> str:
+        """Run a request of an API whose answer is blocks (the Responses API): the same execution as a chat
+        request's, with its exchange's sink, answer and record."""
+        disconnected = False
+
+        def watch(request: trio.Nursery) -> None:
+            def gone() -> None:
+                nonlocal disconnected
+                disconnected = True
+                request.cancel_scope.cancel()
+
+            on_disconnect(gone)
+
+        parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
+        sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
+        try:
+            await self.coordinator.execute(plan, sink, watch=watch)
+        except (ApiError, RequestError, EngineError) as error:
+            if not response.streaming:
+                raise
+            await response.stream_error(to_api_error(error))
+            return "error"
+        if disconnected:
+            raise ClientGone()
+        answer = exchange.response()
+        await exchange.keep(self.response_store, answer)
+        response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
+        if exchange.api.stream:
+            await response.chunk(exchange.finish_event(answer))
+            await response.end_stream()
+        else:
+            await send_json(response.send, 200, answer, response.headers)
+        return "ok"
+
+    async def _run_choices(self, kind: str, request_id: str, api, response: _Response,
+                           on_disconnect: Callable[[Callable[[], None]], None], account: KeyAccount | None) -> str:
+        """`n` > 1: a request per choice, planned and run as any other (its own workers, retries, migration),
+        all at once in one nursery, each writing its own choice index; the first failure ends them all, as the
+        answer is one response. A client's seed becomes seed + index, so the choices differ and replay alike.
+
+        OpenEngine can ask one leg for several sequences (SamplingParams.num_sequences, which TensorRT-LLM's
+        revision 1 maps to n = best_of); a request per choice instead keeps every mode, migration and the KV
+        rule as they are for one sequence, and kv_aware routing finds the shared prompt cached."""
+        plans = []
+        with tracing.span("plan"):
+            for index in range(api.n):
+                seed = api.sampling.seed
+                choice_api = attrs.evolve(api, n=1, sampling=attrs.evolve(
+                    api.sampling, seed=None if seed is None else (seed + index) % 2**64))
+                plans.append(await self.coordinator.plan(
+                    choice_api, f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"))
+        if account is not None:
+            account.planned(sum(plan.prompt_tokens for plan in plans))
+        model, created = api.model, int(time.time())
+        token_text = self.coordinator.tokenizer.token_text
+        streams: list[_ChoiceStream] = []
+        sinks: list[_StreamingSink | _CollectingSink] = []
+        for index, plan in enumerate(plans):
+            parser = self.output_parsers.for_request(api, f"{request_id}-{index}", plan.caps)
+            if api.stream:
+                streams.append(_ChoiceStream(response))
+                sinks.append(_StreamingSink(streams[-1], fmt.ChunkWriter(kind, request_id, model, created, index),
+                                            api, token_text, per_token=not self.config.http.coalesce_tokens,
+                                            parser=parser, include_usage=False))
+            else:
+                sinks.append(_CollectingSink(kind, api, token_text, parser=parser))
+        disconnected = False
+
+        async def run_choice(index: int) -> None:
+            await self.coordinator.execute(plans[index], sinks[index])
+            if streams:  # its finish: now, not with [DONE] (the other choices still stream)
+                await response.chunk(streams[index].tail)
+
+        try:
+            async with trio.open_nursery() as choices:
+                def gone() -> None:
+                    nonlocal disconnected
+                    disconnected = True
+                    choices.cancel_scope.cancel()
+
+                on_disconnect(gone)
+                for index in range(len(plans)):
+                    choices.start_soon(run_choice, index)
+        except BaseExceptionGroup as group:
+            error = _first_failure(group)
+            if not response.streaming or not isinstance(error, (ApiError, RequestError, EngineError)):
+                raise error from None
+            await response.stream_error(to_api_error(error))
+            return "error"
+        if disconnected:
+            raise ClientGone()
+        answered = ([stream.usage or (0, 0, None) for stream in streams] if streams else
+                    [(sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens) for sink in sinks
+                     if isinstance(sink, _CollectingSink)])
+        prompt_tokens, cached_tokens = answered[0][0], answered[0][2]  # one prompt, counted once
+        completion_tokens = sum(completion for _, completion, _ in answered)
+        response.usage = (prompt_tokens, completion_tokens, cached_tokens)
+        if api.stream:
+            if not response.streaming:
+                await response.start_stream()
+            if api.include_usage:
+                response.tail += fmt.ChunkWriter(kind, request_id, model, created).usage(
+                    prompt_tokens, completion_tokens, cached_tokens)
+            await response.end_stream()
+        else:
+            choices_body = [sink.choice(index) for index, sink in enumerate(sinks)
+                            if isinstance(sink, _CollectingSink)]
+            await send_json(response.send, 200, fmt.full_response(kind, request_id, model, created, choices_body,
+                                                                  prompt_tokens, completion_tokens, cached_tokens),
+                            response.headers)
+        return "ok"
+
+
+def _first_failure(group: BaseExceptionGroup) -> BaseException:
+    """The error that ended a request's choices: the first that is not the others' cancellation."""
+    for error in _leaves(group):
+        if not isinstance(error, trio.Cancelled):
+            return error
+    return group
+
+
+def _leaves(error: BaseException):
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
 # ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------
 
 class _StreamingSink:
     """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
     reader task (direct delivery: decode/direct.py has the contract)."""
 
-    def __init__(self, response: _Response, writer: fmt.ChunkWriter, api, token_text, *, per_token: bool):
+    def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
+                 per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
+        # the usage chunk after the finish (a request with several choices sends one for all of them instead)
+        self.include_usage = api.include_usage if include_usage is None else include_usage
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
+        self.parser = parser  # the answer's output parser (chat_output.py); None: its text is the content
+        self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
 
     async def delta(self, text, token_ids, logprobs) -> None:
         await self.response.chunk(self._event(text, logprobs))
@@ -370,8 +580,15 @@ class _StreamingSink:
     def _events(self, items) -> bytes:
         if self.api.logprobs:
             return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
-        # no logprobs and no text offsets to track: the events are texts between fixed fragments
-        return self.writer.deltas([text for text, _, _ in items])
+        parser = self.parser
+        if parser is None:
+            # no logprobs and no text offsets to track: the events are texts between fixed fragments
+            return self.writer.deltas([text for text, _, _ in items])
+        parsed = [parser.feed(text) for text, _, _ in items]
+        if not any(delta.reasoning or delta.tool_calls for delta in parsed):  # plain content: the same path
+            return self.writer.deltas([delta.content for delta in parsed if delta.content])
+        self.tool_calls |= any(delta.tool_calls for delta in parsed)
+        return b"".join([self.writer.parsed(delta) for delta in parsed if delta])
 
     def _event(self, text, logprobs) -> bytes:
         lp = None
@@ -380,7 +597,13 @@ class _StreamingSink:
             lp = (fmt.chat_logprobs(logprobs, self.token_text, top) if self.writer.kind == "chat"
                   else fmt.completion_logprobs(logprobs, self.token_text, self.offset, top))
         self.offset += len(text)
-        return self.writer.delta(text, lp)
+        if self.parser is None:
+            return self.writer.delta(text, lp)
+        parsed = self.parser.feed(text)
+        if not parsed.reasoning and not parsed.tool_calls:  # content only, the common case
+            return self.writer.delta(parsed.content, lp) if parsed.content or lp is not None else b""
+        self.tool_calls |= bool(parsed.tool_calls)
+        return self.writer.parsed(parsed, lp)
 
     def ending(self) -> None:
         self.response.ending = True
@@ -388,8 +611,16 @@ class _StreamingSink:
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
                      cached_tokens: int | None = None) -> None:
         self.response.usage = (prompt_tokens, completion_tokens, cached_tokens)
-        data = self.writer.finish(reason)
-        if self.api.include_usage:
+        data = b""
+        if self.parser is not None:  # what the parser held back (a partial tag, a call read whole at the end)
+            parsed = self.parser.finish()
+            self.tool_calls |= bool(parsed.tool_calls)
+            if parsed:
+                data = self.writer.parsed(parsed)
+            if self.tool_calls and reason == "stop":
+                reason = "tool_calls"
+        data += self.writer.finish(reason)
+        if self.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
 
@@ -400,8 +631,10 @@ class _CollectingSink:
     per_token = False  # one response at the end: no reason to split batches
     can_write_now = False  # nothing to write before the end: no direct delivery
 
-    def __init__(self, kind: str, api, token_text):
+    def __init__(self, kind: str, api, token_text, *, parser: StreamParser | None = None):
         self.kind, self.api, self.token_text = kind, api, token_text
+        self.parser = parser  # the answer's output parser; it reads the text as it arrives, as a stream's would
+        self.collector = Collector()
         self.parts: list[str] = []
         self.logprobs: list = []
         self.reason = "stop"
@@ -409,7 +642,10 @@ class _CollectingSink:
         self.cached_tokens: int | None = None
 
     async def delta(self, text, token_ids, logprobs) -> None:
-        self.parts.append(text)
+        if self.parser is None:
+            self.parts.append(text)
+        else:
+            self.collector.add(self.parser.feed(text))
         self.logprobs.extend(logprobs)
 
     async def deltas(self, items) -> None:
@@ -427,17 +663,48 @@ class _CollectingSink:
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
                      cached_tokens: int | None = None) -> None:
+        if self.parser is not None:
+            self.collector.add(self.parser.finish())
+            if reason == "stop" and self.collector.message().tool_calls:
+                reason = "tool_calls"
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
         self.cached_tokens = cached_tokens
 
-    def response(self, request_id: str, model: str, created: int) -> dict:
+    def choice(self, index: int = 0) -> dict:
         lp = None
         if self.api.logprobs:
             top = self.api.top_logprobs
             lp = (fmt.chat_logprobs(self.logprobs, self.token_text, top) if self.kind == "chat"
                   else fmt.completion_logprobs(self.logprobs, self.token_text, 0, top))
-        return fmt.full_response(self.kind, request_id, model, created, "".join(self.parts), self.reason,
-                                 self.prompt_tokens, self.completion_tokens, lp, self.cached_tokens)
+        answer = "".join(self.parts) if self.parser is None else self.collector.message()
+        return fmt.choice(self.kind, index, answer, self.reason, lp)
+
+    def response(self, request_id: str, model: str, created: int) -> dict:
+        return fmt.full_response(self.kind, request_id, model, created, [self.choice()], self.prompt_tokens,
+                                 self.completion_tokens, self.cached_tokens)
+
+
+class _ChoiceStream:
+    """One choice's side of a stream with several (`n` > 1): its events go out through the request's response
+    as they come, its finish when its flow ends (`tail`). No direct delivery: choices share one socket, and
+    their writes stay in their request's tasks."""
+
+    can_send_now = False
+
+    def __init__(self, response: _Response):
+        self.response = response
+        self.tail = b""  # the choice's finish, written once its flow has ended
+        self.ending = False  # (the one-choice stream's optimisation; a choice's finish waits in `tail` anyway)
+        self.usage: tuple[int, int, int | None] | None = None
+
+    async def chunk(self, data: bytes) -> None:
+        await self.response.chunk(data)
+
+    def chunk_now(self, data: bytes) -> bool:
+        raise RuntimeError("a choice of several is written from its request's tasks only")
+
+    async def flush(self) -> None:
+        await self.response.flush()
 
 
 # ---- ASGI plumbing -------------------------------------------------------------------------------
@@ -448,6 +715,11 @@ class _Response:
     def __init__(self, send: Send, headers: list, send_now: Callable[[bytes], bool] | None = None):
         self.send = send
         self.send_now = send_now  # our server's ServerExtensions.send_now, if there is one
+        # How this API writes a failure: as a body, and as a stream's last event (with its end marker). OpenAI's
+        # by default; the Responses and Messages APIs set their own (their exchanges).
+        self.error_body: Callable[[ApiError], dict] = ApiError.body
+        self.stream_failure: Callable[[ApiError], bytes] = lambda error: fmt.error_event(error.body()) + fmt.DONE
+        self.end_marker = fmt.DONE
         self.headers = headers
         self.streaming = False
         self.done = False
@@ -482,12 +754,11 @@ class _Response:
 
     async def end_stream(self) -> None:
         self.done = True
-        await self.send({"type": "http.response.body", "body": self.tail + fmt.DONE, "more_body": False})
+        await self.send({"type": "http.response.body", "body": self.tail + self.end_marker, "more_body": False})
 
     async def stream_error(self, error: ApiError) -> None:
         self.done = True
-        await self.send({"type": "http.response.body", "body": fmt.error_event(error.body()) + fmt.DONE,
-                         "more_body": False})
+        await self.send({"type": "http.response.body", "body": self.stream_failure(error), "more_body": False})
 
     async def error(self, error: ApiError) -> None:
         if self.done:
@@ -499,7 +770,7 @@ class _Response:
         extra = list(self.headers)
         if error.retry_after is not None:
             extra.append((b"retry-after", str(int(max(1, error.retry_after))).encode()))
-        await send_json(self.send, error.status, error.body(), extra)
+        await send_json(self.send, error.status, self.error_body(error), extra)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

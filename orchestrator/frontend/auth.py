@@ -37,7 +37,13 @@ class ApiKeys:
         """The key an `Authorization: Bearer KEY` header presents, or None."""
         if not authorization or authorization[:7].lower() != "bearer ":
             return None
-        presented = authorization[7:].strip().encode("latin-1")
+        return self.identify_plain(authorization[7:])
+
+    def identify_plain(self, presented_key: str | None) -> ApiKey | None:
+        """The key a header carries as it is (Anthropic's `x-api-key: KEY`), or None."""
+        if not presented_key:
+            return None
+        presented = presented_key.strip().encode("latin-1")
         # Compare with every key, whatever matched: the time taken says nothing about which key is close.
         found = None
         for key in self.keys:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring
 
 from orchestrator.engine.events import TokenLogprob
+from orchestrator.parsers import Delta, Message, ToolCallDelta
 
 DONE = b"data: [DONE]\n\n"
 
@@ -68,7 +69,8 @@ class ChunkWriter:
     the encoder gives for the same values.
     """
 
-    def __init__(self, kind: str, request_id: str, model: str, created: int):
+    def __init__(self, kind: str, request_id: str, model: str, created: int, index: int = 0):
+        """`index`: the choice these events are of (a request with `n` > 1 has a writer per choice)."""
         self.kind = kind
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         # {"id", "object", "created", "model"} as the encoder writes them, then the choices array opened
@@ -76,7 +78,8 @@ class ChunkWriter:
                       f'"model":{_json_string(model)},"choices":[')
         self._role_sent = kind != "chat"  # only a chat stream's first delta carries the role
         # A streamed token's event, a text delta without logprobs, around its one variable part (its JSON string)
-        self._text_head = self._head + ('{"index":0,"delta":{"content":' if kind == "chat" else '{"index":0,"text":')
+        self._choice = f'{{"index":{int(index)},'  # each event's one choice opens with its index
+        self._text_head = self._head + self._choice + ('"delta":{"content":' if kind == "chat" else '"text":')
         self._text_tail = ('}' if kind == "chat" else "") + ',"logprobs":null,"finish_reason":null}]}\n\n'
         self._text_head_bytes, self._text_tail_bytes = self._text_head.encode(), self._text_tail.encode()
         self._between = self._text_tail + self._text_head  # from one token's event to the next one's text
@@ -87,9 +90,9 @@ class ChunkWriter:
         if self.kind == "chat":
             role = "" if self._role_sent else '"role":"assistant",'
             self._role_sent = True
-            choice = '{"index":0,"delta":{' + role + '"content":' + _json_string(text) + "}"
+            choice = self._choice + '"delta":{' + role + '"content":' + _json_string(text) + "}"
         else:
-            choice = '{"index":0,"text":' + _json_string(text)
+            choice = self._choice + '"text":' + _json_string(text)
         lp = "null" if logprobs is None else _dumps(logprobs)
         return (self._head + choice + ',"logprobs":' + lp + ',"finish_reason":null}]}\n\n').encode()
 
@@ -102,11 +105,46 @@ class ChunkWriter:
             return first + self.deltas(texts[1:]) if len(texts) > 1 else first
         return (self._text_head + self._between.join(map(_json_string, texts)) + self._text_tail).encode()
 
+    def reasoning(self, text: str) -> bytes:
+        """A chat delta of the model's reasoning (`reasoning_content`, as vLLM and DeepSeek name it)."""
+        role = "" if self._role_sent else '"role":"assistant",'
+        self._role_sent = True
+        return (self._head + self._choice + '"delta":{' + role + '"reasoning_content":' + _json_string(text)
+                + '},"logprobs":null,"finish_reason":null}]}\n\n').encode()
+
+    def tool_calls(self, calls: Sequence[ToolCallDelta]) -> bytes:
+        """A chat delta of tool-call pieces, as OpenAI streams them: a call's first piece carries its index, id,
+        type and name (its arguments may start there), later pieces the index and more argument text."""
+        role = "" if self._role_sent else '"role":"assistant",'
+        self._role_sent = True
+        pieces = []
+        for call in calls:
+            if call.name is not None:
+                piece: dict = {"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}
+            else:
+                piece = {"index": call.index, "function": {"arguments": call.arguments}}
+            pieces.append(piece)
+        return (self._head + self._choice + '"delta":{' + role + '"tool_calls":' + _dumps(pieces)
+                + '},"logprobs":null,"finish_reason":null}]}\n\n').encode()
+
+    def parsed(self, delta: Delta, logprobs: dict | None = None) -> bytes:
+        """A parser's delta as events in the order the model wrote them: reasoning, then content, then tool
+        calls. `logprobs` ride on the content event (an event of its own when the delta has no content)."""
+        data = b""
+        if delta.reasoning:
+            data += self.reasoning(delta.reasoning)
+        if delta.content or logprobs is not None:
+            data += self.delta(delta.content, logprobs)
+        if delta.tool_calls:
+            data += self.tool_calls(delta.tool_calls)
+        return data
+
     def finish(self, reason: str) -> bytes:
         if self.kind == "chat":
-            choice = '{"index":0,"delta":' + ("{}" if self._role_sent else '{"role":"assistant","content":""}')
+            choice = self._choice + '"delta":' + ("{}" if self._role_sent else '{"role":"assistant","content":""}')
         else:
-            choice = '{"index":0,"text":""'
+            choice = self._choice + '"text":""'
         return (self._head + choice + ',"logprobs":null,"finish_reason":' + _json_string(reason)
                 + "}]}\n\n").encode()
 
@@ -121,15 +159,33 @@ def error_event(body: dict) -> bytes:
     return sse(body)
 
 
-def full_response(kind: str, request_id: str, model: str, created: int, text: str, reason: str,
-                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None,
-                  cached_tokens: int | None = None) -> dict:
+def chat_message(message: Message) -> dict:
+    """A parsed answer as OpenAI's `message`: `content` null when the answer is only tool calls (as OpenAI
+    answers), `reasoning_content` and `tool_calls` only when there are some."""
+    body: dict = {"role": "assistant",
+                  "content": message.content if message.content or not message.tool_calls else None}
+    if message.reasoning_content:
+        body["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        body["tool_calls"] = [{"id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}
+                              for call in message.tool_calls]
+    return body
+
+
+def choice(kind: str, index: int, text: str | Message, reason: str, logprobs: dict | None) -> dict:
+    """One choice of a whole answer. `text`: the answer, or for a chat answer read by an output parser, its parsed
+    message."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
+        message = (chat_message(text) if isinstance(text, Message)
+                   else {"role": "assistant", "content": text})
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def full_response(kind: str, request_id: str, model: str, created: int, choices: list[dict],
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """A whole answer: its choices (`choice`), and the usage of all of them (the prompt counted once)."""
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -20,6 +20,66 @@ OUT = Path(__file__).resolve().parent / "tiny-chat"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 IMAGE_TOKEN = "<|image|>"  # added after training, so the ids of every other token stay as they were
 
+# ChatML, with tools and thinking the way Hugging Face templates take them (Qwen's conventions):
+# - `tools` (a list of {"type": "function", "function": {name, description, parameters}}) is written into a
+#   system turn, one JSON object per line between <tools> and </tools>, merged with the first system message;
+# - `tool_choice` (optional, as the request has it: "none", "required" or {"type": "function", "function":
+#   {"name": N}}) adds one sentence to that turn, which the simulated model obeys;
+# - an assistant message's `tool_calls` are written as <tool_call>{"name", "arguments"}</tool_call> blocks,
+#   a `tool` message as a turn of role tool;
+# - `parallel_tool_calls` (optional) true adds a sentence allowing several calls in one answer;
+# - `enable_thinking` false closes an empty <think></think> block after the generation prompt, as Qwen3 does.
+# The simulator reads these back (orchestrator/sim/chat_prompt.py); docs/simulator.md is the contract.
+_CONTENT = (
+    "{% if message['content'] is defined and message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is defined and message['content'] is not none %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or (message['content'] is defined and message['content']) %}{{ '\\n' }}{% endif %}"
+    # each piece on its own: `tojson` returns Markup, and str + Markup would HTML-escape the str
+    "{{ '<tool_call>\\n{\"name\": ' }}{{ function['name'] | tojson }}{{ ', \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}{% else %}{{ function['arguments'] | tojson }}"
+    "{% endif %}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+)
+_HAS_TOOLS = "tools is defined and tools"
+CHAT_TEMPLATE = (
+    "{% if " + _HAS_TOOLS + " %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call these functions, one JSON object per line:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '</tools>\\n\\nTo call a function, answer with <tool_call></tool_call> tags around its name and "
+    "arguments as JSON.' }}"
+    "{% if tool_choice is defined and tool_choice is string and tool_choice == 'none' %}"
+    "{{ '\\nAnswer without calling a function.' }}"
+    "{% elif tool_choice is defined and tool_choice is string and tool_choice == 'required' %}"
+    "{{ '\\nCall at least one function.' }}"
+    "{% elif tool_choice is defined and tool_choice is mapping %}"
+    "{{ '\\nCall the function ' + tool_choice['function']['name'] + '.' }}{% endif %}"
+    "{% if parallel_tool_calls is defined and parallel_tool_calls is true %}"
+    "{{ '\\nYou may call several functions at once.' }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (loop.first and message['role'] == 'system' and " + _HAS_TOOLS + " and message['content'] is string) %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}" + _CONTENT + _TOOL_CALLS +
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
 CORPUS = """
 The orchestrator splits every request into a prefill stage and a decode stage. The prefill worker
 reads the prompt, fills the key value cache and hands the session to a decode worker, which streams
@@ -59,18 +119,7 @@ def build(out: Path = OUT) -> None:
         "eos_token": "<|im_end|>",
         "pad_token": "<|pad|>",
         "image_token": IMAGE_TOKEN,
-        "chat_template": (
-            "{% for message in messages %}"
-            "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-            "{% if message['content'] is string %}{{ message['content'] }}"
-            "{% else %}{% for part in message['content'] %}"
-            "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
-            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}"
-            "{{ '<|im_end|>' + '\\n' }}"
-            "{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-        ),
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(

@@ -13,7 +13,7 @@ import httpx
 from google.protobuf import json_format
 
 from orchestrator.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2
-from orchestrator.sim import handoff, kv_transfer, media, output, prefix_cache
+from orchestrator.sim import answers, chat_prompt, handoff, kv_transfer, media, output, prefix_cache
 from orchestrator.sim.outbox import Outbox
 from orchestrator.sim.scheduler import CONTEXT_ONLY, FULL, GENERATION_ONLY, SimRequest
 from orchestrator.sim.worker_state import SimWorkerState
@@ -241,8 +241,8 @@ class AdmissionService(SimWorkerState):
             if guide not in persona.guide_modes(c.guided_backend) and not persona.ignores_unsupported_guides:
                 raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, f"guided decoding mode '{guide}' is not "
                                     f"supported by the '{c.guided_backend}' grammar backend")
-            # Taken (a backend that has the mode), or passed on and ignored by the engine (the sibling server
-            # without a backend): either way the simulated text is not constrained.
+            # Taken (a backend that has the mode: answers.py writes a valid instance), or passed on and ignored by
+            # the engine (the sibling server without a backend: the text stays free).
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")
@@ -282,6 +282,7 @@ class AdmissionService(SimWorkerState):
         max_tokens = self._max_tokens(request.stopping, window - prompt_len, prompt_len, window)
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
         key = output.request_key(prompt_ids, media_ids, seed)
+        plan = self._plan_answer(request, prompt_ids, media_ids, seed, key)
 
         first_gen: tuple[int, ...] = ()
         if session is not None:
@@ -298,7 +299,8 @@ class AdmissionService(SimWorkerState):
             include_stop=stopping.include_stop_in_output, first_gen_tokens=first_gen,
             tokens=prefix_cache.prompt_tokens(prompt_ids, media_ids, image_tokens=c.profile.image_tokens,
                                               id_offset=self.vocab_size, placeholder=self.image_token_id),
-            target_rank=rank,
+            target_rank=rank, script=plan.script, script_ends=plan.ends, answer_offset=plan.offset,
+            natural_length=plan.natural_length,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
         token_response = self._token_response(rid, want_logprobs, top_n)
@@ -309,6 +311,23 @@ class AdmissionService(SimWorkerState):
         self.active[rid] = sim_request
         self.scheduler.submit(sim_request)
         return sim_request
+
+    def _plan_answer(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int], media_ids: list[str],
+                     seed: int | None, key: int) -> answers.Plan:
+        """What the model answers (orchestrator.sim.answers): read from the chat the prompt renders and the guide
+        the engine takes (one it ignores, the sibling server's without a backend, leaves the text free)."""
+        c = self.config
+        guide = None
+        if request.HasField("guided"):
+            kind = request.guided.WhichOneof("guide")
+            if kind in self.persona.guide_modes(c.guided_backend):
+                guide = (kind, request.guided.choice.choices if kind == "choice" else getattr(request.guided, kind))
+        chat = chat_prompt.read(prompt_ids, self.tokenizer)
+        if chat is not None:  # the answer is a function of the conversation before it, not of what it resends
+            key = output.request_key(prompt_ids[:chat.prefix_len], media_ids, seed)
+        return answers.plan(chat, guide, answers.Parsers(c.tool_call_parser, c.reasoning_parser), key,
+                            self.tokenizer,
+                            max_tokens_given=request.stopping.HasField("max_tokens") and not c.natural_eos)
 
     def _max_tokens(self, stopping, room: int, prompt_len: int, window: int) -> int:
         persona = self.persona

@@ -16,6 +16,7 @@ from orchestrator.roles import ROLES
 from orchestrator.sim.media import MediaLimits
 from orchestrator.sim.persona import GUIDED_BACKENDS, HANDOFF_SHAPES, IMAGE_PATHS, LOAD_METRICS, PERSONAS, Persona
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILES
+from orchestrator.sim.tool_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = logging.getLogger("orchestrator.sim")
 
@@ -60,7 +61,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--total-kv-blocks", type=int, default=None, help="override the profile's KV cache size")
     p.add_argument("--guided-backend", choices=GUIDED_BACKENDS, default="none",
                    help="the grammar backend TensorRT-LLM was started with; none: guided decoding unsupported "
-                        "(the simulated text is never constrained: only the capability and admission are modelled)")
+                        "(json_schema, json_object, choice and structural_tag guides are answered with a valid "
+                        "instance; regex and EBNF guides are not modelled)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="",
+                   help="the model writes tool calls in this parser's format (TensorRT-LLM's names; hermes, "
+                        "llama3_json, mistral, glm45 as vLLM names them) and ModelInfo.tool_call_parser says so "
+                        "(revision 3 and strict; revision 1 never fills it). Default: hermes calls, none advertised")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="",
+                   help="the model thinks before answering, in this parser's format, unless the chat template "
+                        "turned thinking off; ModelInfo.reasoning_parser says so (every revision)")
+    p.add_argument("--natural-eos", action="store_true",
+                   help="free text ends with EOS at a natural length (log-normal per prompt and seed, median 64 "
+                        "tokens) even when max_tokens is given, as a real model stops when it is done; without it "
+                        "a given max_tokens is the answer's exact length (what benchmarks expect)")
     p.add_argument("--load-metrics", choices=LOAD_METRICS, default="on",
                    help="GetLoad as TensorRT-LLM answers it with load metrics on, off (requests only), or "
                         "unavailable (UNAVAILABLE, as when its load sample is stale)")
@@ -162,6 +175,7 @@ def config_from_args(args: argparse.Namespace):
         report_health_state=args.report_health_state, fail_model_info=args.fail_model_info,
         media_limits=MediaLimits(max_bytes=args.media_max_bytes, fetch_timeout_s=args.media_fetch_timeout),
         eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, natural_eos=args.natural_eos,
         load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout, attention_dp_size=args.attention_dp_size,
         prefix_caching=args.prefix_caching, kv_events=kv_events,
     )

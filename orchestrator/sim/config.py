@@ -55,6 +55,11 @@ class SimConfig:
     eos_probability: float = 0.0
     seed: int = 0
     guided_backend: str = "none"  # TensorRT-LLM's guided_decoding_backend (persona.GUIDED_BACKENDS)
+    # the model's output parsers, by TensorRT-LLM's names (sim/tool_formats.py): what the simulated model writes
+    # and what ModelInfo advertises (revision 1 advertises only the reasoning parser, as its control.py does)
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    natural_eos: bool = False  # free text ends at a natural length even under a given max_tokens (--natural-eos)
     load_metrics: str = "on"  # persona.LOAD_METRICS
     stall_timeout_s: float | None = None  # None: the persona's; 0: no watchdog
     media_limits: media.MediaLimits = media.MediaLimits()

@@ -111,6 +111,10 @@ class ControlService(SimWorkerState):
                            for mode in self.persona.guide_modes(c.guided_backend)]),
                 max_num_sequences=1, supports_stop_in_output=True),
             supports_lora=False, supports_multimodal=c.multimodal,
+            # revision 1 fills reasoning_parser from llm.args.reasoning_parser and never tool_call_parser, though
+            # its proto has the field (control.py); the sibling server fills both (servicer.py GetModelInfo)
+            reasoning_parser=c.reasoning_parser,
+            tool_call_parser="" if self.persona.revision_1_trtllm else c.tool_call_parser,
         )
         if self.persona.advertises_max_output_tokens:
             info.max_output_tokens = c.profile.max_output_tokens

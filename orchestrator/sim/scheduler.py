@@ -58,6 +58,12 @@ class SimRequest:
     tokens: tuple[Token, ...] | None = None
     rank: int = 0  # its attention-DP rank
     target_rank: int | None = None  # the rank the caller asked for (openengine-target-dp-rank), else balanced
+    # the scripted answer (orchestrator.sim.answers.Plan): its first tokens, EOS right after them or free words,
+    # the answer tokens already in the prompt (migration), and the natural length that ends free words with EOS
+    script: tuple[int, ...] = ()
+    script_ends: bool = False
+    answer_offset: int = 0
+    natural_length: int | None = None
     cached: int = 0  # prompt tokens found in the prefix cache at admission
     lease: PrefixLease | None = None
 
@@ -308,9 +314,9 @@ class Scheduler:
         """The context phase samples the first token; it travels in the KV session. With
         `context_stops`, a first token that stops the request (EOS, a stop token) finishes it here,
         as TensorRT-LLM's context phase does: there is no KV to hand off then."""
-        token = self.vocab.next_token(request.key)
+        token = self._sampled(request)
         if self.context_stops and request.min_tokens == 0:
-            if not request.ignore_eos and self.vocab.ends(request.key, self.faults.eos_probability):
+            if not request.ignore_eos and (token is None or self._ends(request)):
                 self._release(request)
                 request.on_finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
                 return
@@ -320,6 +326,8 @@ class Scheduler:
                 self._release(request)
                 request.on_finish(request, "stop", ("stop_token_id", token))
                 return
+        if token is None:  # EOS suppressed (min_tokens, ignore_eos) or not ended here: the words go on
+            token = self.vocab.next_token(request.key)
         # The request is over here; its blocks and lease now belong to the KV session (on_context_done).
         request.state = "done"
         self.ranks[request.rank].active -= 1
@@ -331,9 +339,13 @@ class Scheduler:
         if position == 0 and request.first_gen_tokens:
             token = request.first_gen_tokens[0]
         else:
-            token = self.vocab.next_token(request.key)
+            sampled = self._sampled(request)
+            token = self.vocab.next_token(request.key) if sampled is None else sampled
+            if sampled is None and not request.ignore_eos and position >= request.min_tokens:
+                self._finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
+                return
         may_stop = position >= request.min_tokens
-        if may_stop and not request.ignore_eos and self.vocab.ends(request.key, self.faults.eos_probability):
+        if may_stop and not request.ignore_eos and self._ends(request):
             self._finish(request, "stop", ("eos_token_id", self.vocab.eos_id))
             return
         if may_stop and token in request.stop_token_ids:
@@ -352,6 +364,24 @@ class Scheduler:
             self.decoding.remove(request)
             request.state = "stalled"
             self.stalled.append(request)
+
+    def _sampled(self, request: SimRequest) -> int | None:
+        """The token at the request's next position: the script's, then None (EOS) after a script that ends, else
+        a word that is a function of everything before it."""
+        position = request.answer_offset + request.generated
+        if position < len(request.script):
+            return request.script[position]
+        if request.script_ends:
+            return None
+        return self.vocab.next_token(request.key)
+
+    def _ends(self, request: SimRequest) -> bool:
+        """Whether the model stops here of its own accord: the answer reached its natural length, or the
+        --eos-probability draw says so."""
+        natural = request.natural_length
+        if natural is not None and request.answer_offset + request.generated >= natural:
+            return True
+        return self.vocab.ends(request.key, self.faults.eos_probability)
 
     def _output(self, request: SimRequest, token: int) -> None:
         request.key = advance(request.key, token)

@@ -4,6 +4,7 @@ Fixtures
 - `sim_workers`: a SimWorkers factory; `sim_workers.start("prefill", "--time-scale", "0.01")` -> a
   SimWorkerProcess with `.address` (grpc://127.0.0.1:PORT), `.target` (HOST:PORT), `.role` and `.process`
   (its ManagedProcess). Every worker is stopped at the end of the test.
+- `redis_server` (session): a RedisServer, a real Redis (Debian's redis-server) on a free port; `.url`.
 - `etcd_server` (session): an EtcdServer, a real etcd (Debian's etcd-server) on free ports with a temporary
   data dir; `.url`.
 - `orchestrator_servers`: an OrchestratorServers factory; `.start(config_path, *flags)` -> an
@@ -54,6 +55,7 @@ from orchestrator.testkit.processes import (  # noqa: F401 - re-exported for tes
     EtcdServer,
     OrchestratorServer,
     OrchestratorServers,
+    RedisServer,
     SimWorkerProcess,
     SimWorkers,
 )
@@ -82,6 +84,13 @@ def sim_workers(tmp_path) -> Iterator[SimWorkers]:
     workers = SimWorkers(tmp_path)
     yield workers
     workers.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-logs"))
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -132,3 +132,32 @@ class EtcdServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class RedisServer:
+    """A real Redis (Debian's redis-server) on a free port, in memory only (no snapshots, no append-only file)."""
+
+    def __init__(self, log_dir: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ProcessFailed("redis-server is not on PATH: install Debian's redis-server (scripts/setup.sh does)")
+        for attempt in range(5):  # check-then-bind, as for etcd: a port taken meanwhile is tried again
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self.process = ManagedProcess(f"redis-{self.port}", [
+                binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+                "--protected-mode", "yes"], log_dir=log_dir)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.process.alive():
+                try:
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                        return
+                except OSError:
+                    time.sleep(0.05)
+            exited = not self.process.alive()
+            self.process.stop(5)
+            if not exited or attempt == 4:
+                raise ProcessFailed(f"redis-server did not start on {self.url}:\n{self.process.tail()}")
+
+    def close(self) -> None:
+        self.process.stop(5)
