@@ -49,6 +49,15 @@ def test_a_wrong_or_missing_key_is_a_401_in_the_openai_format(protected):
         assert http.get("/metrics", headers={"authorization": "Bearer key-a"}).status_code == 200
 
 
+def test_two_authorization_headers_are_a_400_whichever_comes_first(protected):
+    with httpx.Client(base_url=protected.url) as http:
+        for pair in (["Bearer key-a", "Bearer nope"], ["Bearer nope", "Bearer key-a"]):
+            answer = http.get("/v1/models", headers=[("authorization", pair[0]), ("authorization", pair[1])])
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "authorization"
+            assert "2 Authorization headers" in answer.json()["error"]["message"]
+
+
 def keys_of(*secrets: str) -> ApiKeys:
     return ApiKeys([ApiKey(f"k{i}", secret.encode()) for i, secret in enumerate(secrets)])
 

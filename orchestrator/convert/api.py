@@ -128,6 +128,33 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
 INT32_MAX = 2**31 - 1
+# OpenAI's API defines seed as an int64; the wire's uint64 holds the non-negative half of it
+SEED_MAX = 2**63 - 1
+# TensorRT-LLM only checks > 0 (samplingConfig.cpp checkRepetitionPenalty); past 2 every seen token is all but
+# banned, which is why SGLang bounds it to [0, 2] too: a larger number is a mistake, not a setting
+REPETITION_PENALTY_MAX = 2
+LOGIT_BIAS_RANGE = 100  # OpenAI: each bias is from -100 to 100
+
+
+def _refuse_logit_bias(body: dict) -> None:
+    """`logit_bias`: checked as OpenAI defines it ({token id: bias from -100 to 100}), then refused when it
+    biases anything: no OpenEngine field carries it, and a bias silently dropped (a token meant to be banned
+    being sampled) is worse than a clear 400."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias: expected an object mapping token ids to biases", param="logit_bias")
+    for token, value in bias.items():
+        if not token.isdecimal() or int(token) > UINT32_MAX:
+            raise invalid(f"logit_bias: keys are token ids, got {_shown(token)}", param="logit_bias")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+            raise invalid(f"logit_bias.{token}: expected a number from -{LOGIT_BIAS_RANGE} to {LOGIT_BIAS_RANGE}, "
+                          f"got {_shown(value)}", param=f"logit_bias.{token}")
+    if bias:
+        raise invalid("logit_bias: not supported by this deployment (the engine protocol cannot carry it)",
+                      param="logit_bias")
 
 
 def _int_list(value, name: str) -> tuple[int, ...]:
@@ -184,11 +211,12 @@ def _common(body: dict, kind: str) -> dict:
         top_p=_number(body, "top_p", 0, 1, lo_open=True),
         top_k=_number(body, "top_k", -1, INT32_MAX, integer=True),
         min_p=_number(body, "min_p", 0, 1),
-        seed=_number(body, "seed", 0, 2**64 - 1, integer=True),
+        seed=_number(body, "seed", 0, SEED_MAX, integer=True),
         presence_penalty=_number(body, "presence_penalty", -2, 2),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        repetition_penalty=_number(body, "repetition_penalty", 0, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 0, REPETITION_PENALTY_MAX, lo_open=True),
     )
+    _refuse_logit_bias(body)
     conversation_id = body.get("conversation_id")
     if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id.strip()
                                         or len(conversation_id) > 256):

@@ -107,7 +107,13 @@ class App:
             return
         handler = self.routes.get((scope["method"], scope["path"]))
         if handler is not None and self._needs_key(scope["path"]):
-            key = self.api_keys.identify(_header(scope, b"authorization"))
+            authorizations = _headers(scope, b"authorization")
+            if len(authorizations) > 1:  # one credential per request (RFC 9110 11.6.2): which would count?
+                error = ApiError(400, f"the request has {len(authorizations)} Authorization headers; send one",
+                                 param="authorization", code="bad_request")
+                await send_json(send, 400, error.body())
+                return
+            key = self.api_keys.identify(authorizations[0] if authorizations else None)
             if key is None:
                 error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
                                  code="invalid_api_key")
@@ -482,6 +488,11 @@ class _Response:
         if error.retry_after is not None:
             extra.append((b"retry-after", str(int(max(1, error.retry_after))).encode()))
         await send_json(self.send, error.status, error.body(), extra)
+
+
+def _headers(scope: Scope, name: bytes) -> list[str]:
+    """Every value of header `name`, in order."""
+    return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name]
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
