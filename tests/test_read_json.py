@@ -3,8 +3,8 @@ field, however the JSON spells it."""
 
 import pytest
 
-from orchestrator.frontend.errors import ApiError
 from orchestrator.frontend.app import read_json
+from orchestrator.frontend.errors import ApiError
 
 
 def receiving(raw: bytes):

@@ -261,3 +261,9 @@ def test_every_sink_of_the_frontend_implements_the_whole_output_sink_protocol():
     for sink in sinks:
         missing = sorted(name for name in members if not hasattr(type(sink), name) and name not in vars(sink))
         assert missing == [], type(sink).__name__
+
+
+async def test_tokens_of_a_batch_without_logprobs_get_placeholders_not_their_neighbours():
+    later = TokenLogprob(WORDS[1], -0.5)
+    sink, _ = await run([Tokens(WORDS[:1]), Tokens(WORDS[1:2], (later,)), DONE], per_token=True)
+    assert [lp for _, _, lp in sink.received] == [(TokenLogprob(WORDS[0], None),), (later,)]

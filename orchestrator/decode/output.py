@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import trio
 
-from orchestrator.decode.deltas import OutputSink, StreamState, count_tokens, token_deltas
+from orchestrator.decode.deltas import OutputSink, StreamState, add_tokens, count_tokens, fill_carried, token_deltas
 from orchestrator.decode.direct import FLUSH, DirectHandler, DirectTokens, TokenStream
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.engine.errors import ErrorCode
@@ -42,8 +42,7 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
             flush = False
             for event in batch:
                 if isinstance(event, Tokens):
-                    ids.extend(event.token_ids)
-                    logprobs.extend(event.logprobs)
+                    add_tokens(event, ids, logprobs)
                 elif isinstance(event, Finished):
                     state.finished = event
                     if event.usage is not None:
@@ -61,6 +60,8 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
             if ids:
                 if state.first_token_at is None:
                     state.first_token_at = trio.current_time()
+                if state.carried_logprobs:
+                    logprobs = fill_carried(ids, logprobs, state)
                 count_tokens(ids, state, on_chunk)
                 items = token_deltas(ids, logprobs, sink.per_token, detokenizer)
                 if len(items) == 1:

@@ -337,7 +337,7 @@ class _StreamingSink:
         self.offset = 0
 
     async def delta(self, text, token_ids, logprobs) -> None:
-        await self.response.chunk(self._event(text, logprobs))
+        await self.response.chunk(self._event(text, token_ids, logprobs))
 
     async def deltas(self, items) -> None:
         # An SSE event per token, one write for the batch: the socket write is the dominant cost.
@@ -357,13 +357,13 @@ class _StreamingSink:
 
     def _events(self, items) -> bytes:
         if self.api.logprobs:
-            return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
+            return b"".join([self._event(text, ids, logprobs) for text, ids, logprobs in items])
         # no logprobs and no text offsets to track: the events are texts between fixed fragments
         return self.writer.deltas([text for text, _, _ in items])
 
-    def _event(self, text, logprobs) -> bytes:
+    def _event(self, text, token_ids, logprobs) -> bytes:
         lp = None
-        if self.api.logprobs and logprobs:
+        if self.api.logprobs and (logprobs := logprobs or fmt.unknown_logprobs(token_ids)):
             top = self.api.top_logprobs
             lp = (fmt.chat_logprobs(logprobs, self.token_text, top) if self.writer.kind == "chat"
                   else fmt.completion_logprobs(logprobs, self.token_text, self.offset, top))
@@ -398,7 +398,8 @@ class _CollectingSink:
 
     async def delta(self, text, token_ids, logprobs) -> None:
         self.parts.append(text)
-        self.logprobs.extend(logprobs)
+        if self.api.logprobs:
+            self.logprobs.extend(logprobs or fmt.unknown_logprobs(token_ids))
 
     async def deltas(self, items) -> None:
         for item in items:
@@ -594,7 +595,7 @@ def _lone_surrogate_at(value, where: str = "body") -> str | None:
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": data})

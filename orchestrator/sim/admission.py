@@ -300,7 +300,7 @@ class AdmissionService(SimWorkerState):
             target_rank=rank,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
-        token_response = self._token_response(rid, want_logprobs, top_n)
+        token_response = self._token_response(rid, want_logprobs, top_n, first_without_logprob=kind == GENERATION_ONLY)
         sim_request.on_token = self._token_callback(outbox, token_response, stop_texts)
         sim_request.on_finish = self._finish_callback(outbox, rid, prompt_len)
         sim_request.on_context_done = self._context_callback(outbox, rid, prompt_ids, media_ids, prompt_len,
