@@ -133,6 +133,11 @@ UPSTREAM = {
     "logprob-shortfall": ("R1 formatting.py @ 385d11ab2dfc _logprob_shortfall / _delta_logprobs",
                           "a generation_only request is one logprob short (the context worker does not transfer the "
                           "first token's): the leading token is sent without a logprob, never shifted"),
+    "r3-conversation-id": ("R3 servicer.py @ 58132ce1 _request_metadata / _disaggregated_params",
+                           "the sibling server reads conversation_id only from the gRPC metadata key "
+                           "'conversation_id' (lower-cased, ASCII), on its prefill role; never from extra"),
+    "cache-salt": ("R3 servicer.py @ 58132ce1 Generate (generate_async(cache_salt=kv.cache_salt))",
+                   "kv.cache_salt is forwarded to the engine, which keys its reusable blocks by it"),
     "repetition-penalty": ("NVIDIA/TensorRT-LLM cpp/tensorrt_llm/executor/samplingConfig.cpp @ 3585984b32cd "
                            "checkRepetitionPenalty; tensorrt_llm/sampling_params.py @ 000a01de66f0 _validate",
                            "repetition_penalty must be > 0 (a float); the LLM API checks no other sampling range"),
@@ -415,6 +420,26 @@ async def test_the_context_leg_carries_the_clients_options_and_the_extensions(
         assert leg["stopping"]["min_tokens"] == 2 and leg["stopping"]["ignore_eos"] is True
         assert leg["stopping"]["conditions"] == [{"stop_text": "zzz"}] and leg["logprobs"] is True
         assert leg["extra"] == {"detokenize": False, "conversation_id": "agentx-session"}
+
+
+@pytest.mark.parametrize(("revision", "transport"), [("1", "h2"), ("3", "h2"), ("3", "grpcio")])
+async def test_the_conversation_id_reaches_each_server_where_it_reads_it(
+        tmp_path, revision, transport, sim_workers, orchestrator_servers, engine_client):
+    """UPSTREAM extensions, r3-conversation-id: revision 1 reads extra.conversation_id; the sibling server only
+    the gRPC metadata key conversation_id, on its prefill role (over either stream transport)."""
+    flags = (*FAST, "--schema-revision", revision)
+    prefill, decode = sim_workers.start("prefill", *flags), sim_workers.start("decode", *flags)
+    server = orchestrator_servers.start(write_config(tmp_path / "conv.yaml", "disaggregated",
+                                                     {"prefill": [prefill.address], "decode": [decode.address]},
+                                                     stream_transport=transport))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2, conversation_id="agent-7"))
+        refused = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2, conversation_id="agent-\u00e9"))
+    assert response.status_code == 200, response.text
+    (ctx,) = await _recent(engine_client, prefill)
+    assert ctx["kind"] == "context_only" and ctx["conversation_id"] == "agent-7"
+    # metadata values are printable ASCII: anything else is the client's 400, not a failed leg
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "conversation_id"
 
 
 @pytest.mark.parametrize("case", ["eos", "stop-string"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Literal, overload
 
 import attrs
@@ -79,7 +80,7 @@ class ApiRequest:
     top_logprobs: int = 0
     guided: Guided | None = None
     echo: bool = False
-    conversation_id: str | None = None  # forwarded as extra.conversation_id on every leg
+    conversation_id: str | None = None  # extra.conversation_id and metadata conversation_id on every leg
     media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
 
 
@@ -126,6 +127,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+").fullmatch
 UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
 INT32_MAX = 2**31 - 1
 # OpenAI's API defines seed as an int64; the wire's uint64 holds the non-negative half of it
@@ -218,9 +220,10 @@ def _common(body: dict, kind: str) -> dict:
     )
     _refuse_logit_bias(body)
     conversation_id = body.get("conversation_id")
+    # it travels as gRPC metadata too (engine/client.py), whose values are printable ASCII
     if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id.strip()
-                                        or len(conversation_id) > 256):
-        raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
+                                        or len(conversation_id) > 256 or not _PRINTABLE_ASCII(conversation_id)):
+        raise invalid("conversation_id: expected a non-empty string of at most 256 printable ASCII characters",
                       param="conversation_id")
     return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
             "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,

@@ -77,6 +77,22 @@ def target_dp_rank(context) -> str | None:
     return None
 
 
+def metadata_value(context, key: str) -> str | None:
+    for item in context.invocation_metadata() or ():
+        if item.key == key:
+            return item.value
+    return None
+
+
+def engine_conversation_id(persona, kind: str, extra: dict, metadata_conversation: str | None) -> str | None:
+    """The conversation id the engine is given, read where each server reads it: revision 1 from
+    extra.conversation_id (request_mapping.py conversation_params_from_request), the sibling server only from
+    the gRPC metadata key `conversation_id`, and only on its prefill role (servicer.py _disaggregated_params)."""
+    if persona.revision_1_trtllm:
+        return extra.get("conversation_id")
+    return metadata_conversation if kind == CONTEXT_ONLY else None
+
+
 class EngineUnavailable(Exception):
     """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
 
@@ -94,7 +110,8 @@ class AdmissionService(SimWorkerState):
         watchdog: asyncio.Task | None = None
         try:
             try:
-                sim_request = await self._admit(request, outbox, trace_headers(context), target_dp_rank(context))
+                sim_request = await self._admit(request, outbox, trace_headers(context), target_dp_rank(context),
+                                                metadata_conversation=metadata_value(context, "conversation_id"))
             except EngineUnavailable as refusal:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
@@ -201,7 +218,8 @@ class AdmissionService(SimWorkerState):
         return kind
 
     async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox,
-                     trace: dict[str, str] | None = None, target_rank: str | None = None) -> SimRequest:
+                     trace: dict[str, str] | None = None, target_rank: str | None = None, *,
+                     metadata_conversation: str | None = None) -> SimRequest:
         c, persona = self.config, self.persona
         rank = None
         if target_rank is not None and persona.revision_1_trtllm:  # others do not advertise targeting: ignored
@@ -263,6 +281,7 @@ class AdmissionService(SimWorkerState):
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "target_dp_rank": rank,
+                            "conversation_id": engine_conversation_id(persona, kind, extra, metadata_conversation),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
                             "logprobs": request.response.return_output_logprobs,
