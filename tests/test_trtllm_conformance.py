@@ -138,6 +138,9 @@ UPSTREAM = {
                            "'conversation_id' (lower-cased, ASCII), on its prefill role; never from extra"),
     "cache-salt": ("R3 servicer.py @ 58132ce1 Generate (generate_async(cache_salt=kv.cache_salt))",
                    "kv.cache_salt is forwarded to the engine, which keys its reusable blocks by it"),
+    "engine-cancel": ("R1 formatting.py @ 385d11ab2dfc _finish_event; R3 servicer.py @ 58132ce1 _finished",
+                      "both servers map the engine's finish_reason 'cancelled' and 'timeout' to "
+                      "FINISH_REASON_CANCELLED; revision 1 adds the message 'generation timed out' to a timeout"),
     "repetition-penalty": ("NVIDIA/TensorRT-LLM cpp/tensorrt_llm/executor/samplingConfig.cpp @ 3585984b32cd "
                            "checkRepetitionPenalty; tensorrt_llm/sampling_params.py @ 000a01de66f0 _validate",
                            "repetition_penalty must be > 0 (a float); the LLM API checks no other sampling range"),

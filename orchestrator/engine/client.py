@@ -231,12 +231,14 @@ class EngineClient:
         return results["Health"].state, results["GetLoad"]
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
-                    timeout: float | None = 5.0,
+                    all_requests: bool = False, timeout: float | None = 5.0,
                     metadata: tuple[tuple[str, str], ...] = ()) -> lifecycle_pb2.AbortResponse:
-        if (request_id is None) == (kv_session is None):
-            raise ValueError("abort takes exactly one of request_id or kv_session")
+        """Abort one request, one KV session or (an operator's act, and tests') every request of the worker."""
+        if (request_id is not None) + (kv_session is not None) + all_requests != 1:
+            raise ValueError("abort takes exactly one of request_id, kv_session or all_requests")
         request = (lifecycle_pb2.AbortRequest(request_id=request_id) if request_id is not None
-                   else lifecycle_pb2.AbortRequest(kv_session=kv_session))
+                   else lifecycle_pb2.AbortRequest(kv_session=kv_session) if kv_session is not None
+                   else lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()))
         return await self._unary("Abort", request, timeout, metadata)
 
     # ---- KV events (orchestrator/workers/kv_events.py) --------------------------------------------

@@ -15,8 +15,9 @@ from orchestrator.engine.token_message import event_token_ids, without_request_i
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
-_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length",
-                                  FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
+# FINISH_REASON_CANCELLED has no name here: a cancel we did not ask for is a failure (engine/errors.py
+# EngineCancelled), one we asked for has no client left to tell; no OpenAI client knows a "cancelled" finish.
+_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length"}
 
 
 @attrs.frozen(slots=True)
