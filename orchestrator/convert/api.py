@@ -81,6 +81,8 @@ class ApiRequest:
     guided: Guided | None = None
     echo: bool = False
     conversation_id: str | None = None  # extra.conversation_id and metadata conversation_id on every leg
+    # kv.cache_salt on every leg: the client's (as vLLM takes it) under its key's, see `cache_namespace`
+    cache_salt: str | None = None
     media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
 
 
@@ -225,13 +227,25 @@ def _common(body: dict, kind: str) -> dict:
                                         or len(conversation_id) > 256 or not _PRINTABLE_ASCII(conversation_id)):
         raise invalid("conversation_id: expected a non-empty string of at most 256 printable ASCII characters",
                       param="conversation_id")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 1024):
+        raise invalid("cache_salt: expected a non-empty string of at most 1024 characters", param="cache_salt")
     return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
             "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,
             "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"), "sampling": sampling,
-            "conversation_id": conversation_id, "media_options": _media_options(body)}
+            "conversation_id": conversation_id, "media_options": _media_options(body), "cache_salt": cache_salt}
 
 
 MEDIA_OPTION_MODALITIES = ("image", "video", "audio")
+
+
+def cache_namespace(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The kv.cache_salt of a request: its API key's salt (auth.keys[i].cache_salt) with the client's own
+    `cache_salt` under it, or the client's alone. The two forms never coincide (their prefixes differ), so no
+    client can name a keyed tenant's namespace by sending its salt."""
+    if key_salt is not None:
+        return f"key:{key_salt}" + ("" if request_salt is None else f"\nrequest:{request_salt}")
+    return None if request_salt is None else f"request:{request_salt}"
 
 
 def _media_options(body: dict) -> str | None:

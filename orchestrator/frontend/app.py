@@ -24,11 +24,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import trio
 
 from orchestrator import tracing
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits, parse_chat, parse_completion
+from orchestrator.convert.api import cache_namespace
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
@@ -79,6 +81,7 @@ class App:
         self.api_keys = api_keys or ApiKeys([])
         self.accounts = {key.name: KeyAccount(key.name, metrics.key_usage(key.name), key.limits)
                          for key in self.api_keys.keys}
+        self.cache_salts = {key.name: key.cache_salt for key in self.api_keys.keys if key.cache_salt is not None}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.inflight = 0  # completion requests being served (also a gauge in /metrics)
@@ -278,7 +281,9 @@ class App:
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
-        return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+        api = parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+        namespace = cache_namespace(self.cache_salts.get(scope.get(API_KEY, "")), api.cache_salt)
+        return api if namespace == api.cache_salt else attrs.evolve(api, cache_salt=namespace)
 
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too

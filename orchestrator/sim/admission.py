@@ -281,6 +281,7 @@ class AdmissionService(SimWorkerState):
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "target_dp_rank": rank,
+                            "cache_salt": request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
                             "conversation_id": engine_conversation_id(persona, kind, extra, metadata_conversation),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
@@ -317,6 +318,7 @@ class AdmissionService(SimWorkerState):
             tokens=prefix_cache.prompt_tokens(prompt_ids, media_ids, image_tokens=c.profile.image_tokens,
                                               id_offset=self.vocab_size, placeholder=self.image_token_id),
             target_rank=rank,
+            cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
         token_response = self._token_response(rid, want_logprobs, top_n, first_without_logprob=kind == GENERATION_ONLY)

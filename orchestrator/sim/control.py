@@ -96,7 +96,8 @@ class ControlService(SimWorkerState):
                     supported=c.guided_backend != "none",
                     modes=["GUIDED_DECODING_MODE_" + mode.upper()  # by name: protobuf refuses an unknown one
                            for mode in self.persona.guide_modes(c.guided_backend)]),
-                max_num_sequences=1, supports_stop_in_output=True),
+                max_num_sequences=1, supports_stop_in_output=True,
+                supports_cache_salt=True),
             supports_lora=False, supports_multimodal=c.multimodal,
         )
         if self.persona.advertises_max_output_tokens:
