@@ -546,7 +546,8 @@ async def read_json(receive: Receive, limit: int, *, on_size: Callable[[int], No
     # serving every other stream meanwhile.
     value, problem = _decode_json(raw) if len(raw) < 1 << 20 else await trio.to_thread.run_sync(_decode_json, raw)
     param = None
-    if problem is None and (_SURROGATE.search(raw) or b"\x00" in raw[:4]):
+    if problem is None and (_ESCAPED_SURROGATE.search(raw) or (b"\xed" in raw and _ENCODED_SURROGATE.search(raw))
+                            or b"\x00" in raw[:4]):
         param = _lone_surrogate_at(value)
         if param is not None:
             problem = f"{param}: the string holds a lone UTF-16 surrogate (not valid Unicode text)"
@@ -574,8 +575,10 @@ def _decode_json(raw: bytes) -> tuple[Any, str | None]:
 # JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"), or as its three UTF-8-style bytes (ED A0 80:
 # json.loads decodes bytes with "surrogatepass"); such a string has no UTF-8 form, so no engine (and no protobuf
 # string) can take it. Only bodies that hold either form, or are UTF-16/32 (a NUL in the first 4 bytes: how
-# json.loads tells), are walked.
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# json.loads tells), are walked. Two searches: one pattern with both forms has no literal to scan for (4x
+# slower on every body).
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def _lone_surrogate_at(value, where: str = "body") -> str | None:
