@@ -110,7 +110,10 @@ class DirectTokens:
             for event in batch:
                 if type(event) is not Tokens:
                     return batch  # a terminal event among them: all of it goes to the request's task
-                add_tokens(event, batch_ids, batch_logprobs)
+                if event.logprobs or batch_logprobs:
+                    add_tokens(event, batch_ids, batch_logprobs)
+                else:
+                    batch_ids.extend(event.token_ids)
             ids, logprobs = batch_ids, batch_logprobs
         count_tokens(ids, self.state, self.on_chunk)
         items = token_deltas(ids, logprobs, self.per_token, self.detokenizer)

@@ -43,7 +43,10 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
             cancelled: Finished | None = None
             for event in batch:
                 if isinstance(event, Tokens):
-                    add_tokens(event, ids, logprobs)
+                    if event.logprobs or logprobs:
+                        add_tokens(event, ids, logprobs)
+                    else:  # no logprobs at all: the common case, without the call
+                        ids.extend(event.token_ids)
                 elif isinstance(event, Finished) and event.reason == FinishReason.FINISH_REASON_CANCELLED:
                     cancelled = event  # the engine's own cancel (we never read the stream of ours): a failure
                     break
