@@ -247,6 +247,9 @@ class ApiKeyConfig:
     key_env: str | None = None
     key_file: str | None = None
     limits: KeyLimits | None = None
+    # isolates this key's prefix cache: its requests' KV blocks are keyed with this salt on every worker
+    # (kv.cache_salt), so another key's requests never reuse them, nor learn of them from cached_tokens
+    cache_salt: str | None = None
 
 
 @attrs.frozen
@@ -601,6 +604,9 @@ def _check_keys(auth: AuthConfig, file: str) -> Iterator[ConfigError]:
         if len(sources) != 1:
             yield ConfigError(file, where, "exactly one of key, key_env or key_file "
                               f"(got {', '.join(sources) or 'none'})")
+        if key.cache_salt is not None and not key.cache_salt.strip():
+            raise ConfigError(file, f"{where}.cache_salt", "a non-empty string (the key's own cache namespace)",
+                              key.cache_salt)
 
 
 def _check_tracing(tracing: TracingConfig | None, file: str) -> Iterator[ConfigError]:

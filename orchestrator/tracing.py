@@ -32,6 +32,10 @@ import trio
 log = logging.getLogger("orchestrator.tracing")
 
 _TRACER: contextvars.ContextVar[Any] = contextvars.ContextVar("orchestrator_tracer", default=None)
+# How long the exit waits for the spans still batched to reach the collector. The exporter's own shutdown has
+# no overall deadline (each attempt waits its timeout, then backs off and retries), so a collector that is
+# down or never answers held the exit for up to 30 s; past this, what is left is dropped.
+SHUTDOWN_FLUSH_S = 2.0
 
 
 class _NoSpan:
@@ -157,9 +161,12 @@ class Tracing:
 
         from orchestrator import __version__
 
+        # shutdown_on_exit=False: `running` shuts the provider down, bounded; the SDK's own atexit hook would
+        # wait for the collector again, unbounded, after the event loop is gone
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": config.service_name, "service.version": __version__}),
-            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)), shutdown_on_exit=False)
+        self.endpoint = config.endpoint
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint))
                                          if exporter is None else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("orchestrator")
@@ -181,14 +188,18 @@ class Tracing:
         return RequestSpan(otel, self.tracer)
 
     @asynccontextmanager
-    async def running(self):
-        """Serve with this tracer; on the way out, whatever way, export what is still batched (on a thread: the
-        exporter may wait for the collector, bounded by the SDK's export timeout)."""
+    async def running(self, flush_s: float = SHUTDOWN_FLUSH_S):
+        """Serve with this tracer; on the way out, whatever way, export what is still batched, for at most
+        `flush_s` (on a thread, left behind when the collector takes longer: its threads are daemons, and the
+        process exits without waiting for them)."""
         try:
             yield
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.provider.shutdown)
+            with trio.CancelScope(shield=True), trio.move_on_after(flush_s) as bounded:
+                await trio.to_thread.run_sync(self.provider.shutdown, abandon_on_cancel=True)
+            if bounded.cancelled_caught:
+                log.warning("the trace collector at %s did not take the last spans within %g s: they are dropped",
+                            self.endpoint, flush_s)
 
 
 class RequestSpan(Span):

@@ -49,6 +49,15 @@ def test_a_wrong_or_missing_key_is_a_401_in_the_openai_format(protected):
         assert http.get("/metrics", headers={"authorization": "Bearer key-a"}).status_code == 200
 
 
+def test_two_authorization_headers_are_a_400_whichever_comes_first(protected):
+    with httpx.Client(base_url=protected.url) as http:
+        for pair in (["Bearer key-a", "Bearer nope"], ["Bearer nope", "Bearer key-a"]):
+            answer = http.get("/v1/models", headers=[("authorization", pair[0]), ("authorization", pair[1])])
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "authorization"
+            assert "2 Authorization headers" in answer.json()["error"]["message"]
+
+
 def keys_of(*secrets: str) -> ApiKeys:
     return ApiKeys([ApiKey(f"k{i}", secret.encode()) for i, secret in enumerate(secrets)])
 
@@ -218,3 +227,49 @@ async def test_a_key_at_its_concurrency_limit_gets_a_429_until_its_request_ends(
             while (done := await http.post("/v1/chat/completions", json={**body, "max_tokens": 2})).status_code == 429:
                 await trio.sleep(0.05)
         assert done.status_code == 200
+
+
+@pytest.fixture
+def tenants(tmp_path, sim_workers, orchestrator_servers):
+    """Two tenants' keys, each with its own cache salt, on one worker; a third key without one."""
+    worker = sim_workers.start("aggregated", *FAST)
+    config = write_config(tmp_path / "tenants.yaml", "aggregated", {"aggregated": [worker.address]}, auth={"keys": [
+        {"name": "tenant-a", "key": "secret-a", "cache_salt": "salt-of-a"},
+        {"name": "tenant-b", "key": "secret-b", "cache_salt": "salt-of-b"},
+        {"name": "shared", "key": "secret-shared"}]})
+    return orchestrator_servers.start(config), worker
+
+
+def cached_tokens(answer) -> int:
+    details = answer.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+async def test_a_tenant_never_reuses_or_learns_of_another_tenants_cache(tenants, engine_client):
+    """Per-key cache salts (auth.keys[i].cache_salt): tenant B's request reports 0 cached tokens for the prompt
+    tenant A just sent, while A's own repeat finds it cached; the request's own cache_salt (as vLLM takes it)
+    splits one key's cache too. UPSTREAM cache-salt."""
+    server, worker = tenants
+    prompt = "Tell me about the rivers and the mountains of the north " * 12  # whole KV blocks to reuse
+
+    def ask(secret, **extra):
+        return trio.to_thread.run_sync(lambda: chat(server.url, secret, prompt, max_tokens=2, **extra))
+
+    await ask("secret-a")
+    assert cached_tokens(await ask("secret-a")) > 0  # the same tenant: its prompt is cached
+    assert cached_tokens(await ask("secret-b")) == 0  # another tenant: nothing, though the blocks are there
+    assert cached_tokens(await ask("secret-shared")) == 0  # nor a key without a salt
+    first = await ask("secret-shared", extra_body={"cache_salt": "conversation-1"})
+    assert cached_tokens(first) == 0
+    assert cached_tokens(await ask("secret-shared", extra_body={"cache_salt": "conversation-1"})) > 0
+    assert cached_tokens(await ask("secret-shared", extra_body={"cache_salt": "conversation-2"})) == 0
+    salts = [r.get("cache_salt") for r in await recent_requests(engine_client, worker)]
+    assert "key:salt-of-a" in salts and "request:conversation-1" in salts
+
+
+def test_a_key_with_an_empty_cache_salt_is_a_config_error(tmp_path):
+    path = write_config(tmp_path / "salt.yaml", "aggregated", {"aggregated": ["grpc://127.0.0.1:1"]},
+                        auth={"keys": [{"name": "a", "key": "k", "cache_salt": " "}]})
+    with pytest.raises(ConfigError) as error:
+        config_module.load(path)
+    assert "auth.keys[0].cache_salt" in str(error.value)

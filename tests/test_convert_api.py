@@ -51,6 +51,16 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
     (chat(temperature=3), "temperature"),
     (chat(top_p=0), "top_p"),
     (chat(seed=-1), "seed"),
+    (chat(seed=2**63), "seed"),
+    (chat(repetition_penalty=9.2e18), "repetition_penalty"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(repetition_penalty=float("nan")), "repetition_penalty"),
+    (chat(logit_bias={"5": float("nan")}), "logit_bias.5"),
+    (chat(logit_bias={"5": float("inf")}), "logit_bias.5"),
+    (chat(logit_bias={"5": 101}), "logit_bias.5"),
+    (chat(logit_bias={"five": 1}), "logit_bias"),
+    (chat(logit_bias=[1]), "logit_bias"),
+    (chat(logit_bias={"5": -100}), "logit_bias"),  # well formed, but nothing on the wire carries it
     (chat(stop=[""]), "stop"),
     (chat(stop=5), "stop"),
     (chat(stream="yes"), "stream"),
@@ -64,6 +74,11 @@ def test_max_completion_tokens_wins_over_max_tokens_and_stop_may_be_a_string():
 ])
 def test_bad_chat_input_is_a_400_naming_the_field(body, param):
     assert error_of(parse_chat, body).param == param
+
+
+def test_the_largest_meaningful_numbers_and_an_empty_logit_bias_are_accepted():
+    sampling = parse_chat(chat(seed=2**63 - 1, repetition_penalty=2, logit_bias={})).sampling
+    assert (sampling.seed, sampling.repetition_penalty) == (2**63 - 1, 2)
 
 
 def test_a_body_that_is_not_an_object_is_a_400():

@@ -253,3 +253,20 @@ def test_feature_support_is_read_from_model_info():
     assert FeatureSupport.guided(caps.guided_decoding) == FeatureSupport(True, frozenset({"json_schema", "regex"}))
     assert FeatureSupport.logprobs(caps.output_logprobs) == FeatureSupport(True, frozenset({"top_n"}), 20)
     assert FeatureSupport.guided(model_pb2.GuidedDecodingCapabilities()) == FeatureSupport()  # unsaid: unsupported
+
+
+def test_the_cache_salt_goes_on_every_leg_under_its_keys_namespace():
+    from orchestrator.convert.api import cache_namespace
+
+    assert cache_namespace(None, None) is None
+    assert cache_namespace(None, "c1") == "request:c1"
+    assert cache_namespace("tenant", None) == "key:tenant"
+    assert cache_namespace("tenant", "c1") == "key:tenant\nrequest:c1"
+    assert cache_namespace(None, "key:tenant") != cache_namespace("tenant", None)  # a client cannot name a key's
+    req = attrs.evolve(parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                   "cache_salt": "c1"}), cache_salt="key:tenant\nrequest:c1")
+    leg = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2], limits=limits(req))
+    assert leg.kv.cache_salt == "key:tenant\nrequest:c1"
+    for bad in ("", 5, "x" * 1025):
+        with pytest.raises(InvalidRequest, match="cache_salt"):
+            parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": bad})

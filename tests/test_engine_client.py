@@ -138,7 +138,7 @@ async def test_abort_by_request_id_finishes_the_stream_as_cancelled(sim_workers,
             response = await client.abort(request_id="victim")
             assert response.status == lifecycle_pb2.ABORT_STATUS_ABORTED
             rest = [e async for e in stream]
-        assert isinstance(rest[-1], Finished) and rest[-1].reason_name == "cancelled"
+        assert isinstance(rest[-1], Finished) and rest[-1].reason == g.FinishReason.FINISH_REASON_CANCELLED
         again = await client.abort(request_id="victim")
         assert again.status == lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED
         assert (await client.load()).running_requests == 0

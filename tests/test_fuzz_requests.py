@@ -78,6 +78,7 @@ def broken_bodies() -> st.SearchStrategy[bytes]:
                   st.integers(4_400, 6_000)),
         JSON_VALUES.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode()),
         st.just(b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+        st.just(b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'),
         st.just(b""),
     )
 

@@ -710,3 +710,56 @@ async def test_a_connection_beyond_max_connections_is_refused_with_a_503_when_no
     assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
     assert json.loads(body)["error"]["code"] == "too_many_connections"
     assert answered.status_code == 200
+
+
+async def headers_after_body(scope, receive, send):
+    """Reads the whole body, then replies with the request's header names as JSON (trailers arrive after the
+    body: a server merging them would show them here); returns without a response when the body broke off."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return  # the server answers a body it refused itself
+        if not message.get("more_body"):
+            break
+    data = json.dumps([name.decode() for name, _ in scope["headers"]]).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(data))]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def test_chunked_trailer_fields_never_become_request_headers():
+    async with running(headers_after_body) as server:
+        client = await server.connect()
+        await client.send_all(b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+                              b"3\r\nabc\r\n0\r\nauthorization: Bearer sneaked\r\nx-request-id: set-by-trailer\r\n\r\n")
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 200
+    assert json.loads(body) == ["host", "transfer-encoding", "connection"]
+
+
+async def test_a_trailer_section_larger_than_the_head_limit_is_a_431_and_reading_stops():
+    async with running(headers_after_body, max_header_bytes=1024) as server:
+        client = await server.connect()
+        await client.send_all(b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n")
+        with trio.fail_after(10):
+            try:
+                for _ in range(1000):  # 4 MB of trailer fields, the section never ended
+                    await client.send_all(b"x-filler: " + b"a" * 4000 + b"\r\n")
+            except trio.BrokenResourceError:
+                pass
+        [(response, body)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 431
+    assert "trailer" in json.loads(body)["error"]["message"]
+
+
+async def test_one_endless_chunk_extension_is_refused_like_a_long_trailer():
+    async with running(headers_after_body, max_header_bytes=1024) as server:
+        client = await server.connect()
+        await client.send_all(b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n3;ext=")
+        with trio.fail_after(10):
+            try:
+                for _ in range(2000):
+                    await client.send_all(b"a" * 4096)
+            except trio.BrokenResourceError:
+                pass
+        [(response, _)] = parse_responses(await read_until_closed(client))
+    assert response.status_code == 431

@@ -281,3 +281,15 @@ async def test_a_short_prompt_in_conditional_mode_computes_no_block_keys(tmp_pat
         assert plan.path == "local" and cut == []
         plan = await coordinator.plan(completion(list(range(100, 300))), "long")
         assert plan.path == "disaggregated" and sorted(cut) == [16, 32]
+
+
+def test_a_salted_prompt_matches_no_block_of_another_salt_or_of_none():
+    from orchestrator.workers.prompt_keys import request_block_keys, salted
+
+    plain = request_block_keys(list(range(64)), 16)
+    a, b = salted(list(plain), "tenant-a"), salted(list(plain), "tenant-b")
+    assert a[0] != plain[0] and b[0] != plain[0] and a[0] != b[0] and a[1:] == plain[1:]
+    assert salted(list(plain), "tenant-a") == a and salted(list(plain), None) == plain
+    index = KvIndex()
+    index.stored(("w", 0), a)
+    assert index.overlap(a, 0.0) == {("w", 0): 4} and index.overlap(b, 0.0) == {} and index.overlap(plain, 0.0) == {}

@@ -145,3 +145,54 @@ async def test_the_streams_of_a_frozen_decode_worker_migrate_within_three_health
     # up to an interval until the next check, two timed-out checks (workers/pool.py HEALTH_MISSES), plus the
     # migration (a new prefill; generous on 2 cores)
     assert max(gaps) <= 3 * interval + 1.5, max(gaps)
+
+
+
+async def _open_client(engine_client, address, task_status=trio.TASK_STATUS_IGNORED):
+    async with engine_client(address) as client:
+        task_status.started(client)
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_request_the_engine_cancelled_migrates_or_fails_never_finishes_cancelled(
+        tmp_path, workers, sim_workers, orchestrator_servers, engine_client):
+    """An engine-side abort (Abort all_requests, as an operator would send it) of a stream we did not cancel:
+    with another worker the stream continues there and ends whole; alone, the stream ends with an error event
+    naming the engine's cancel. Never a 200 whose finish_reason is "cancelled" (tests/test_trtllm_conformance.py
+    UPSTREAM engine-cancel)."""
+    started = [sim_workers.start("aggregated", *STEP) for _ in range(workers)]
+    server = orchestrator_servers.start(write_config(tmp_path / "cancel.yaml", "aggregated",
+                                                     {"aggregated": [w.address for w in started]},
+                                                     routing={"aggregated": "round_robin"}))
+    body = chat_body("weather " * 20, max_tokens=120, seed=1, ignore_eos=True, stream=True)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        undisturbed = text_of((await http.post("/v1/chat/completions", json=body)).text)
+        answer: list[str] = []
+
+        async def stream():
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            answer.append(response.text)
+
+        clients = []
+        async with trio.open_nursery() as nursery:
+            for worker in started:
+                clients.append(await nursery.start(_open_client, engine_client, worker.address))
+            before = [emitted(await client.load()) for client in clients]
+            nursery.start_soon(stream)
+            with trio.fail_after(30):  # the worker the stream went to, once it is under way
+                while not (serving := [c for c, b in zip(clients, before) if emitted(await c.load()) - b >= 5]):
+                    await trio.sleep(0.05)
+            await serving[0].abort(all_requests=True)
+            while not answer:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    events = [json.loads(block[6:]) for block in answer[0].split("\n\n") if block.startswith("data: {")]
+    finishes = [c.get("finish_reason") for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert "cancelled" not in finishes
+    if workers == 2:
+        assert text_of(answer[0]) == undisturbed and finishes == ["length"]
+    else:
+        error = events[-1]["error"]
+        assert finishes == [] and "cancelled" in error["message"] and error["code"] == "engine_cancelled", error

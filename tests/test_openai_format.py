@@ -123,3 +123,22 @@ def test_no_texts_make_no_events(kind):
     assert writer.deltas([]) == b""
     writer.delta("a")  # (a chat stream's role is sent)
     assert writer.deltas([]) == b""
+
+
+def test_no_event_or_response_ever_holds_a_non_finite_number():
+    with pytest.raises(ValueError):
+        fmt.sse({"logprob": float("-inf")})
+    chunk = fmt.ChunkWriter("chat", "id", "m", 0)
+    chunk.delta("")  # the role
+    with pytest.raises(ValueError):
+        chunk.delta("a", {"content": [{"logprob": float("nan")}]})
+
+
+def test_a_token_the_engine_gave_no_logprob_says_so_with_null():
+    from orchestrator.engine.events import TokenLogprob
+
+    lp = [*fmt.unknown_logprobs([7]), TokenLogprob(8, -0.5, ((8, -0.5),))]
+    chat = fmt.chat_logprobs(lp, str, 1)["content"]
+    assert [(c["token"], c["logprob"], len(c["top_logprobs"])) for c in chat] == [("7", None, 0), ("8", -0.5, 1)]
+    completion = fmt.completion_logprobs(lp, str, 0, 1)
+    assert completion["token_logprobs"] == [None, -0.5] and completion["top_logprobs"] == [None, {"8": -0.5}]

@@ -308,3 +308,14 @@ def test_attention_dp_ranks_split_the_blocks_and_cache_separately():
     assert {a.rank, b.rank} == {0, 1} and a.cached == b.cached == 0
     assert sorted({rank for rank, _ in events}) == [0, 1]
     assert s.ranks[0].cache.hashes() == s.ranks[1].cache.hashes()
+
+
+def test_requests_with_different_cache_salts_never_share_blocks():
+    """UPSTREAM cache-salt: a salted request's chains start at its own reuse scope (TensorRT-LLM ReuseScope)."""
+    cache = PrefixCache(BS)
+    first = cache.acquire(seq(10), "tenant-a")
+    cache.store(first, seq(10))
+    cache.release(first)
+    assert cache.acquire(seq(10), "tenant-a").cached_tokens == 8
+    assert cache.acquire(seq(10), "tenant-b").cached_tokens == 0
+    assert cache.acquire(seq(10)).cached_tokens == 0  # no salt is a scope of its own too

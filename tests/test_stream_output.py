@@ -261,3 +261,28 @@ def test_every_sink_of_the_frontend_implements_the_whole_output_sink_protocol():
     for sink in sinks:
         missing = sorted(name for name in members if not hasattr(type(sink), name) and name not in vars(sink))
         assert missing == [], type(sink).__name__
+
+
+async def test_tokens_of_a_batch_without_logprobs_get_placeholders_not_their_neighbours():
+    later = TokenLogprob(WORDS[1], -0.5)
+    sink, _ = await run([Tokens(WORDS[:1]), Tokens(WORDS[1:2], (later,)), DONE], per_token=True)
+    assert [lp for _, _, lp in sink.received] == [(TokenLogprob(WORDS[0], None),), (later,)]
+
+
+@pytest.mark.parametrize(("message", "timed_out", "status"), [("", False, 502), ("generation timed out", True, 504)])
+async def test_a_cancel_the_engine_made_is_a_failure_after_the_tokens_before_it(message, timed_out, status):
+    """UPSTREAM engine-cancel: both servers map the engine's cancelled and timeout to FINISH_REASON_CANCELLED;
+    no client is ever told "cancelled" as a finish reason."""
+    from orchestrator.engine.errors import EngineCancelled
+    from orchestrator.frontend.errors import to_api_error
+
+    cancel = Finished(FinishReason.FINISH_REASON_CANCELLED, message=message)
+    sink, state = RecordingSink(True), StreamState()
+    with pytest.raises(EngineCancelled) as failed:
+        await stream_output(ReplayedStream([Tokens(WORDS[:2]), cancel]), sink, IncrementalDetokenizer(TOKENIZER),
+                            state, worker="w")
+    assert sink.text == "the river" and state.completion_tokens == 2 and state.finished is None
+    assert failed.value.timed_out is timed_out and failed.value.retryable is not timed_out
+    api = to_api_error(failed.value)
+    assert api.status == status and "cancelled" in api.message and (not timed_out or "timed out" in api.message)
+    assert cancel.reason_name != "cancelled"

@@ -150,3 +150,27 @@ def test_several_tokens_in_one_message_are_read_but_not_kept():
     payload = token_message([7, 8], output_index=0)
     assert ev.decode_bytes(payload, worker="w") == ev.Tokens((7, 8))
     assert token_message([7, 8], request_id="") not in ev._TOKEN_EVENTS
+
+
+def _token_message(*infos: g.TokenInfo) -> g.GenerateResponse:
+    return g.GenerateResponse(request_id="r", token=g.TokenOutput(tokens=list(infos)))
+
+
+def test_logprobs_are_clamped_as_revision_1_does_and_nan_is_no_value():
+    """UPSTREAM logprob-floor: -inf (a masked token) floors at -9999 whichever server sent it."""
+    message = _token_message(
+        g.TokenInfo(token_id=1, logprob=float("-inf"), candidates=[g.LogProb(token_id=1, logprob=float("-inf")),
+                                                                     g.LogProb(token_id=2, logprob=float("nan"))]),
+        g.TokenInfo(token_id=2, logprob=float("nan")),
+        g.TokenInfo(token_id=3, logprob=float("inf")))
+    event = ev.decode(message, worker="w")
+    assert isinstance(event, ev.Tokens)
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in event.logprobs] == [
+        (1, -9999.0, ((1, -9999.0),)), (2, None, ()), (3, 0.0, ())]
+
+
+def test_a_token_without_a_logprob_keeps_its_place_among_tokens_with_one():
+    """UPSTREAM logprob-shortfall: a generation leg's first token comes without its logprob."""
+    event = ev.decode(_token_message(g.TokenInfo(token_id=5), g.TokenInfo(token_id=6, logprob=-0.25)), worker="w")
+    assert isinstance(event, ev.Tokens)
+    assert [(lp.token_id, lp.logprob) for lp in event.logprobs] == [(5, None), (6, -0.25)]

@@ -146,3 +146,65 @@ def test_tracing_config_errors_name_the_key(tmp_path):
         with pytest.raises(ConfigError) as info:
             config_module.load(path)
         assert info.value.key == key and words in str(info.value), info.value
+
+
+class SilentCollector:
+    """A listener that accepts connections and never answers (a collector that hangs)."""
+
+    def __init__(self):
+        import socket
+
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/v1/traces"
+        self.accepted: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        try:
+            while True:
+                self.accepted.append(self.socket.accept()[0])
+        except OSError:
+            return
+
+    def close(self):
+        self.socket.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+@pytest.mark.parametrize("collector", ["closed-port", "never-answers"])
+async def test_sigterm_exits_within_a_bounded_flush_whatever_the_collector_does(tmp_path, collector, sim_workers,
+                                                                                orchestrator_servers):
+    """Nothing in flight: the exit takes the (empty) drain and a flush of at most 2 s, not the exporter's
+    retries against a collector that is down (30 s)."""
+    import signal
+    import socket
+
+    silent = None
+    if collector == "never-answers":
+        silent = SilentCollector()
+        endpoint = silent.url
+    else:
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}/v1/traces"
+    try:
+        worker = sim_workers.start("aggregated", "--time-scale", "0")
+        config = write_config(tmp_path / "traced.yaml", "aggregated", {"aggregated": [worker.address]},
+                              tracing={"endpoint": endpoint})
+        server = orchestrator_servers.start(config)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            for _ in range(3):  # spans batched for the exporter
+                answer = await http.post("/v1/chat/completions", json={
+                    "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                assert answer.status_code == 200
+        process = server.process.process
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = await trio.to_thread.run_sync(lambda: process.wait(timeout=60))
+        took = time.monotonic() - started
+    finally:
+        if silent is not None:
+            silent.close()
+    assert code == 0
+    assert took < 6.0, f"exit took {took:.1f} s"  # 2 s of flush, the rest startup-free shutdown on a loaded host

@@ -125,6 +125,24 @@ UPSTREAM = {
     "terminal-status": ("R1 servicer.py @ 06cb2191b0be Generate", "a request is marked terminal (engine_terminal) "
                         "only when the generator resumes after yielding its last response; a stream closed before "
                         "that makes its finally abort the engine request (abort_request('response stream closed'))"),
+    # issue 43 (hostile and foreign input): what the servers send and read that we mishandled
+    "logprob-floor": ("R1 formatting.py @ 385d11ab2dfc clamp_logprob; R3 servicer.py @ 58132ce1 _token_infos",
+                      "revision 1 floors every logprob at -9999.0 (a masked token's -inf); the sibling server copies "
+                      "the engine's value unclamped"),
+    "logprob-shortfall": ("R1 formatting.py @ 385d11ab2dfc _logprob_shortfall / _delta_logprobs",
+                          "a generation_only request is one logprob short (the context worker does not transfer the "
+                          "first token's): the leading token is sent without a logprob, never shifted"),
+    "r3-conversation-id": ("R3 servicer.py @ 58132ce1 _request_metadata / _disaggregated_params",
+                           "the sibling server reads conversation_id only from the gRPC metadata key "
+                           "'conversation_id' (lower-cased, ASCII), on its prefill role; never from extra"),
+    "cache-salt": ("R3 servicer.py @ 58132ce1 Generate (generate_async(cache_salt=kv.cache_salt))",
+                   "kv.cache_salt is forwarded to the engine, which keys its reusable blocks by it"),
+    "engine-cancel": ("R1 formatting.py @ 385d11ab2dfc _finish_event; R3 servicer.py @ 58132ce1 _finished",
+                      "both servers map the engine's finish_reason 'cancelled' and 'timeout' to "
+                      "FINISH_REASON_CANCELLED; revision 1 adds the message 'generation timed out' to a timeout"),
+    "repetition-penalty": ("NVIDIA/TensorRT-LLM cpp/tensorrt_llm/executor/samplingConfig.cpp @ 3585984b32cd "
+                           "checkRepetitionPenalty; tensorrt_llm/sampling_params.py @ 000a01de66f0 _validate",
+                           "repetition_penalty must be > 0 (a float); the LLM API checks no other sampling range"),
     # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/test_kv_events.py, test_kv_index.py)
     "kv-events-r1-sources": ("R1 control.py @ 06cb2191b0be GetKvEventSources; node.py @ 2361706f3283 _source "
                              "(merged)", "one source per attention-DP rank: transport zmq, endpoint_addr {host, port, "
@@ -453,6 +471,26 @@ async def test_the_context_leg_carries_the_clients_options_and_the_extensions(
         assert leg["extra"] == {"detokenize": False, "conversation_id": "agentx-session"}
 
 
+@pytest.mark.parametrize(("revision", "transport"), [("1", "h2"), ("3", "h2"), ("3", "grpcio")])
+async def test_the_conversation_id_reaches_each_server_where_it_reads_it(
+        tmp_path, revision, transport, sim_workers, orchestrator_servers, engine_client):
+    """UPSTREAM extensions, r3-conversation-id: revision 1 reads extra.conversation_id; the sibling server only
+    the gRPC metadata key conversation_id, on its prefill role (over either stream transport)."""
+    flags = (*FAST, "--schema-revision", revision)
+    prefill, decode = sim_workers.start("prefill", *flags), sim_workers.start("decode", *flags)
+    server = orchestrator_servers.start(write_config(tmp_path / "conv.yaml", "disaggregated",
+                                                     {"prefill": [prefill.address], "decode": [decode.address]},
+                                                     stream_transport=transport))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2, conversation_id="agent-7"))
+        refused = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2, conversation_id="agent-\u00e9"))
+    assert response.status_code == 200, response.text
+    (ctx,) = await _recent(engine_client, prefill)
+    assert ctx["kind"] == "context_only" and ctx["conversation_id"] == "agent-7"
+    # metadata values are printable ASCII: anything else is the client's 400, not a failed leg
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "conversation_id"
+
+
 @pytest.mark.parametrize("case", ["eos", "stop-string"])
 async def test_a_context_leg_that_finishes_the_request_is_the_answer(tmp_path, case, sim_workers,
                                                                      orchestrator_servers, engine_client):
@@ -729,6 +767,35 @@ async def test_logprobs_ask_for_one_candidate_and_show_the_ones_asked_for(tmp_pa
     assert len(content) == 3 and all(t["top_logprobs"] == [] and t["logprob"] <= 0 for t in content)
     for worker in (prefill, decode):
         assert [r["top_n"] for r in await _recent(engine_client, worker)] == [1]
+
+
+def _streamed_logprobs(text: str) -> list:
+    return [entry for event in sse_events(text) if event != "[DONE]" and event["choices"]
+            for entry in ((event["choices"][0].get("logprobs") or {}).get("content") or [])]
+
+
+async def test_every_token_has_its_logprob_in_every_mode(tmp_path, sim_workers, orchestrator_servers):
+    """UPSTREAM context-token, logprob-shortfall: revision 1 streams the first token with its logprob on the
+    context leg; the generation leg replays that token without one. The client sees every token's logprob,
+    the same in both modes."""
+    prefill, decode = sim_workers.start("prefill", *FAST), sim_workers.start("decode", *FAST)
+    aggregated = sim_workers.start("aggregated", *FAST)
+    split = orchestrator_servers.start(write_config(tmp_path / "split.yaml", "disaggregated",
+                                                    {"prefill": [prefill.address], "decode": [decode.address]}))
+    whole = orchestrator_servers.start(write_config(tmp_path / "whole.yaml", "aggregated",
+                                                    {"aggregated": [aggregated.address]}))
+    body = chat_body(max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=1)
+    seen = {}
+    for name, server in (("split", split), ("whole", whole)):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            collected = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        content = collected["choices"][0]["logprobs"]["content"]
+        assert len(content) == collected["usage"]["completion_tokens"] == 5, (name, content)
+        assert all(isinstance(t["logprob"], float) and len(t["top_logprobs"]) == 1 for t in content), (name, content)
+        assert _streamed_logprobs(streamed.text) == content, name
+        seen[name] = [(t["token"], t["logprob"]) for t in content]
+    assert seen["split"] == seen["whole"]
 
 
 async def test_max_tokens_past_the_window_is_clamped_and_an_unreachable_min_tokens_is_a_400(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Literal, overload
 
 import attrs
@@ -96,7 +97,9 @@ class ApiRequest:
     template_kwargs: str | None = None
     n: int = 1  # choices asked for
     echo: bool = False
-    conversation_id: str | None = None  # forwarded as extra.conversation_id on every leg
+    conversation_id: str | None = None  # extra.conversation_id and metadata conversation_id on every leg
+    # kv.cache_salt on every leg: the client's (as vLLM takes it) under its key's, see `cache_namespace`
+    cache_salt: str | None = None
     media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
 
 
@@ -143,9 +146,37 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+").fullmatch
 UINT32_MAX = 2**32 - 1  # token ids and token counts travel as uint32
 MAX_CHOICES = 16  # `n`: each choice is a request of its own to the workers (frontend/app.py)
 INT32_MAX = 2**31 - 1
+# OpenAI's API defines seed as an int64; the wire's uint64 holds the non-negative half of it
+SEED_MAX = 2**63 - 1
+# TensorRT-LLM only checks > 0 (samplingConfig.cpp checkRepetitionPenalty); past 2 every seen token is all but
+# banned, which is why SGLang bounds it to [0, 2] too: a larger number is a mistake, not a setting
+REPETITION_PENALTY_MAX = 2
+LOGIT_BIAS_RANGE = 100  # OpenAI: each bias is from -100 to 100
+
+
+def _refuse_logit_bias(body: dict) -> None:
+    """`logit_bias`: checked as OpenAI defines it ({token id: bias from -100 to 100}), then refused when it
+    biases anything: no OpenEngine field carries it, and a bias silently dropped (a token meant to be banned
+    being sampled) is worse than a clear 400."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias: expected an object mapping token ids to biases", param="logit_bias")
+    for token, value in bias.items():
+        if not token.isdecimal() or int(token) > UINT32_MAX:
+            raise invalid(f"logit_bias: keys are token ids, got {_shown(token)}", param="logit_bias")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+            raise invalid(f"logit_bias.{token}: expected a number from -{LOGIT_BIAS_RANGE} to {LOGIT_BIAS_RANGE}, "
+                          f"got {_shown(value)}", param=f"logit_bias.{token}")
+    if bias:
+        raise invalid("logit_bias: not supported by this deployment (the engine protocol cannot carry it)",
+                      param="logit_bias")
 
 
 def _int_list(value, name: str) -> tuple[int, ...]:
@@ -197,23 +228,38 @@ def _common(body: dict, kind: str) -> dict:
         top_p=_number(body, "top_p", 0, 1, lo_open=True),
         top_k=_number(body, "top_k", -1, INT32_MAX, integer=True),
         min_p=_number(body, "min_p", 0, 1),
-        seed=_number(body, "seed", 0, 2**64 - 1, integer=True),
+        seed=_number(body, "seed", 0, SEED_MAX, integer=True),
         presence_penalty=_number(body, "presence_penalty", -2, 2),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        repetition_penalty=_number(body, "repetition_penalty", 0, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 0, REPETITION_PENALTY_MAX, lo_open=True),
     )
+    _refuse_logit_bias(body)
     conversation_id = body.get("conversation_id")
+    # it travels as gRPC metadata too (engine/client.py), whose values are printable ASCII
     if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id.strip()
-                                        or len(conversation_id) > 256):
-        raise invalid("conversation_id: expected a non-empty string of at most 256 characters",
+                                        or len(conversation_id) > 256 or not _PRINTABLE_ASCII(conversation_id)):
+        raise invalid("conversation_id: expected a non-empty string of at most 256 printable ASCII characters",
                       param="conversation_id")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 1024):
+        raise invalid("cache_salt: expected a non-empty string of at most 1024 characters", param="cache_salt")
     return {"model": model, "stream": stream, "include_usage": include_usage, "max_tokens": max_tokens,
             "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True), "stop": stops,
             "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"), "sampling": sampling,
-            "conversation_id": conversation_id, "media_options": _media_options(body), "n": n}
+            "conversation_id": conversation_id, "media_options": _media_options(body), "n": n,
+            "cache_salt": cache_salt}
 
 
 MEDIA_OPTION_MODALITIES = ("image", "video", "audio")
+
+
+def cache_namespace(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The kv.cache_salt of a request: its API key's salt (auth.keys[i].cache_salt) with the client's own
+    `cache_salt` under it, or the client's alone. The two forms never coincide (their prefixes differ), so no
+    client can name a keyed tenant's namespace by sending its salt."""
+    if key_salt is not None:
+        return f"key:{key_salt}" + ("" if request_salt is None else f"\nrequest:{request_salt}")
+    return None if request_salt is None else f"request:{request_salt}"
 
 
 def _media_options(body: dict) -> str | None:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import attrs
 
-from orchestrator.engine import Finished
+from orchestrator.engine import Finished, Tokens
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
 
@@ -64,10 +64,37 @@ class StreamState:
     cached_tokens: int | None = None  # the engine's usage.cached_prompt_tokens (a decode leg's: see the stage)
     finished: Finished | None = None
     stopped_on: str | None = None
+    # logprobs of the stream's first token(s) from an earlier leg (the prefill's), for the tokens this stream
+    # replays without one; used by the first tokens streamed, then dropped
+    carried_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.stopped_on is not None
+
+
+def add_tokens(event: Tokens, ids: list[int], logprobs: list[TokenLogprob]) -> None:
+    """Append a token event of a batch to its ids and logprobs, keeping each logprob at its token's place: once
+    one event has logprobs, tokens of others without any get a placeholder (logprob None), never a neighbour's."""
+    if event.logprobs:
+        if len(logprobs) < len(ids):
+            logprobs.extend(TokenLogprob(token, None) for token in ids[len(logprobs):])
+        logprobs.extend(event.logprobs)
+    elif logprobs:
+        logprobs.extend(TokenLogprob(token, None) for token in event.token_ids)
+    ids.extend(event.token_ids)
+
+
+def fill_carried(ids: Sequence[int], logprobs: list[TokenLogprob], state: StreamState) -> list[TokenLogprob]:
+    """The logprobs of the stream's first tokens, completed from `state.carried_logprobs` where the engine sent
+    a token without one and the carried one is of the same token (then dropped: only the first tokens)."""
+    carried, state.carried_logprobs = state.carried_logprobs, ()
+    if not logprobs:
+        logprobs = [TokenLogprob(token, None) for token in ids]
+    for index, known in enumerate(carried[:len(ids)]):
+        if logprobs[index].logprob is None and logprobs[index].token_id == known.token_id:
+            logprobs[index] = known
+    return logprobs
 
 
 def count_tokens(ids: Sequence[int], state: StreamState, on_chunk: Callable[[int], None] | None) -> None:

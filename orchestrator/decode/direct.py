@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from orchestrator.decode.deltas import OutputSink, StreamState, count_tokens, token_deltas
+from orchestrator.decode.deltas import OutputSink, StreamState, add_tokens, count_tokens, token_deltas
 from orchestrator.engine import Tokens
 from orchestrator.engine.events import Event, TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
@@ -105,12 +105,16 @@ class DirectTokens:
                 return batch
             ids, logprobs = event.token_ids, event.logprobs
         else:
-            ids, logprobs = [], []
+            batch_ids: list[int] = []
+            batch_logprobs: list[TokenLogprob] = []
             for event in batch:
                 if type(event) is not Tokens:
                     return batch  # a terminal event among them: all of it goes to the request's task
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
+                if event.logprobs or batch_logprobs:
+                    add_tokens(event, batch_ids, batch_logprobs)
+                else:
+                    batch_ids.extend(event.token_ids)
+            ids, logprobs = batch_ids, batch_logprobs
         count_tokens(ids, self.state, self.on_chunk)
         items = token_deltas(ids, logprobs, self.per_token, self.detokenizer)
         written = self.sink.deltas_now(items) if items else True

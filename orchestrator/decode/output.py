@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import trio
 
-from orchestrator.decode.deltas import OutputSink, StreamState, count_tokens, token_deltas
+from orchestrator.decode.deltas import OutputSink, StreamState, add_tokens, count_tokens, fill_carried, token_deltas
 from orchestrator.decode.direct import FLUSH, DirectHandler, DirectTokens, TokenStream
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
-from orchestrator.engine.errors import ErrorCode
-from orchestrator.engine.events import Event, TokenLogprob
+from orchestrator.engine.errors import ErrorCode, engine_cancelled
+from orchestrator.engine.events import Event, FinishReason, TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
 
 
@@ -40,10 +40,16 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
             ids: list[int] = []
             logprobs: list[TokenLogprob] = []
             flush = False
+            cancelled: Finished | None = None
             for event in batch:
                 if isinstance(event, Tokens):
-                    ids.extend(event.token_ids)
-                    logprobs.extend(event.logprobs)
+                    if event.logprobs or logprobs:
+                        add_tokens(event, ids, logprobs)
+                    else:  # no logprobs at all: the common case, without the call
+                        ids.extend(event.token_ids)
+                elif isinstance(event, Finished) and event.reason == FinishReason.FINISH_REASON_CANCELLED:
+                    cancelled = event  # the engine's own cancel (we never read the stream of ours): a failure
+                    break
                 elif isinstance(event, Finished):
                     state.finished = event
                     if event.usage is not None:
@@ -61,6 +67,8 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
             if ids:
                 if state.first_token_at is None:
                     state.first_token_at = trio.current_time()
+                if state.carried_logprobs:
+                    logprobs = fill_carried(ids, logprobs, state)
                 count_tokens(ids, state, on_chunk)
                 items = token_deltas(ids, logprobs, sink.per_token, detokenizer)
                 if len(items) == 1:
@@ -72,6 +80,8 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
                 elif may_arm and state.finished is None:  # (not for a stream that is over already)
                     may_arm = False
                     direct = DirectTokens.arm(stream, sink, detokenizer, state, on_chunk)
+            if cancelled is not None:  # after the tokens that came before it: the client has them
+                raise engine_cancelled(cancelled.message, worker=worker)
             if flush:
                 # FLUSH comes through DirectTokens only: what the socket did not take from a direct delivery
                 await sink.flush()  # (the client is slow)

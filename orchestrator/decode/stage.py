@@ -55,6 +55,8 @@ class DecodeStage:
         Raises EngineError when it failed before this leg streamed a token (after the retries), else
         MidStreamFailure."""
         streamed_before = state.completion_tokens
+        if lease is not None and streamed_before == 0:
+            state.carried_logprobs = lease.first_logprobs  # the decode leg replays that token without its logprob
         failed_on = [worker]
         attempts = 0
 

@@ -72,6 +72,8 @@ _CONTROL_RESPONSES: dict[str, type[Message]] = {
     "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
     "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse,
     "GetKvEventSources": kv_pb2.GetKvEventSourcesResponse}
+# Both servers spell it so: revision 1 as an extra key (request_mapping.py), the sibling as a metadata key
+CONVERSATION_ID = "conversation_id"
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
 _SUBSCRIBE_KV_EVENTS_PATH = "/openengine.v1.Control/SubscribeKvEvents"
 
@@ -186,8 +188,13 @@ class EngineClient:
     @asynccontextmanager
     async def generate(self, request: generation_pb2.GenerateRequest,
                        metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[GenerateStream]:
-        """`metadata`: gRPC request metadata, e.g. the leg's `traceparent` (orchestrator/tracing.py)."""
+        """`metadata`: gRPC request metadata, e.g. the leg's `traceparent` (orchestrator/tracing.py). A request's
+        `extra.conversation_id` also goes as metadata `conversation_id`: revision 1 reads the extra, the sibling
+        server only the metadata (on its prefill role)."""
         self._check_open("Generate")
+        conversation = request.extra.fields.get(CONVERSATION_ID) if request.HasField("extra") else None
+        if conversation is not None:
+            metadata = (*metadata, (CONVERSATION_ID, conversation.string_value))
         async with self._channel.stream(_GENERATE_PATH, request.SerializeToString(), self._decode_event,
                                         metadata=metadata) as call:
             stream = GenerateStream(call)
@@ -268,12 +275,14 @@ class EngineClient:
         return health_of(self.numbering, value)
 
     async def abort(self, *, request_id: str | None = None, kv_session: kv_pb2.KvSessionRef | None = None,
-                    timeout: float | None = 5.0,
+                    all_requests: bool = False, timeout: float | None = 5.0,
                     metadata: tuple[tuple[str, str], ...] = ()) -> lifecycle_pb2.AbortResponse:
-        if (request_id is None) == (kv_session is None):
-            raise ValueError("abort takes exactly one of request_id or kv_session")
+        """Abort one request, one KV session or (an operator's act, and tests') every request of the worker."""
+        if (request_id is not None) + (kv_session is not None) + all_requests != 1:
+            raise ValueError("abort takes exactly one of request_id, kv_session or all_requests")
         request = (lifecycle_pb2.AbortRequest(request_id=request_id) if request_id is not None
-                   else lifecycle_pb2.AbortRequest(kv_session=kv_session))
+                   else lifecycle_pb2.AbortRequest(kv_session=kv_session) if kv_session is not None
+                   else lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()))
         return await self._unary("Abort", request, timeout, metadata)
 
     # ---- KV events (orchestrator/workers/kv_events.py) --------------------------------------------

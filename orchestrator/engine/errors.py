@@ -20,8 +20,9 @@ from orchestrator.transport.errors import (
 )
 
 __all__ = [
-    "ERROR_CODE_DRAINING", "ClientClosed", "DiscoveryFailed", "EngineError", "ErrorCode", "IncompatibleWorker",
-    "StreamStalled", "WorkerNotReady", "WorkerUnavailable", "code_name", "from_engine_error", "from_grpc_status",
+    "ERROR_CODE_DRAINING", "ClientClosed", "DiscoveryFailed", "EngineCancelled", "EngineError", "ErrorCode",
+    "IncompatibleWorker", "StreamStalled", "WorkerNotReady", "WorkerUnavailable", "code_name", "from_engine_error",
+    "from_grpc_status",
     "from_rpc_error", "grpc_status_from_number",
 ]
 
@@ -31,6 +32,25 @@ class StreamStalled(EngineError):
     response waited RESPONSE_STALL_TIMEOUT_SECONDS (30 s) to be read, then sends ERROR_CODE_OVERLOADED
     (retryable=True). The worker is not overloaded and another worker would not help (our reader, or the
     client behind it, was too slow), so it is neither retried elsewhere nor migrated."""
+
+
+class EngineCancelled(EngineError):
+    """The engine ended a request we did not cancel with FINISH_REASON_CANCELLED: both TensorRT-LLM servers map
+    the engine's `cancelled` (a server-side abort) and `timeout` to it, revision 1 adding the message "generation
+    timed out" (formatting.py `_finish_event`). No OpenAI client knows a "cancelled" finish: it is a failure.
+    An abort may be moved to another worker (retryable); a timeout is not, as it would only run out again."""
+
+    def __init__(self, message: str, *, worker: str, timed_out: bool):
+        super().__init__(f"the engine cancelled the request: {message}", worker=worker, rpc="Generate",
+                         code=ErrorCode.ERROR_CODE_CANCELLED, retryable=not timed_out)
+        self.timed_out = timed_out
+
+
+def engine_cancelled(message: str, *, worker: str) -> EngineCancelled:
+    """The failure a Finished(CANCELLED) of a request we did not cancel stands for; `message` its own."""
+    timed_out = "timed out" in message or "timeout" in message
+    return EngineCancelled(message or "cancelled by the engine (a server-side abort)", worker=worker,
+                           timed_out=timed_out)
 
 
 class IncompatibleWorker(EngineError):

@@ -15,8 +15,9 @@ from orchestrator.engine.token_message import event_token_ids, without_request_i
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
-_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length",
-                                  FinishReason.FINISH_REASON_CANCELLED: "cancelled"}
+# FINISH_REASON_CANCELLED has no name here: a cancel we did not ask for is a failure (engine/errors.py
+# EngineCancelled), one we asked for has no client left to tell; no OpenAI client knows a "cancelled" finish.
+_REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length"}
 
 
 @attrs.frozen(slots=True)
@@ -33,9 +34,29 @@ class Usage:
 
 @attrs.frozen(slots=True)
 class TokenLogprob:
+    """A token's logprob and its candidates'; `logprob` None: the engine sent this token without one (a
+    generation leg one logprob short: TensorRT-LLM's context worker does not transfer the first token's)."""
+
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+
+
+# Revision 1 floors logprobs at this (formatting.py clamp_logprob: a masked token's -inf); the sibling server
+# copies them unclamped. Every logprob is clamped here, whichever server sent it: no JSON holds -Infinity.
+MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float | None:
+    """A logprob the client can be shown: within [MIN_LOGPROB, 0]; NaN (no value at all) is None."""
+    if value != value:  # NaN
+        return None
+    return min(max(value, MIN_LOGPROB), 0.0)
+
+
+def _token_logprob(info: generation_pb2.TokenInfo) -> TokenLogprob:
+    top = tuple((c.token_id, value) for c in info.candidates if (value := clamp_logprob(c.logprob)) is not None)
+    return TokenLogprob(info.token_id, clamp_logprob(info.logprob) if info.HasField("logprob") else None, top)
 
 
 @attrs.frozen(slots=True)
@@ -84,12 +105,9 @@ def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event |
         if len(infos) == 1 and not infos[0].HasField("logprob"):  # the common case: one plain token
             return Tokens((infos[0].token_id,))
         ids = tuple(t.token_id for t in infos)
-        if infos and infos[0].HasField("logprob"):
-            logprobs = tuple(
-                TokenLogprob(t.token_id, t.logprob, tuple((c.token_id, c.logprob) for c in t.candidates))
-                for t in infos
-            )
-            return Tokens(ids, logprobs)
+        # logprobs for every token when any has one: a token without (None) keeps its place, never its neighbour's
+        if any(t.HasField("logprob") for t in infos):
+            return Tokens(ids, tuple(_token_logprob(t) for t in infos))
         return Tokens(ids)
     usage = Usage.from_proto(response.usage) if response.HasField("usage") else None
     if kind == "finished":

@@ -37,7 +37,7 @@ from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.tokenizer import ModelTokenizer
 from orchestrator.workers.pool import Worker, WorkerPool
-from orchestrator.workers.prompt_keys import request_block_keys
+from orchestrator.workers.prompt_keys import request_block_keys, salted
 
 
 @attrs.frozen
@@ -114,9 +114,9 @@ class Coordinator:
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], block_size: int) -> list[int]:
         """The prompt's KV block keys cut in `block_size`, images laid out as the KV events showed them."""
         index = self.pool.kv_index
-        return request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
-                                  self.config.routing.kv_aware.image_tokens,
-                                  index.image_length if index is not None else None)
+        return salted(request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
+                                         self.config.routing.kv_aware.image_tokens,
+                                         index.image_length if index is not None else None), api.cache_salt)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         unavailable = f"{worker.role} worker {worker.address} is not available"

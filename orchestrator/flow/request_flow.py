@@ -35,7 +35,7 @@ from orchestrator.decode import (
 )
 from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
-from orchestrator.engine.errors import StreamStalled
+from orchestrator.engine.errors import EngineCancelled, StreamStalled
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.kv import HandoffError, KvLease, check_session, generation_leg
 from orchestrator.kv.release import KvReleaser
@@ -170,6 +170,8 @@ class RequestFlow:
         parts, plan, state = self.parts, self.plan, self.state
         if isinstance(error, StreamStalled):
             raise error  # we read too slowly; another worker would be read just as slowly
+        if isinstance(error, EngineCancelled) and error.timed_out:
+            raise error  # the engine's time for it ran out: a continuation would only run out again
         stopping = plan.full.stopping
         if stopping.HasField("max_tokens") and len(state.token_ids) >= stopping.max_tokens:
             # It failed after the last token, before its finish: the answer is whole (a continuation would

@@ -31,6 +31,7 @@ import trio
 from orchestrator import tracing
 from orchestrator.config import Config
 from orchestrator.convert import ApiRequest, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert.api import cache_namespace
 from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
@@ -104,6 +105,7 @@ class App:
         self.api_keys = api_keys or ApiKeys([])
         self.accounts = {key.name: KeyAccount(key.name, metrics.key_usage(key.name), key.limits)
                          for key in self.api_keys.keys}
+        self.cache_salts = {key.name: key.cache_salt for key in self.api_keys.keys if key.cache_salt is not None}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.output_parsers = OutputParsers(config.model.tool_call_parser, config.model.reasoning_parser)
@@ -141,9 +143,15 @@ class App:
         # The Messages API answers in Anthropic's error shape, from the first error on
         error_body = mfmt.error_body if scope["path"].startswith(messages_api.PATH) else ApiError.body
         if handler is not None and self._needs_key(scope["path"]):
+            authorizations = _headers(scope, b"authorization")
+            if len(authorizations) > 1:  # one credential per request (RFC 9110 11.6.2): which would count?
+                error = ApiError(400, f"the request has {len(authorizations)} Authorization headers; send one",
+                                 param="authorization", code="bad_request")
+                await send_json(send, 400, error_body(error))
+                return
             # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token
-            key = self.api_keys.identify(_header(scope, b"authorization")) or self.api_keys.identify_plain(
-                _header(scope, b"x-api-key"))
+            key = self.api_keys.identify(authorizations[0] if authorizations else None) or \
+                self.api_keys.identify_plain(_header(scope, b"x-api-key"))
             if key is None:
                 error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
                                  "'x-api-key: KEY')", code="invalid_api_key")
@@ -358,12 +366,23 @@ class App:
         else:
             with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
+        exchange: ResponsesExchange | MessagesExchange
         if kind == "messages":
-            return MessagesExchange(body, request_id, self.media_limits)
-        if kind == "responses":
-            return await ResponsesExchange.parse(body, self.response_store, request_id, self.media_limits,
-                                                 self.coordinator.tokenizer)
-        return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
+            exchange = MessagesExchange(body, request_id, self.media_limits)
+        elif kind == "responses":
+            exchange = await ResponsesExchange.parse(body, self.response_store, request_id, self.media_limits,
+                                                     self.coordinator.tokenizer)
+        else:
+            return self._salted(scope, parse_chat(body, self.media_limits) if kind == "chat"
+                                else parse_completion(body))
+        exchange.api = self._salted(scope, exchange.api)
+        return exchange
+
+    def _salted(self, scope: Scope, api: ApiRequest) -> ApiRequest:
+        """The request's KV cache namespace: its API key's salt and its own `cache_salt` (auth.keys[].cache_salt
+        isolates a key's cache from every other key's)."""
+        namespace = cache_namespace(self.cache_salts.get(scope.get(API_KEY, "")), api.cache_salt)
+        return api if namespace == api.cache_salt else attrs.evolve(api, cache_salt=namespace)
 
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
@@ -559,7 +578,7 @@ class _StreamingSink:
         self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
 
     async def delta(self, text, token_ids, logprobs) -> None:
-        await self.response.chunk(self._event(text, logprobs))
+        await self.response.chunk(self._event(text, token_ids, logprobs))
 
     async def deltas(self, items) -> None:
         # An SSE event per token, one write for the batch: the socket write is the dominant cost.
@@ -579,7 +598,7 @@ class _StreamingSink:
 
     def _events(self, items) -> bytes:
         if self.api.logprobs:
-            return b"".join([self._event(text, logprobs) for text, _, logprobs in items])
+            return b"".join([self._event(text, ids, logprobs) for text, ids, logprobs in items])
         parser = self.parser
         if parser is None:
             # no logprobs and no text offsets to track: the events are texts between fixed fragments
@@ -590,9 +609,9 @@ class _StreamingSink:
         self.tool_calls |= any(delta.tool_calls for delta in parsed)
         return b"".join([self.writer.parsed(delta) for delta in parsed if delta])
 
-    def _event(self, text, logprobs) -> bytes:
+    def _event(self, text, token_ids, logprobs) -> bytes:
         lp = None
-        if self.api.logprobs and logprobs:
+        if self.api.logprobs and (logprobs := logprobs or fmt.unknown_logprobs(token_ids)):
             top = self.api.top_logprobs
             lp = (fmt.chat_logprobs(logprobs, self.token_text, top) if self.writer.kind == "chat"
                   else fmt.completion_logprobs(logprobs, self.token_text, self.offset, top))
@@ -646,7 +665,8 @@ class _CollectingSink:
             self.parts.append(text)
         else:
             self.collector.add(self.parser.feed(text))
-        self.logprobs.extend(logprobs)
+        if self.api.logprobs:
+            self.logprobs.extend(logprobs or fmt.unknown_logprobs(token_ids))
 
     async def deltas(self, items) -> None:
         for item in items:
@@ -773,6 +793,11 @@ class _Response:
         await send_json(self.send, error.status, self.error_body(error), extra)
 
 
+def _headers(scope: Scope, name: bytes) -> list[str]:
+    """Every value of header `name`, in order."""
+    return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name]
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -818,7 +843,8 @@ async def read_json(receive: Receive, limit: int, *, on_size: Callable[[int], No
     # serving every other stream meanwhile.
     value, problem = _decode_json(raw) if len(raw) < 1 << 20 else await trio.to_thread.run_sync(_decode_json, raw)
     param = None
-    if problem is None and _ESCAPED_SURROGATE.search(raw):
+    if problem is None and (_ESCAPED_SURROGATE.search(raw) or (b"\xed" in raw and _ENCODED_SURROGATE.search(raw))
+                            or b"\x00" in raw[:4]):
         param = _lone_surrogate_at(value)
         if param is not None:
             problem = f"{param}: the string holds a lone UTF-16 surrogate (not valid Unicode text)"
@@ -843,9 +869,13 @@ def _decode_json(raw: bytes) -> tuple[Any, str | None]:
         return None, f"the request body is not usable JSON: {exc}"
 
 
-# JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"); such a string has no UTF-8 form, so no engine
-# (and no protobuf string) can take it. Only bodies that contain such an escape are walked.
+# JSON may spell a lone UTF-16 surrogate as an escape ("\ud800"), or as its three UTF-8-style bytes (ED A0 80:
+# json.loads decodes bytes with "surrogatepass"); such a string has no UTF-8 form, so no engine (and no protobuf
+# string) can take it. Only bodies that hold either form, or are UTF-16/32 (a NUL in the first 4 bytes: how
+# json.loads tells), are walked. Two searches: one pattern with both forms has no literal to scan for (4x
+# slower on every body).
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def _lone_surrogate_at(value, where: str = "body") -> str | None:
@@ -870,7 +900,7 @@ def _lone_surrogate_at(value, where: str = "body") -> str | None:
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list | None = None) -> None:
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": data})

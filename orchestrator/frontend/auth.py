@@ -23,6 +23,7 @@ class ApiKey:
     name: str
     secret: bytes = attrs.field(repr=False)
     limits: KeyLimits | None = None
+    cache_salt: str | None = None  # auth.keys[i].cache_salt: this key's own prefix-cache namespace
 
 
 class ApiKeys:
@@ -54,8 +55,8 @@ class ApiKeys:
 
 def load_api_keys(auth: AuthConfig, *, file: str, base_dir: Path) -> ApiKeys:
     """Every configured key, read now: a missing variable or unreadable file is a ConfigError naming its key."""
-    keys = [ApiKey(named.name, _named_secret(named, f"auth.keys[{i}]", file, base_dir), named.limits)
-            for i, named in enumerate(auth.keys)]
+    keys = [ApiKey(named.name, _named_secret(named, f"auth.keys[{i}]", file, base_dir), named.limits,
+                   named.cache_salt) for i, named in enumerate(auth.keys)]
     keys += [ApiKey(f"api_keys[{i}]", key.encode()) for i, key in enumerate(auth.api_keys)]
     if auth.api_keys_file:
         text = _read(auth.api_keys_file, "auth.api_keys_file", "a readable file of API keys, one per line", file,

@@ -10,7 +10,7 @@ import re
 
 from orchestrator import errors
 from orchestrator.engine import EngineError, WorkerUnavailable
-from orchestrator.engine.errors import ERROR_CODE_DRAINING, ErrorCode, StreamStalled
+from orchestrator.engine.errors import ERROR_CODE_DRAINING, EngineCancelled, ErrorCode, StreamStalled
 
 
 class ApiError(Exception):
@@ -79,6 +79,9 @@ def from_engine_error(error: EngineError) -> ApiError:
     if isinstance(error, StreamStalled):
         return ApiError(502, "the worker ended the stream because it was not read in time (TensorRT-LLM's stall "
                         "watchdog); the client or the orchestrator read too slowly", code="stream_stalled")
+    if isinstance(error, EngineCancelled):  # not ours, so the engine's: 504 when its time for it ran out
+        return ApiError(504 if error.timed_out else 502, scrub(error.message),
+                        code="engine_timeout" if error.timed_out else "engine_cancelled")
     if error.code == ErrorCode.ERROR_CODE_DUPLICATE_REQUEST:  # leg ids are ours: not the client's fault
         return ApiError(500, scrub(f"the worker already runs a request with this engine request id ({error.message})"
                                    "; engine request ids are the orchestrator's own, so this is an orchestrator bug "

@@ -9,6 +9,9 @@ per request on this project's benchmarks. This server does only what the OpenAI 
   pipelined requests are answered in order; `Expect: 100-continue` is honoured.
 - a request head of at most `http.max_header_bytes` (else 431); a malformed request gets 400, also when
   only its chunked body is malformed (the `bad_body` extension tells the application why its body ended).
+  A chunked body's trailer fields are read and dropped, never merged into the request's headers (a proxy
+  vets headers, not trailers: RFC 9110 6.5.2), and the bytes between two pieces of body (chunk framing,
+  extensions, the trailer section) are bounded by `http.max_header_bytes` too (else 431).
 - a connection closed while the client may still be sending (a refused head, a body left unread) is
   half-closed first and what still arrives is read and dropped for up to `_LINGER_S` (RFC 9112 9.6):
   closing with unread bytes makes the kernel reset the connection, and a client still writing its request
@@ -279,6 +282,9 @@ class _Connection:
         self._header_parts: list[tuple[bytes, bytes]] = []
         self._target = b""
         self._head_size = 0
+        # bytes read in a body since its last piece (chunk framing, extensions, trailers): bounded like a head,
+        # as httptools accumulates a trailer field or a chunk extension whole, however long it is
+        self.framing_bytes = 0
 
     # ---- the reader side --------------------------------------------------------------------------
     def notify(self) -> None:
@@ -306,6 +312,8 @@ class _Connection:
                     break
                 if self.in_head or self.incoming is None:
                     self.head_bytes += len(data)
+                else:  # counted before feeding: a piece of body in this read resets it (on_body)
+                    self.framing_bytes += len(data)
                 try:
                     self.parser.feed_data(data)
                 except httptools.HttpParserUpgrade:
@@ -321,6 +329,8 @@ class _Connection:
                     self.bad_request = (400, f"the request is not valid HTTP/1.1: {exc}", "bad_request")
                 if self.in_head and self.head_bytes > self.server.limits.max_header_bytes:
                     self._refuse_head()  # still arriving and already too large: read no more of it
+                elif self.incoming is not None and self.framing_bytes > self.server.limits.max_header_bytes:
+                    self._refuse_framing()  # trailers or chunk framing without end: read no more of them
                 self.notify()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             self.client_closed = True  # broken: nothing more can be read
@@ -370,17 +380,24 @@ class _Connection:
         self.bad_request = (431, f"the request head is larger than {self.server.limits.max_header_bytes} bytes",
                             "request_header_fields_too_large")
 
+    def _refuse_framing(self) -> None:
+        self.bad_request = (431, "the request body's chunk framing or trailer section is larger than "
+                                 f"{self.server.limits.max_header_bytes} bytes", "request_header_fields_too_large")
+
     def on_message_begin(self) -> None:
         self.in_head = True
         self._target = b""
         self._header_parts = []
         self._head_size = 0
+        self.framing_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._target += url
         self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # a trailer field (after a chunked body): never a request header, so dropped
         self._header_parts.append((name.lower(), value))
         self._head_size += len(name) + len(value) + 4
 
@@ -399,6 +416,7 @@ class _Connection:
     def on_body(self, body: bytes) -> None:
         cast(_Request, self.incoming).body.append(body)  # a body follows a head: incoming is set
         self.buffered += len(body)
+        self.framing_bytes = 0
 
     def on_message_complete(self) -> None:
         cast(_Request, self.incoming).complete = True

@@ -105,7 +105,8 @@ def error_response(status: int, message: str, code: str, *, retry_after: int | N
     head too large, too many connections) or failed; the connection closes after it. Without its body for
     a HEAD."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                      allow_nan=False).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))

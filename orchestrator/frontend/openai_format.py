@@ -14,8 +14,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 # One encoder for every call: json.dumps with arguments builds a new JSONEncoder each time (0.7 µs for a
-# token's text against 0.08 here); the output is the same.
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# token's text against 0.08 here); the output is the same. NaN and infinities are refused (ValueError): JSON
+# has no such numbers, and a client's parser fails on the whole event (engine/events.py clamps logprobs).
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 _json_string = encode_basestring  # what _dumps does with a str, without its checks
 
 
@@ -32,8 +33,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return body
 
 
+def unknown_logprobs(token_ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """Placeholders for tokens the engine sent without logprobs though they were asked for: each token keeps
+    an entry (its logprob null) instead of taking a neighbour's, or going missing from the list."""
+    return tuple(TokenLogprob(token, None) for token in token_ids)
+
+
 def chat_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[int], str], top: int) -> dict:
-    """`top`: the candidates the client asked for (the engine is always asked for at least one)."""
+    """`top`: the candidates the client asked for (the engine is always asked for at least one). A token the
+    engine gave no logprob for has `logprob` null (and no candidates)."""
     content = []
     for lp in logprobs:
         text = token_text(lp.token_id)
@@ -52,7 +60,7 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], token_text: Callable[[
         text = token_text(lp.token_id)
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({token_text(tid): value for tid, value in lp.top[:top]})
+        tops.append(None if lp.logprob is None else {token_text(tid): value for tid, value in lp.top[:top]})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from orchestrator.engine.events import TokenLogprob
 from orchestrator.openengine.v1 import kv_pb2
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class KvLease:
     prefill_worker: Worker  # imported only for type checking: this module is pure
     session: kv_pb2.KvSessionRef
     cached_tokens: int | None = None  # what the prefill found cached (its PrefillReady usage)
+    first_logprobs: tuple[TokenLogprob, ...] = ()  # of the token the prefill streamed (prefill/legs.py)
     pulled: bool = False  # a decode leg streamed a token: the worker holds nothing for us any more
     released: bool = False  # pulled by a release leg
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from orchestrator.engine.events import Event, Failed, Finished, FinishReason, PrefillReady, Tokens
+from orchestrator.engine.events import Event, Failed, Finished, FinishReason, PrefillReady, TokenLogprob, Tokens
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2
 
@@ -36,6 +36,9 @@ class PrefillOutcome:
     error: str | None = None
     failed: Failed | None = None
     cached_tokens: int | None = None  # PrefillReady's usage.cached_prompt_tokens: what this prompt found cached
+    # the logprobs of the token(s) the leg streamed before PrefillReady: the decode leg replays that token
+    # without one (TensorRT-LLM's context worker does not transfer it), so it is filled in from here
+    first_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def prefill_outcome(events: Sequence[Event]) -> PrefillOutcome | None:
@@ -49,7 +52,8 @@ def prefill_outcome(events: Sequence[Event]) -> PrefillOutcome | None:
     for event in events:
         if isinstance(event, PrefillReady):
             cached = event.usage.cached_prompt_tokens if event.usage is not None else None
-            return PrefillOutcome(session=event.kv_session, cached_tokens=cached)
+            first = tuple(lp for e in events if isinstance(e, Tokens) for lp in e.logprobs if lp.logprob is not None)
+            return PrefillOutcome(session=event.kv_session, cached_tokens=cached, first_logprobs=first)
         if isinstance(event, Failed):
             return PrefillOutcome(failed=event)
         if isinstance(event, Finished):

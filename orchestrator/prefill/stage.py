@@ -54,7 +54,8 @@ class PrefillStage:
                 outcome = await self._one_attempt(worker, leg, full, decode_worker,
                                                   with_target_rank(span.metadata, target_rank, worker is first_worker))
                 if outcome.session is not None:
-                    return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens))
+                    return PrefillResult(lease=KvLease(worker, outcome.session, cached_tokens=outcome.cached_tokens,
+                                                       first_logprobs=outcome.first_logprobs))
                 if outcome.answer:
                     return PrefillResult(answer=outcome.answer)
                 raise (outcome.failed.error if outcome.failed is not None else

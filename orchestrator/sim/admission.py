@@ -77,6 +77,22 @@ def target_dp_rank(context) -> str | None:
     return None
 
 
+def metadata_value(context, key: str) -> str | None:
+    for item in context.invocation_metadata() or ():
+        if item.key == key:
+            return item.value
+    return None
+
+
+def engine_conversation_id(persona, kind: str, extra: dict, metadata_conversation: str | None) -> str | None:
+    """The conversation id the engine is given, read where each server reads it: revision 1 from
+    extra.conversation_id (request_mapping.py conversation_params_from_request), the sibling server only from
+    the gRPC metadata key `conversation_id`, and only on its prefill role (servicer.py _disaggregated_params)."""
+    if persona.revision_1_trtllm:
+        return extra.get("conversation_id")
+    return metadata_conversation if kind == CONTEXT_ONLY else None
+
+
 class EngineUnavailable(Exception):
     """The worker takes no new calls (starting, draining): UNAVAILABLE, as a grpc server that is not serving says."""
 
@@ -94,7 +110,8 @@ class AdmissionService(SimWorkerState):
         watchdog: asyncio.Task | None = None
         try:
             try:
-                sim_request = await self._admit(request, outbox, trace_headers(context), target_dp_rank(context))
+                sim_request = await self._admit(request, outbox, trace_headers(context), target_dp_rank(context),
+                                                metadata_conversation=metadata_value(context, "conversation_id"))
             except EngineUnavailable as refusal:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
@@ -202,7 +219,8 @@ class AdmissionService(SimWorkerState):
         return kind
 
     async def _admit(self, request: generation_pb2.GenerateRequest, outbox: Outbox,
-                     trace: dict[str, str] | None = None, target_rank: str | None = None) -> SimRequest:
+                     trace: dict[str, str] | None = None, target_rank: str | None = None, *,
+                     metadata_conversation: str | None = None) -> SimRequest:
         c, persona = self.config, self.persona
         rank = None
         if target_rank is not None and persona.revision_1_trtllm:  # others do not advertise targeting: ignored
@@ -264,6 +282,8 @@ class AdmissionService(SimWorkerState):
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "target_dp_rank": rank,
+                            "cache_salt": request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
+                            "conversation_id": engine_conversation_id(persona, kind, extra, metadata_conversation),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
                             "stopping": json_format.MessageToDict(stopping, preserving_proto_field_name=True),
                             "logprobs": request.response.return_output_logprobs,
@@ -301,9 +321,10 @@ class AdmissionService(SimWorkerState):
                                               id_offset=self.vocab_size, placeholder=self.image_token_id),
             target_rank=rank, script=plan.script, script_ends=plan.ends, answer_offset=plan.offset,
             natural_length=plan.natural_length,
+            cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
-        token_response = self._token_response(rid, want_logprobs, top_n)
+        token_response = self._token_response(rid, want_logprobs, top_n, first_without_logprob=kind == GENERATION_ONLY)
         sim_request.on_token = self._token_callback(outbox, token_response, stop_texts)
         sim_request.on_finish = self._finish_callback(outbox, rid, prompt_len)
         sim_request.on_context_done = self._context_callback(outbox, rid, prompt_ids, media_ids, prompt_len,

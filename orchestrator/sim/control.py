@@ -109,7 +109,8 @@ class ControlService(SimWorkerState):
                     supported=c.guided_backend != "none",
                     modes=["GUIDED_DECODING_MODE_" + mode.upper()  # by name: protobuf refuses an unknown one
                            for mode in self.persona.guide_modes(c.guided_backend)]),
-                max_num_sequences=1, supports_stop_in_output=True),
+                max_num_sequences=1, supports_stop_in_output=True,
+                supports_cache_salt=True),
             supports_lora=False, supports_multimodal=c.multimodal,
             # revision 1 fills reasoning_parser from llm.args.reasoning_parser and never tool_call_parser, though
             # its proto has the field (control.py); the sibling server fills both (servicer.py GetModelInfo)

@@ -39,6 +39,17 @@ import attrs
 Token = int | bytes  # bytes: an image's digest, the first of its expanded tokens
 HASH_ALGO = "v2_sha256_64"
 ROOT_KEY = hashlib.sha256(b"\x00").digest()  # ReuseScope(lora_id=None, salt=None).to_bytes() == b"\x00"
+
+
+def root_key(cache_salt: str | None) -> bytes:
+    """The root of a request's chains: its reuse scope, so that blocks of requests with different cache salts
+    (kv.cache_salt) never match. TensorRT-LLM's scope with a salt is the mask byte 0b10 then the salt id as 8
+    little-endian bytes (ReuseScope.to_bytes); its salt id is the first 8 bytes of the salt's blake3
+    (get_cache_salt_id), sha256 here, which is not a dependency: equal salts meet, different ones never do."""
+    if cache_salt is None:
+        return ROOT_KEY
+    salt_id = hashlib.sha256(cache_salt.encode()).digest()[:8]
+    return hashlib.sha256(b"\x02" + salt_id).digest()
 DIGEST_SIZE = 32
 
 
@@ -145,6 +156,7 @@ class PrefixLease:
     owned: int = 0
     cached_tokens: int = 0  # the prefix it found cached at admission
     released: bool = False
+    root: bytes = ROOT_KEY  # its reuse scope (root_key of its cache salt)
 
 
 class PrefixCache:
@@ -166,12 +178,13 @@ class PrefixCache:
         self._tiebreak = 0
 
     # ---- requests ------------------------------------------------------------------------------------
-    def acquire(self, tokens: Sequence[Token]) -> PrefixLease:
-        """Pin the longest cached prefix of `tokens` a request may reuse (not its last token)."""
-        lease = PrefixLease()
+    def acquire(self, tokens: Sequence[Token], cache_salt: str | None = None) -> PrefixLease:
+        """Pin the longest cached prefix of `tokens` a request may reuse (not its last token), within the
+        reuse scope of its `cache_salt`."""
+        lease = PrefixLease(root=root_key(cache_salt))
         if not self.enabled:
             return lease
-        parent_key, parent = ROOT_KEY, None
+        parent_key, parent = lease.root, None
         reusable = (len(tokens) - 1) // self.block_size
         for index in range(reusable):
             chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
@@ -195,7 +208,7 @@ class PrefixCache:
         parent = lease.chain[-1] if lease.chain else None
         for index in range(len(lease.chain), full):
             chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
-            key = block_key(parent.key if parent else ROOT_KEY, chunk)
+            key = block_key(parent.key if parent else lease.root, chunk)
             block = self.blocks.get(key)
             if block is None:
                 block = _Block(key, parent, chunk)

@@ -14,14 +14,17 @@ from orchestrator.sim.worker_state import SimWorkerState
 class ResponseCallbacks(SimWorkerState):
     """The scheduler's callbacks for one request, as responses in its outbox; mixed into SimWorker."""
 
-    def _token_response(self, rid: str, want_logprobs: bool, top_n: int):
+    def _token_response(self, rid: str, want_logprobs: bool, top_n: int, *, first_without_logprob: bool = False):
+        """`first_without_logprob`: a generation leg, whose first token (the context phase's, replayed from
+        first_gen_tokens) comes without its logprob, as TensorRT-LLM's: the context worker does not transfer it
+        (revision 1 formatting.py `_logprob_shortfall`)."""
         GenerateResponse, TokenOutput, TokenInfo = (generation_pb2.GenerateResponse, generation_pb2.TokenOutput,
                                                     generation_pb2.TokenInfo)
         vocab_words = self.vocab.word_ids
 
         def token_response(token: int, position: int) -> generation_pb2.GenerateResponse:
             info = TokenInfo(token_id=token)
-            if want_logprobs:
+            if want_logprobs and not (first_without_logprob and position == 0):
                 info.logprob = _logprob(token, position)
                 for rank in range(top_n):
                     alt = vocab_words[(token + rank * 31) % len(vocab_words)]

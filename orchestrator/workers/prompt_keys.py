@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from collections.abc import Callable, Sequence
 
-from orchestrator.workers.kv_index import engine_layout, image_identity, prompt_block_keys
+from orchestrator.workers.kv_index import IMAGE_BIT, engine_layout, image_identity, prompt_block_keys
 
 
 def identity_of(image) -> str:
@@ -29,6 +30,19 @@ def identity_of(image) -> str:
             data = payload.encode()
         return image_identity(data=data)
     return image_identity(url=image.url)
+
+
+def salted(keys: list[int], cache_salt: str | None) -> list[int]:
+    """`keys` of a request with a cache salt: the salt folded into the first block's key (its image bit kept).
+    The engine keys such a request's blocks in the salt's own scope, so it reuses nothing of another salt's (or
+    of no salt's): a prefix match starts at the first block, and a different first key matches nothing. The
+    events carry no salt, so what the engines report stays keyed unsalted: a salted request finds only where
+    it was routed before (approximate entries), never another tenant's blocks."""
+    if cache_salt is None or not keys:
+        return keys
+    salt = int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "big")  # str hashes vary per process
+    keys[0] = (hash((keys[0], salt)) & ~IMAGE_BIT) | (keys[0] & IMAGE_BIT)
+    return keys
 
 
 def request_block_keys(prompt_ids: Sequence[int], block_size: int, images: Sequence = (),
