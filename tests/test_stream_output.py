@@ -253,11 +253,12 @@ def test_every_sink_of_the_frontend_implements_the_whole_output_sink_protocol():
     all of it, also the direct-delivery part (a sink that never writes from elsewhere says so)."""
     from orchestrator.decode.deltas import OutputSink
     from orchestrator.frontend.app import _CollectingSink, _StreamingSink
+    from orchestrator.frontend.block_sink import BlockSink
 
     members = {name for name in vars(OutputSink) if not name.startswith("_")} | set(OutputSink.__annotations__)
     assert {"per_token", "delta", "deltas", "ending", "finish", "can_write_now", "deltas_now", "flush"} <= members
     sinks = [_StreamingSink(None, None, None, None, per_token=True),  # type: ignore[arg-type]  # members only
-             _CollectingSink("chat", None, None)]
+             _CollectingSink("chat", None, None), BlockSink(None)]
     for sink in sinks:
         missing = sorted(name for name in members if not hasattr(type(sink), name) and name not in vars(sink))
         assert missing == [], type(sink).__name__

@@ -570,8 +570,9 @@ class _StreamingSink:
     def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
                  per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
         self.response, self.writer, self.api, self.token_text = response, writer, api, token_text
-        # the usage chunk after the finish (a request with several choices sends one for all of them instead)
-        self.include_usage = api.include_usage if include_usage is None else include_usage
+        # the usage chunk after the finish (None: as the request asks; a request with several choices sends one
+        # for all of them instead)
+        self.include_usage = include_usage
         self.per_token = per_token  # one SSE event per token, unless http.coalesce_tokens
         self.offset = 0
         self.parser = parser  # the answer's output parser (chat_output.py); None: its text is the content
@@ -639,7 +640,7 @@ class _StreamingSink:
             if self.tool_calls and reason == "stop":
                 reason = "tool_calls"
         data += self.writer.finish(reason)
-        if self.include_usage:
+        if self.api.include_usage if self.include_usage is None else self.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
 
