@@ -2,7 +2,9 @@
 
 Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
 before any byte of the response) -> execute in the request's nursery, which is cancelled when the
-client disconnects (our server calls back: frontend/server_extensions.py).
+client disconnects (our server calls back: frontend/server_extensions.py). Every way a request is cut
+short from outside (shutdown, disconnect, deadline, a slow body) goes through its one RequestScope
+(frontend/request_scope.py), which records why.
 A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
 after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
 response, also when the shutdown grace ends before it does (`cut_in_flight`: a 503 with Retry-After, or
@@ -32,12 +34,14 @@ from orchestrator.convert import MediaLimits, parse_chat, parse_completion
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
+from orchestrator.flow.plan import Plan
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.frontend.request_scope import Ending, InFlight, RequestScope
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
@@ -81,9 +85,8 @@ class App:
                          for key in self.api_keys.keys}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
-        self.inflight = 0  # completion requests being served (also a gauge in /metrics)
+        self.in_flight = InFlight()  # the completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
-        self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
                                         max_image_bytes=limits.max_image_bytes,
@@ -174,9 +177,7 @@ class App:
         """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
         a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
         cut its connection. Their nurseries are cancelled, which aborts their engine work. How many there were."""
-        for cut in self._cuttable:
-            cut.cancel()
-        return len(self._cuttable)
+        return self.in_flight.cut()
 
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get(API_KEY)
@@ -192,33 +193,33 @@ class App:
         server = ServerExtensions.of(scope)
         response = _Response(send, [(b"x-request-id", request_id.encode())], server.send_now)
         self.metrics.inflight.inc()
-        self.inflight += 1
+        request = RequestScope(server.on_disconnect)
+        self.in_flight.add(request)
         outcome = "error"
-        cut = trio.CancelScope()
-        self._cuttable.add(cut)
         try:
-            with cut:
-                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account)
-            if cut.cancelled_caught:
+            with request.cancel_scope:
+                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account,
+                                                       request)
+            if request.cancel_scope.cancelled_caught:  # cut by the shutdown (RequestScope.shut_down)
                 outcome = "error"
                 await response.error(ApiError(503, "the server shut down before this request finished; retry it",
                                               code="draining", retry_after=1))
         finally:
-            self._cuttable.discard(cut)
-            self.inflight -= 1
+            self.in_flight.discard(request)
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
     async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions, request_id: str,
-                                response: _Response, receive: Receive, account: KeyAccount | None) -> str:
+                                response: _Response, receive: Receive, account: KeyAccount | None,
+                                request: RequestScope) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         admitted = False
         try:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            api = await self._parse(kind, scope, server, receive)
+            api = await self._parse(kind, scope, server, receive, request)
             # Engine request ids must be unique per worker even when clients reuse an X-Request-Id
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
@@ -226,7 +227,7 @@ class App:
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
-            return await self._run(kind, request_id, api, plan, response, server.on_disconnect)
+            return await self._run(kind, request_id, api, plan, response, request)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
         # keeps every frame of the traceback, the request body among their locals, until a full GC pass.
@@ -258,7 +259,8 @@ class App:
         await response.error(api_error)
         return "client_error" if api_error.status < 500 else "error"
 
-    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive):
+    async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive,
+                     request: RequestScope):
         """The request body read, parsed and validated (an ApiRequest). Refused before any of it is read when
         it announces more than limits.max_request_bytes."""
         if self.draining:
@@ -270,27 +272,17 @@ class App:
         if server.body_arrived:  # our server has all of it: nothing to wait for
             body = await read_json(receive, limit, on_size=self._body_read)
         else:
-            with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+            with request.body_limit(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
         return parse_chat(body, self.media_limits) if kind == "chat" else parse_completion(body)
 
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: _Response,
-                   on_disconnect: Callable[[Callable[[], None]], None]) -> str:
+    async def _run(self, kind: str, request_id: str, api, plan: Plan, response: _Response,
+                   request: RequestScope) -> str:
         model = api.model
         created = int(time.time())
-        disconnected = False
-
-        def watch(request: trio.Nursery) -> None:
-            def gone() -> None:
-                nonlocal disconnected
-                disconnected = True
-                request.cancel_scope.cancel()
-
-            on_disconnect(gone)  # our server's reader task calls it: no task watches receive()
-
         token_text = self.coordinator.tokenizer.token_text
         sink: _StreamingSink | _CollectingSink
         if api.stream:
@@ -301,13 +293,13 @@ class App:
         else:
             sink = _CollectingSink(kind, api, token_text)
         try:
-            await self.coordinator.execute(plan, sink, watch=watch)
+            await self.coordinator.execute(plan, sink, watch=request.watch)
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
             await response.stream_error(to_api_error(error))
             return "error"
-        if disconnected:
+        if request.ended is Ending.DISCONNECT:
             raise ClientGone()
         if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
