@@ -2,7 +2,7 @@
 
 `check_session` accepts what TensorRT-LLM's own validator accepts (revision 1: an endpoint with a port
 or an opaque_state, and a request name; revision 3: its named JSON profile). `decode_needs_media` says
-whether the generation leg resends the prefill's media. Upstream facts: tests/test_trtllm_conformance.py.
+whether the generation leg resends the prefill's media. Upstream facts: tests/e2e/test_trtllm_conformance.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.testkit.plugin import ManagedProcess, ProcessFailed, orchestrator_command
 from sim_helpers import png_bytes
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def log_text(process: ManagedProcess) -> str:

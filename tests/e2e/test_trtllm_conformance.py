@@ -125,7 +125,7 @@ UPSTREAM = {
     "terminal-status": ("R1 servicer.py @ 06cb2191b0be Generate", "a request is marked terminal (engine_terminal) "
                         "only when the generator resumes after yielding its last response; a stream closed before "
                         "that makes its finally abort the engine request (abort_request('response stream closed'))"),
-    # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/test_kv_events.py, test_kv_index.py)
+    # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/e2e/test_kv_events.py, test_kv_index.py)
     "kv-events-r1-sources": ("R1 control.py @ 06cb2191b0be GetKvEventSources; node.py @ 2361706f3283 _source "
                              "(merged)", "one source per attention-DP rank: transport zmq, endpoint_addr {host, port, "
                              "protocol tcp}, topic, replay_endpoint tcp://host:port or '', encoding msgpack, "
