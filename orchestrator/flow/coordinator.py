@@ -26,7 +26,7 @@ from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
-from orchestrator.flow.plan import Plan, PlanPath, planned
+from orchestrator.flow.plan import AGGREGATED, DISAGGREGATED, LOCAL, Plan, PlanPath, planned
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
 from orchestrator.flow.worker_choice import WorkerChoice
@@ -70,12 +70,12 @@ class Coordinator:
         path = self._path(api, len(prompt_ids), choice)
         workers = tuple(choice.pick(role) for role in path.roles)
         caps = tuple([await self._capabilities(w) for w in workers])
-        if path is PlanPath.LOCAL and not caps[0].runs_whole_requests_on_decode:
+        if path is LOCAL and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
-            path, workers = PlanPath.DISAGGREGATED, (choice.pick(Role.PREFILL), *workers)
+            path, workers = DISAGGREGATED, (choice.pick(Role.PREFILL), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
-        check_worker_media(api, touched, disaggregated=path is PlanPath.DISAGGREGATED)
+        check_worker_media(api, touched, disaggregated=path is DISAGGREGATED)
         check_worker_features(api, touched)
         windows = [c.max_context_length for c in caps if c.max_context_length]
         outputs = [c.max_output_tokens for c in caps if c.max_output_tokens]
@@ -91,14 +91,14 @@ class Coordinator:
         """The mode's path for this request, before its workers' capabilities are known."""
         mode, max_local = self.config.mode, self.config.conditional.max_local_prefill_length
         if mode == "aggregated":
-            return PlanPath.AGGREGATED
+            return AGGREGATED
         if mode == "conditional" and not api.images:
             if prompt_tokens <= max_local:
-                return PlanPath.LOCAL
+                return LOCAL
             # A longer prompt still runs whole where a decode worker holds its prefix (kv_aware).
             if self.kv_roles and choice.find_holder(prompt_tokens, max_local):
-                return PlanPath.LOCAL
-        return PlanPath.DISAGGREGATED
+                return LOCAL
+        return DISAGGREGATED
 
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], block_size: int) -> list[int]:
         """The prompt's KV block keys cut in `block_size`, images laid out as the KV events showed them."""

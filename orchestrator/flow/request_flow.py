@@ -37,7 +37,7 @@ from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import StreamStalled
 from orchestrator.errors import NoWorkerAvailable
-from orchestrator.flow.plan import Plan, PlanPath, SplitPlan
+from orchestrator.flow.plan import LOCAL, Plan, SplitPlan
 from orchestrator.kv import HandoffError, KvLease, check_session, generation_leg
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -214,7 +214,7 @@ def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
     api = plan.api
     needs_features = api.guided is not None or bool(api.logprobs)
-    runs_whole = plan.path is PlanPath.LOCAL
+    runs_whole = plan.path is LOCAL
     if not needs_features and not runs_whole:
         return None
 

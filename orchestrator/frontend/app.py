@@ -41,7 +41,7 @@ from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.frontend.multiprocess import FrontendProcess
-from orchestrator.frontend.request_scope import Ending, InFlight, RequestScope
+from orchestrator.frontend.request_scope import DISCONNECT, InFlight, RequestScope
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
@@ -299,7 +299,7 @@ class App:
                 raise
             await response.stream_error(to_api_error(error))
             return "error"
-        if request.ended is Ending.DISCONNECT:
+        if request.ended is DISCONNECT:
             raise ClientGone()
         if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:

@@ -40,6 +40,10 @@ class Ending(enum.StrEnum):
     LIMIT = "limit"
 
 
+# Every `Ending.X` is a slow attribute lookup on Python 3.11 (EnumType.__getattr__): the app compares with this.
+DISCONNECT = Ending.DISCONNECT
+
+
 class RequestScope:
     __slots__ = ("cancel_scope", "_ended", "_nursery_scope", "_on_disconnect")
 

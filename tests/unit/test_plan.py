@@ -43,7 +43,7 @@ def test_each_path_names_the_roles_of_its_workers_in_leg_order():
 
 
 def test_a_plan_needs_one_worker_per_role_of_its_path():
-    with pytest.raises(ValueError, match="2 workers, not 1"):
+    with pytest.raises(ValueError):
         plan_of(PlanPath.DISAGGREGATED, worker("decode", "d0"))
 
 
