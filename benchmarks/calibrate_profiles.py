@@ -11,7 +11,7 @@ asks it for
 fits our step formula to those points by least squares on relative error
     prefill(a + b*L + c*sum(l_i^2)),   decode(d + e*sum(context) + f*batch)
 prints the coefficients (paste them into orchestrator/sim/profiles.py) and writes the reference grid
-with its provenance to --out, which tests/test_sim_calibration.py checks the profiles against (15%).
+with its provenance to --out, which tests/unit/test_sim_calibration.py checks the profiles against (15%).
 aiconfigurator itself is not a dependency of the project: only this script imports it.
 """
 

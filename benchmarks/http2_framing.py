@@ -44,7 +44,7 @@ def _serve(server, data: bytes) -> None:
 
 
 class Ours:
-    name = "ours (engine/http2.py)"  # the label tests/test_benchmark_scripts.py reads
+    name = "ours (engine/http2.py)"  # the label tests/e2e/test_benchmark_scripts.py reads
 
     def __init__(self):
         self.client = http2.ClientConnection(_Ignore(), receive_window=1024 * 1024,

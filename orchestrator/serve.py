@@ -193,15 +193,13 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
 
 async def _finish_in_flight(app, grace_s: float) -> None:
     with trio.move_on_after(grace_s):
-        while app.inflight > 0:
-            await trio.sleep(0.05)
-    if app.inflight > 0:
+        await app.in_flight.wait_until_none()
+    if len(app.in_flight) > 0:
         cut = app.cut_in_flight()
         log.warning("shutdown grace of %g s is over: ending the %d requests still running with a 503 (or a final "
                     "error event on a started stream)", grace_s, cut)
         with trio.move_on_after(LAST_WORDS_S):
-            while app.inflight > 0:
-                await trio.sleep(0.05)
+            await app.in_flight.wait_until_none()
 
 
 async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.Event, reuse_port: bool = False,

@@ -1,6 +1,6 @@
 """What a worker can do (ServerInfo + ModelInfo), and a single-flight cache for discovering it.
 
-The cache's contract, each point tested in tests/test_engine_capabilities.py:
+The cache's contract, each point tested in tests/unit/test_engine_capabilities.py:
 - concurrent callers share one in-flight discovery; the worker is not asked N times at once;
 - the discovery is bounded by a timeout;
 - a failure is shared: every caller waiting on that attempt gets the same error;

@@ -12,7 +12,7 @@ Two TensorRT-LLM servers number the same enums differently (docs/openengine-addi
 
 So the server says which it speaks: schema_revision >= 3, or a KvConnectorInfo that carries field 9 (which
 still holds if openengine's relabelling of those fields as revision 1, 8ce850d, reaches the sibling's pin).
-Facts and commits: tests/test_trtllm_conformance.py ("numbering-r1", "numbering-sibling").
+Facts and commits: tests/e2e/test_trtllm_conformance.py ("numbering-r1", "numbering-sibling").
 
 Every value either numbering does not define is read as unknown, never looked up by name: a worker that sends
 one is degraded (an unknown health state is not ready; an unknown error code is a 502 naming its number).

@@ -10,7 +10,7 @@ to reach its ids cost about twice as much as reading them here. Only the shape t
 fields in field-number order, as every protobuf serializer writes them (TensorRT-LLM's servicer sends
 output_index, tokens and the delta text; without logprobs a TokenInfo holds only the id). Anything else,
 a logprob, a usage, another field order, a long or non-ASCII string, gives None and takes the full parse:
-a shape this does not know is read slower, never differently (tests/test_token_message.py holds it to that).
+a shape this does not know is read slower, never differently (tests/unit/test_token_message.py holds it to that).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import trio
 
 from orchestrator.config import Config
@@ -27,30 +26,18 @@ from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
 from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
+from orchestrator.flow.plan import AGGREGATED, DISAGGREGATED, LOCAL, Plan, PlanPath, planned
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
 from orchestrator.flow.worker_choice import WorkerChoice
 from orchestrator.kv.release import KvReleaser
 from orchestrator.media_policy import UrlPolicy, check_image_urls
 from orchestrator.metrics import Metrics
-from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.stage import PrefillStage
+from orchestrator.roles import Role
 from orchestrator.tokenizer import ModelTokenizer
 from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.workers.prompt_keys import request_block_keys, salted
-
-
-@attrs.frozen
-class Plan:
-    request_id: str
-    api: ApiRequest
-    path: str  # "aggregated" | "disaggregated" | "local"
-    full: g.GenerateRequest
-    prompt_tokens: int  # text tokens; images add more engine-side
-    workers: tuple[Worker, ...]  # (aggregated,) | (prefill, decode) | (decode,)
-    caps: tuple[WorkerCapabilities, ...]
-    # KV-aware routing: the attention-DP rank to ask of a worker that holds the prefix there (prefill or whole legs)
-    target_ranks: dict = attrs.field(factory=dict)
 
 
 class Coordinator:
@@ -79,28 +66,16 @@ class Coordinator:
                                             window=self.config.model.context_window or self.pool.largest_window())
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
-        mode = self.config.mode
-        roles: tuple[str, ...]
-        if mode == "aggregated":
-            path, roles = "aggregated", ("aggregated",)
-        elif (mode == "conditional" and not api.images
-              and len(prompt_ids) <= self.config.conditional.max_local_prefill_length):
-            path, roles = "local", ("decode",)
-        else:
-            path, roles = "disaggregated", ("prefill", "decode")
-        # Conditional mode may still run a longer prompt whole where a decode worker holds its prefix (kv_aware).
         choice = WorkerChoice(self.pool, self.kv_roles, lambda size: self._prompt_keys(api, prompt_ids, size))
-        if (self.kv_roles and mode == "conditional" and path == "disaggregated" and not api.images
-                and choice.find_holder(len(prompt_ids), self.config.conditional.max_local_prefill_length)):
-            path, roles = "local", ("decode",)
-        workers = tuple(choice.pick(role) for role in roles)
+        path = self._path(api, len(prompt_ids), choice)
+        workers = tuple(choice.pick(role) for role in path.roles)
         caps = tuple([await self._capabilities(w) for w in workers])
-        if path == "local" and not caps[0].runs_whole_requests_on_decode:
+        if path is LOCAL and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
-            path, workers = "disaggregated", (choice.pick("prefill"), *workers)
+            path, workers = DISAGGREGATED, (choice.pick(Role.PREFILL), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
-        check_worker_media(api, touched, disaggregated=path == "disaggregated")
+        check_worker_media(api, touched, disaggregated=path is DISAGGREGATED)
         check_worker_features(api, touched)
         windows = [c.max_context_length for c in caps if c.max_context_length]
         outputs = [c.max_output_tokens for c in caps if c.max_output_tokens]
@@ -109,7 +84,21 @@ class Coordinator:
                                 max_output_tokens=min(outputs) if outputs else None)
         full = full_leg(api, request_id=request_id, model=caps[-1].model_id or api.model, prompt_ids=prompt_ids,
                         limits=limits)
-        return Plan(request_id, api, path, full, len(prompt_ids), workers, caps, choice.target_ranks)
+        return planned(path, workers, request_id=request_id, api=api, full=full, prompt_tokens=len(prompt_ids),
+                       target_ranks=tuple(choice.target_ranks.items()), caps=caps)
+
+    def _path(self, api: ApiRequest, prompt_tokens: int, choice: WorkerChoice) -> PlanPath:
+        """The mode's path for this request, before its workers' capabilities are known."""
+        mode, max_local = self.config.mode, self.config.conditional.max_local_prefill_length
+        if mode == "aggregated":
+            return AGGREGATED
+        if mode == "conditional" and not api.images:
+            if prompt_tokens <= max_local:
+                return LOCAL
+            # A longer prompt still runs whole where a decode worker holds its prefix (kv_aware).
+            if self.kv_roles and choice.find_holder(prompt_tokens, max_local):
+                return LOCAL
+        return DISAGGREGATED
 
     def _prompt_keys(self, api: ApiRequest, prompt_ids: list[int], block_size: int) -> list[int]:
         """The prompt's KV block keys cut in `block_size`, images laid out as the KV events showed them."""

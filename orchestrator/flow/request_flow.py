@@ -37,11 +37,13 @@ from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import EngineCancelled, StreamStalled
 from orchestrator.errors import NoWorkerAvailable
+from orchestrator.flow.plan import LOCAL, Plan, SplitPlan
 from orchestrator.kv import HandoffError, KvLease, check_session, generation_leg
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.prefill.stage import PrefillStage
+from orchestrator.roles import Role
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from orchestrator.workers.pool import Worker, WorkerPool
 
@@ -62,7 +64,7 @@ class FlowCollaborators:
 
 
 class RequestFlow:
-    def __init__(self, parts: FlowCollaborators, plan, sink: OutputSink, started: float):
+    def __init__(self, parts: FlowCollaborators, plan: Plan, sink: OutputSink, started: float):
         self.parts, self.plan, self.sink, self.started = parts, plan, sink, started
         self.state = StreamState()
         self.detokenizer = IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop)
@@ -97,7 +99,7 @@ class RequestFlow:
             series.cached_tokens.inc(self.state.cached_tokens)
 
     async def _legs(self, leg: g.GenerateRequest, workers: tuple[Worker, ...]) -> None:
-        if self.plan.path == "disaggregated":
+        if isinstance(self.plan, SplitPlan):
             await self._split(leg, *workers)
         else:
             await self._whole(workers[0], leg)
@@ -115,12 +117,12 @@ class RequestFlow:
         await self.parts.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
                                     on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens,
                                     migration=self.migrations, accepts=self.accepts,
-                                    target_rank=self.plan.target_ranks.get(worker))
+                                    target_rank=self.plan.target_rank(worker))
 
     async def _split(self, full: g.GenerateRequest, prefill_worker: Worker, decode_worker: Worker) -> None:
         parts, state = self.parts, self.state
         result = await parts.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
-                                         accepts=self.accepts, target_rank=self.plan.target_ranks.get(prefill_worker))
+                                         accepts=self.accepts, target_rank=self.plan.target_rank(prefill_worker))
         prefill_done = trio.current_time()
         parts.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
@@ -153,7 +155,7 @@ class RequestFlow:
     def _observe_stages(self) -> None:
         """The stage durations of a request that ended well (a migrated one included)."""
         by_stage, state = self.parts.metrics.by_stage, self.state
-        if self.plan.path != "disaggregated":
+        if not isinstance(self.plan, SplitPlan):
             by_stage["decode"].observe(trio.current_time() - self.started)
         elif self._handoff is not None and state.first_token_at is not None:
             prefill_done, lease = self._handoff
@@ -190,9 +192,9 @@ class RequestFlow:
         self.failed.append(failed_worker)
         workers: tuple[Worker, ...]
         try:
-            if plan.path == "disaggregated":
-                decode_worker = parts.pool.pick("decode", exclude=tuple(self.failed), accepts=self.accepts)
-                workers = (parts.pool.pick("prefill", accepts=self.accepts), decode_worker)
+            if isinstance(plan, SplitPlan):
+                decode_worker = parts.pool.pick(Role.DECODE, exclude=tuple(self.failed), accepts=self.accepts)
+                workers = (parts.pool.pick(Role.PREFILL, accepts=self.accepts), decode_worker)
             else:  # (local: only a decode worker that runs whole requests, through self.accepts)
                 decode_worker = parts.pool.pick(failed_worker.role, exclude=tuple(self.failed), accepts=self.accepts)
                 workers = (decode_worker,)
@@ -207,14 +209,14 @@ class RequestFlow:
         return continuation_leg(plan.full, generated, self.migrations), workers
 
 
-def _replacement_check(plan) -> Callable[[object], bool] | None:
+def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     """What a worker that takes over the request (a retry, a migration) must be able to do, which the planner
     checked of the first workers only: serve the guide and the logprobs asked for, and on the local path run the
     whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
     leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
     api = plan.api
     needs_features = api.guided is not None or bool(api.logprobs)
-    runs_whole = plan.path == "local"
+    runs_whole = plan.path is LOCAL
     if not needs_features and not runs_whole:
         return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from orchestrator.roles import Role
 from orchestrator.workers.pool import Worker, WorkerPool
 
 
@@ -20,7 +21,7 @@ class WorkerChoice:
         self.holder: Worker | None = None  # conditional mode: the decode worker chosen for holding the prefix
         self.target_ranks: dict[Worker, int] = {}  # the attention-DP rank that holds the prefix, per worker
 
-    def keys(self, role: str) -> tuple[list[int], int]:
+    def keys(self, role: Role) -> tuple[list[int], int]:
         """The prompt's keys cut in `role`'s KV block size, and that size (none before the size is known)."""
         block_size = self.pool.kv_block_size(role)
         if block_size is None:
@@ -31,11 +32,11 @@ class WorkerChoice:
 
     def find_holder(self, prompt_tokens: int, max_uncached: int) -> Worker | None:
         """A decode worker whose cached prefix leaves at most `max_uncached` tokens to compute, if any."""
-        self.holder = self.pool.holding("decode", *self.keys("decode"), prompt_tokens, max_uncached)
+        self.holder = self.pool.holding(Role.DECODE, *self.keys(Role.DECODE), prompt_tokens, max_uncached)
         return self.holder
 
-    def pick(self, role: str) -> Worker:
-        accepts = None if self.holder is None or role != "decode" else (lambda w: w is self.holder)
+    def pick(self, role: Role) -> Worker:
+        accepts = None if self.holder is None or role is not Role.DECODE else (lambda w: w is self.holder)
         keys = self.keys(role)[0] if role in self.kv_roles else []
         if not keys:  # (route() would count a decision that was not kv_aware)
             return self.pool.pick(role, accepts=accepts)

@@ -2,7 +2,9 @@
 
 Each completion request: read and parse the body (400 on anything malformed) -> plan (400/404/503
 before any byte of the response) -> execute in the request's nursery, which is cancelled when the
-client disconnects (our server calls back: frontend/server_extensions.py).
+client disconnects (our server calls back: frontend/server_extensions.py). Every way a request is cut
+short from outside (shutdown, disconnect, deadline, a slow body) goes through its one RequestScope
+(frontend/request_scope.py), which records why.
 A streamed response starts with its first chunk; a failure before that is a plain HTTP error, a failure
 after it a final SSE error event and `data: [DONE]`. Every accepted request ends in exactly one terminal
 response, also when the shutdown grace ends before it does (`cut_in_flight`: a 503 with Retry-After, or
@@ -36,6 +38,7 @@ from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
 from orchestrator.errors import RequestError
 from orchestrator.flow.coordinator import Coordinator
+from orchestrator.flow.plan import Plan
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.frontend import messages_api
 from orchestrator.frontend import messages_format as mfmt
@@ -47,6 +50,7 @@ from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
 from orchestrator.frontend.messages_api import MessagesExchange
 from orchestrator.frontend.multiprocess import FrontendProcess
+from orchestrator.frontend.request_scope import DISCONNECT, InFlight, RequestScope
 from orchestrator.frontend.response_store import open_store
 from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange
 from orchestrator.frontend.server_extensions import ServerExtensions
@@ -109,9 +113,8 @@ class App:
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
         self.output_parsers = OutputParsers(config.model.tool_call_parser, config.model.reasoning_parser)
-        self.inflight = 0  # completion requests being served (also a gauge in /metrics)
+        self.in_flight = InFlight()  # the completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
-        self._cuttable: set[trio.CancelScope] = set()  # one per completion request: cut_in_flight cancels them
         limits = config.limits
         self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
                                         max_image_bytes=limits.max_image_bytes,
@@ -254,9 +257,7 @@ class App:
         """The shutdown grace is over: end every completion request still running with a 503 (Retry-After), or
         a stream already started with a final SSE error event and [DONE], rather than leave the HTTP server to
         cut its connection. Their nurseries are cancelled, which aborts their engine work. How many there were."""
-        for cut in self._cuttable:
-            cut.cancel()
-        return len(self._cuttable)
+        return self.in_flight.cut()
 
     async def _complete(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get(API_KEY)
@@ -274,33 +275,33 @@ class App:
         if kind == "messages":  # every failure of this request in Anthropic's shape, a body or an event
             MessagesExchange.adapt(response)
         self.metrics.inflight.inc()
-        self.inflight += 1
+        request = RequestScope(server.on_disconnect)
+        self.in_flight.add(request)
         outcome = "error"
-        cut = trio.CancelScope()
-        self._cuttable.add(cut)
         try:
-            with cut:
-                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account)
-            if cut.cancelled_caught:
+            with request.cancel_scope:
+                outcome = await self._serve_completion(kind, scope, server, request_id, response, receive, account,
+                                                       request)
+            if request.cancel_scope.cancelled_caught:  # cut by the shutdown (RequestScope.shut_down)
                 outcome = "error"
                 await response.error(ApiError(503, "the server shut down before this request finished; retry it",
                                               code="draining", retry_after=1))
         finally:
-            self._cuttable.discard(cut)
-            self.inflight -= 1
+            self.in_flight.discard(request)
             self.metrics.inflight.dec()
             self.metrics.request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
 
     async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions, request_id: str,
-                                response: _Response, receive: Receive, account: KeyAccount | None) -> str:
+                                response: _Response, receive: Receive, account: KeyAccount | None,
+                                request: RequestScope) -> str:
         """Serve one completion request; its outcome for the metrics. Every failure is answered here."""
         admitted = False
         try:
             if account is not None:  # before the body is read: a key over its limits costs nothing more
                 account.admit()
                 admitted = True
-            parsed = await self._parse(kind, scope, server, receive, request_id)
+            parsed = await self._parse(kind, scope, server, receive, request, request_id)
             exchange: ResponsesExchange | MessagesExchange | None = None
             if isinstance(parsed, ApiRequest):
                 api = parsed
@@ -311,14 +312,14 @@ class App:
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             if api.n > 1:
-                return await self._run_choices(kind, request_id, api, response, server.on_disconnect, account)
+                return await self._run_choices(kind, request_id, api, response, request, account)
             with tracing.span("plan"):
                 plan = await self.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
             if exchange is not None:
-                return await self._run_exchange(exchange, request_id, plan, response, server.on_disconnect)
-            return await self._run(kind, request_id, api, plan, response, server.on_disconnect)
+                return await self._run_exchange(exchange, request_id, plan, response, request)
+            return await self._run(kind, request_id, api, plan, response, request)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
         # keeps every frame of the traceback, the request body among their locals, until a full GC pass.
@@ -351,10 +352,10 @@ class App:
         return "client_error" if api_error.status < 500 else "error"
 
     async def _parse(self, kind: str, scope: Scope, server: ServerExtensions, receive: Receive,
-                     request_id: str) -> ApiRequest | ResponsesExchange | MessagesExchange:
-        """The request body read, parsed and validated: an ApiRequest, or for the Responses API its exchange (the
-        chat request it runs as, and how its answer is written). Refused before any of it is read when it
-        announces more than limits.max_request_bytes."""
+                     request: RequestScope, request_id: str) -> ApiRequest | ResponsesExchange | MessagesExchange:
+        """The request body read, parsed and validated: an ApiRequest, or for the Responses and Messages APIs
+        their exchange (the chat request it runs as, and how its answer is written). Refused before any of it is
+        read when it announces more than limits.max_request_bytes."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
         limit = self.config.limits.max_request_bytes
@@ -364,7 +365,7 @@ class App:
         if server.body_arrived:  # our server has all of it: nothing to wait for
             body = await read_json(receive, limit, on_size=self._body_read)
         else:
-            with trio.fail_after(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
+            with request.body_limit(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
         exchange: ResponsesExchange | MessagesExchange
         if kind == "messages":
@@ -387,20 +388,10 @@ class App:
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan, response: _Response,
-                   on_disconnect: Callable[[Callable[[], None]], None]) -> str:
+    async def _run(self, kind: str, request_id: str, api, plan: Plan, response: _Response,
+                   request: RequestScope) -> str:
         model = api.model
         created = int(time.time())
-        disconnected = False
-
-        def watch(request: trio.Nursery) -> None:
-            def gone() -> None:
-                nonlocal disconnected
-                disconnected = True
-                request.cancel_scope.cancel()
-
-            on_disconnect(gone)  # our server's reader task calls it: no task watches receive()
-
         token_text = self.coordinator.tokenizer.token_text
         parser = self.output_parsers.for_request(api, request_id, plan.caps)
         sink: _StreamingSink | _CollectingSink
@@ -412,13 +403,13 @@ class App:
         else:
             sink = _CollectingSink(kind, api, token_text, parser=parser)
         try:
-            await self.coordinator.execute(plan, sink, watch=watch)
+            await self.coordinator.execute(plan, sink, watch=request.watch)
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
             await response.stream_error(to_api_error(error))
             return "error"
-        if disconnected:
+        if request.ended is DISCONNECT:
             raise ClientGone()
         if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
@@ -429,32 +420,20 @@ class App:
             response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
 
-
-    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan,
-                            response: _Response,
-                            on_disconnect: Callable[[Callable[[], None]], None]) -> str:
-        """Run a request of an API whose answer is blocks (the Responses API): the same execution as a chat
-        request's, with its exchange's sink, answer and record."""
-        disconnected = False
-
-        def watch(request: trio.Nursery) -> None:
-            def gone() -> None:
-                nonlocal disconnected
-                disconnected = True
-                request.cancel_scope.cancel()
-
-            on_disconnect(gone)
-
+    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan: Plan,
+                            response: _Response, request: RequestScope) -> str:
+        """Run a request of an API whose answer is blocks (the Responses and Messages APIs): the same execution as
+        a chat request's, with its exchange's sink, answer and record."""
         parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
         sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
         try:
-            await self.coordinator.execute(plan, sink, watch=watch)
+            await self.coordinator.execute(plan, sink, watch=request.watch)
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
             await response.stream_error(to_api_error(error))
             return "error"
-        if disconnected:
+        if request.ended is DISCONNECT:
             raise ClientGone()
         answer = exchange.response()
         await exchange.keep(self.response_store, answer)
@@ -466,8 +445,8 @@ class App:
             await send_json(response.send, 200, answer, response.headers)
         return "ok"
 
-    async def _run_choices(self, kind: str, request_id: str, api, response: _Response,
-                           on_disconnect: Callable[[Callable[[], None]], None], account: KeyAccount | None) -> str:
+    async def _run_choices(self, kind: str, request_id: str, api, response: _Response, request: RequestScope,
+                           account: KeyAccount | None) -> str:
         """`n` > 1: a request per choice, planned and run as any other (its own workers, retries, migration),
         all at once in one nursery, each writing its own choice index; the first failure ends them all, as the
         answer is one response. A client's seed becomes seed + index, so the choices differ and replay alike.
@@ -498,7 +477,6 @@ class App:
                                             parser=parser, include_usage=False))
             else:
                 sinks.append(_CollectingSink(kind, api, token_text, parser=parser))
-        disconnected = False
 
         async def run_choice(index: int) -> None:
             await self.coordinator.execute(plans[index], sinks[index])
@@ -507,12 +485,7 @@ class App:
 
         try:
             async with trio.open_nursery() as choices:
-                def gone() -> None:
-                    nonlocal disconnected
-                    disconnected = True
-                    choices.cancel_scope.cancel()
-
-                on_disconnect(gone)
+                request.watch(choices)  # the client going cancels every choice's flow
                 for index in range(len(plans)):
                     choices.start_soon(run_choice, index)
         except BaseExceptionGroup as group:
@@ -521,7 +494,7 @@ class App:
                 raise error from None
             await response.stream_error(to_api_error(error))
             return "error"
-        if disconnected:
+        if request.ended is DISCONNECT:
             raise ClientGone()
         answered = ([stream.usage or (0, 0, None) for stream in streams] if streams else
                     [(sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens) for sink in sinks

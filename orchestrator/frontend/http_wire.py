@@ -3,7 +3,7 @@
 The server (frontend/http_server.py) parses requests with httptools and writes what these functions
 render: a response head, chunked-transfer frames, the error response of a request that never reached
 the application. Kept apart so that every framing rule is unit-tested without a socket
-(tests/test_http_wire.py).
+(tests/unit/test_http_wire.py).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class ChunkWriter:
     around the request's head (id, object, created, model), JSON-encoded once when the stream starts, instead
     of built as dicts for the encoder: through the encoder, a one-token request's events (role, finish, usage)
     and a token's event cost several times more (benchmarks/instruction_cost.py; docs/benchmarks.md). Only a
-    delta with logprobs goes through the encoder. tests/test_openai_format.py holds every event to what
+    delta with logprobs goes through the encoder. tests/unit/test_openai_format.py holds every event to what
     the encoder gives for the same values.
     """
 

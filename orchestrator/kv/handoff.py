@@ -3,7 +3,7 @@
 `check_session` accepts what TensorRT-LLM's own validator accepts (revision 1: an endpoint with a port
 or an opaque_state, and a request name; revision 3: its named JSON profile, naming the context request it
 ran); `produced_by_context` says whether a session may be pulled at all. `decode_needs_media` says
-whether the generation leg resends the prefill's media. Upstream facts: tests/test_trtllm_conformance.py.
+whether the generation leg resends the prefill's media. Upstream facts: tests/e2e/test_trtllm_conformance.py.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from orchestrator.kv.handoff import produced_by_context
 from orchestrator.kv.lease import KvLease
 from orchestrator.kv.legs import release_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
+from orchestrator.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class KvReleaser:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s
             candidates = [decode_worker] if decode_worker is not None and decode_worker.routable else []
             try:
-                candidates.append(self.pool.pick("decode", exclude=tuple(candidates)))
+                candidates.append(self.pool.pick(Role.DECODE, exclude=tuple(candidates)))
             except NoWorkerAvailable:
                 pass
             leg = release_leg(full, lease.session)

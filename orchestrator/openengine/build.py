@@ -5,7 +5,7 @@
 grpcio-tools writes imports as `from openengine.v1 import x_pb2`; we ship the stubs inside the
 `orchestrator` package (so they cannot clash with another distribution's `openengine`), which
 means rewriting those imports to `from orchestrator.openengine.v1 import x_pb2`. The stubs are
-committed; tests/test_wire_schema.py checks that a fresh build gives identical files.
+committed; tests/unit/test_wire_schema.py checks that a fresh build gives identical files.
 """
 
 from __future__ import annotations

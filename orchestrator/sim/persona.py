@@ -18,7 +18,7 @@ engine as it is, not against our reading of the spec:
   as EngineError events, every KV attribute required, a 30 s transfer timeout). Kept as an explicit
   option because it catches protocol slips the real engine would tolerate.
 
-The upstream facts and their commits are listed in tests/test_trtllm_conformance.py.
+The upstream facts and their commits are listed in tests/e2e/test_trtllm_conformance.py.
 """
 
 from __future__ import annotations

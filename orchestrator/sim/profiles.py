@@ -78,7 +78,7 @@ PROFILES: dict[str, Profile] = {
         ),
         # Llama-3.1-8B on one GPU under TensorRT-LLM, fitted to NVIDIA's aiconfigurator 0.12.0 (its perf database
         # of kernel timings collected on the GPU, backend trtllm 1.3.0rc20) by benchmarks/calibrate_profiles.py;
-        # the reference grid is orchestrator/sim/calibration.json, and tests/test_sim_calibration.py keeps every
+        # the reference grid is orchestrator/sim/calibration.json, and tests/unit/test_sim_calibration.py keeps every
         # point within 15%. KV: 32 layers x 8 KV heads x 128 dims x 2 (K and V) per token.
         Profile(
             name="llama3-8b-h100",

@@ -2,7 +2,7 @@
 
 A sim worker started with `--tool-call-parser NAME` answers tool calls as a model behind that parser writes them,
 so the orchestrator's parsers can be tested end to end. docs/simulator.md has the table of formats; the sources
-are in tests/test_trtllm_conformance.py (UPSTREAM tool-formats, reasoning-formats). DeepSeek's markers are
+are in tests/e2e/test_trtllm_conformance.py (UPSTREAM tool-formats, reasoning-formats). DeepSeek's markers are
 written with fullwidth bars (U+FF5C) and U+2581 for spaces, as its tokenizer has them.
 
 gpt-oss (`openai`, `gpt_oss`) writes its whole answer in harmony channels, reasoning included, whatever the

@@ -10,7 +10,7 @@ and decode them.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
 stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-HTTP2.md) it implements
-(tests/test_transport_conformance.py holds it to it, against h2's server side and a stock grpc.aio server):
+(tests/unit/test_transport_conformance.py holds it to it, against h2's server side and a stock grpc.aio server):
 - the request: HEADERS (`:method POST`, `:scheme`, `:path /package.Service/Method`, `:authority`,
   `content-type: application/grpc`, `te: trailers`, `grpc-accept-encoding: identity`, `user-agent`, and a
   unary call's timeout as `grpc-timeout`), one length-prefixed uncompressed message, END_STREAM; sent within

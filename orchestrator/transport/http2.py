@@ -2,8 +2,8 @@
 
 Why our own and not h2: h2 is a complete, general state machine and costs about 100 µs of CPU to open
 and close one stream and 8 µs per DATA frame (benchmarks/engine_client.py); a gRPC client needs a small
-part of HTTP/2. What of RFC 9113 it implements (tests/test_http2.py checks it against h2's server side, an
-independent implementation, and against hand-made frames; tests/test_transport_conformance.py over sockets):
+part of HTTP/2. What of RFC 9113 it implements (tests/unit/test_http2.py checks it against h2's server side, an
+independent implementation, and against hand-made frames; tests/unit/test_transport_conformance.py over sockets):
 - §3.4 the preface; §6.5 SETTINGS both ways, each acknowledged. Ours: ENABLE_PUSH 0, MAX_HEADER_LIST_SIZE,
   INITIAL_WINDOW_SIZE (the streams' receive window). The peer's: MAX_CONCURRENT_STREAMS (until its first
   SETTINGS we open at most 100 streams, §6.5.2's recommended minimum, so a burst at connect is not refused),

@@ -45,7 +45,7 @@ def test_text_max_tokens_defaults_to_the_room_left_and_is_clamped_to_max_output(
 
 
 def test_an_explicit_max_tokens_past_the_window_is_clamped_to_the_room_as_trtllm_does():
-    """UPSTREAM clamp (tests/test_trtllm_conformance.py): TensorRT-LLM's executor clamps, it does not refuse."""
+    """UPSTREAM clamp (tests/e2e/test_trtllm_conformance.py): TensorRT-LLM's executor clamps, it does not refuse."""
     assert limits(text_request(max_tokens=500), prompt=90, max_output=None).max_tokens == 10
     assert limits(text_request(max_tokens=35), prompt=10, configured=40, max_output=None).max_tokens == 30
 
@@ -176,7 +176,7 @@ def test_generation_leg_carries_the_session_untouched_and_the_same_prompt_and_me
     full = full_leg(req, request_id="r", model="m", prompt_ids=[1, 2, 3], limits=limits(req))
     session = _session()
     leg = generation_leg(full, session)
-    assert leg.request_id == "r-gen"  # its own id: one engine may run both legs (tests/test_trtllm_conformance.py)
+    assert leg.request_id == "r-gen"  # its own id: one engine may run both legs (tests/e2e/test_trtllm_conformance.py)
     assert leg.kv.session == session
     assert leg.kv.session.SerializeToString(deterministic=True) == session.SerializeToString(deterministic=True)
     assert leg.token_ids == full.token_ids and list(leg.media) == list(full.media)

@@ -12,7 +12,7 @@ from orchestrator.config import ConfigError
 from orchestrator.launch import check_sim_workers
 from orchestrator.testkit.plugin import orchestrator_command
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -63,7 +63,7 @@ def test_check_config_refuses_configs_that_cannot_serve(tmp_path, text, words):
 
 def test_log_levels_are_case_insensitive_and_their_choices_are_in_the_help():
     ok = subprocess.run(orchestrator_command("--log-level", "debug", "check-config", "configs/agg.yaml"),
-                        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+                        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(orchestrator_command("--log-level", "loud", "--help"), capture_output=True, text=True,
                          timeout=60)

@@ -23,6 +23,12 @@ def test_http_statuses_live_only_in_the_frontend():
     assert offenders == []
 
 
+def test_every_test_file_sits_in_a_layer():
+    """tests/unit or tests/e2e (docs/testing.md); tests/ itself holds only the helpers both import."""
+    tests = Path(__file__).resolve().parents[1]
+    assert sorted(path.name for path in tests.glob("test_*.py")) == []
+
+
 def test_the_coordinator_stays_small():
     assert len((PACKAGE / "flow" / "coordinator.py").read_text().splitlines()) <= 200
 

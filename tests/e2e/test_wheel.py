@@ -16,7 +16,7 @@ import yaml
 
 from orchestrator.testkit.plugin import ManagedProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pip(*args: str, cwd: Path) -> None:

@@ -83,7 +83,7 @@ def test_any_request_id_and_model_read_back_and_usage_adds_up(request_id, model,
 
 
 def test_logprobs_show_only_the_candidates_the_client_asked_for():
-    """The engine is asked for at least one candidate (tests/test_convert_engine.py); top_logprobs 0 shows none."""
+    """The engine is asked for at least one candidate (tests/unit/test_convert_engine.py); top_logprobs 0 shows none."""
     from orchestrator.engine.events import TokenLogprob
 
     lp = [TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5)))]

@@ -1,7 +1,7 @@
 """The simulated TRT-LLM worker, as real processes, through the real engine client.
 
 Its default persona is TensorRT-LLM's revision-1 OpenEngine server; the behaviours that come from
-upstream are cited in tests/test_trtllm_conformance.py. Here: the cost model, the KV store, faults.
+upstream are cited in tests/e2e/test_trtllm_conformance.py. Here: the cost model, the KV store, faults.
 """
 
 import signal
@@ -278,7 +278,7 @@ async def test_lora_rpcs_answer_unimplemented_with_a_message(sim_workers):
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "LoRA" in (info.value.details() or "")
 
 
-# ---- the TensorRT-LLM persona's behaviours of tests/test_trtllm_conformance.py (issue 27) ------------------
+# ---- the TensorRT-LLM persona's behaviours of tests/e2e/test_trtllm_conformance.py (issue 27) ------------------
 
 async def test_the_sibling_server_answers_a_late_abort_by_session_but_frees_nothing(sim_workers, engine_client):
     """UPSTREAM late-abort: after PrefillReady the context request is no longer active, so the abort only drops

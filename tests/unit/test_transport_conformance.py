@@ -3,7 +3,7 @@ HTTP/2, call by call: what a broken worker (or a proxy in front of one) can send
 (tests/h2_scripted_server.py), and what a stock grpc.aio server with production-like options does
 (tests/grpc_servers.py: its default ping policy, max_concurrent_streams, max_connection_age, compression),
 the gRPC-level cases on both stream_transport options. The pure framing's frame-level rules are in
-tests/test_http2.py."""
+tests/unit/test_http2.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A worker's wire values we do not know degrade that worker, never the process; each server's values are read by
-its own numbering (orchestrator/engine/numbering.py; upstream facts in tests/test_trtllm_conformance.py)."""
+its own numbering (orchestrator/engine/numbering.py; upstream facts in tests/e2e/test_trtllm_conformance.py)."""
 
 import trio
 

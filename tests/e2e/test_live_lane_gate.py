@@ -16,7 +16,7 @@ def run_lane(**env) -> subprocess.CompletedProcess:
     environment.update(env)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "live_engine",
                            str(TESTS / "test_live_engine.py")], capture_output=True, text=True, env=environment,
-                          cwd=TESTS.parent, timeout=300)
+                          cwd=TESTS.parents[1], timeout=300)
 
 
 def test_without_endpoints_the_lane_skips():

@@ -97,7 +97,7 @@ def test_response_format_maps_to_guided_decoding():
 
 
 def test_text_parts_stay_parts_and_assistant_null_content_is_allowed():
-    """The chat template decides how parts become text (tests/test_tokenizer.py)."""
+    """The chat template decides how parts become text (tests/unit/test_tokenizer.py)."""
     req = parse_chat(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                  {"type": "text", "text": "b"}]},
                                     {"role": "assistant", "content": None}]))

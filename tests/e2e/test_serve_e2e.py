@@ -155,7 +155,7 @@ def test_bad_input_is_a_4xx_in_the_openai_format_and_the_server_keeps_serving(di
 
 def test_max_tokens_beyond_the_window_is_clamped_to_the_room_left_as_trtllm_does(disagg):
     """TensorRT-LLM leaves ModelInfo.max_output_tokens unset (control.py) and its executor clamps a max_tokens past
-    the window (UPSTREAM clamp in tests/test_trtllm_conformance.py)."""
+    the window (UPSTREAM clamp in tests/e2e/test_trtllm_conformance.py)."""
     with disagg.http() as http:
         response = http.post("/v1/chat/completions", json=chat_body(max_tokens=90_000, seed=1, ignore_eos=True))
     assert response.status_code == 200, response.text
@@ -344,7 +344,7 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
         retries = _metric(metrics, 'orchestrator_retries_total{role="prefill"}')
         assert 1 <= retries <= 4
         assert _metric(metrics, 'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED"}') == retries
-        # An in-stream OVERLOADED is TensorRT-LLM's stall watchdog, not load (tests/test_trtllm_conformance.py)
+        # An in-stream OVERLOADED is TensorRT-LLM's stall watchdog, not load (tests/e2e/test_trtllm_conformance.py)
         refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
         assert refused.status_code == 502 and "retry-after" not in refused.headers
         assert refused.json()["error"]["code"] == "stream_stalled"

@@ -36,6 +36,6 @@ def test_a_worker_back_from_trouble_is_asked_again_what_it_can_do(previous, rere
 
 def test_there_is_no_draining_state_because_trtllm_has_none():
     """openengine v0.1.0 (what TensorRT-LLM serves) has no DRAINING health state: a draining worker says
-    NOT_READY, which is UNHEALTHY here (tests/test_trtllm_conformance.py, UPSTREAM health-states)."""
+    NOT_READY, which is UNHEALTHY here (tests/e2e/test_trtllm_conformance.py, UPSTREAM health-states)."""
     assert "draining" not in {state.value for state in S}
     assert "draining" not in {event.value for event in E}

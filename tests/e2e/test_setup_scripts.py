@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def system_tool(name: str) -> str:
@@ -39,7 +39,7 @@ class Machine:
         venv = self.root / ".venv" / "bin"
         venv.mkdir(parents=True)
         for path in [self.bin / name for name in stubs] + [venv / name for name in ("python", "orchestrator", "ruff",
-                                                                                    "mypy")]:
+                                                                                    "mypy", "lint-imports")]:
             path.write_text(LOGGING_STUB)
             path.chmod(0o755)
         (self.bin / "sudo").write_text('#!/bin/bash\nexec "$@"\n')  # when the suite does not run as root
@@ -90,9 +90,12 @@ def test_the_demo_installs_only_the_package_and_no_etcd(tmp_path, installed_befo
     assert pip_installs(machine.run("setup.sh")) == ["python -m pip install -q -e .[test,bench]"]  # the extras now
 
 
-def test_lint_sets_up_then_runs_ruff_over_the_tree_and_mypy_as_configured(tmp_path):
+def test_lint_sets_up_then_runs_ruff_over_the_tree_mypy_and_the_import_contracts_as_configured(tmp_path):
     machine = Machine(tmp_path, etcd=True, etcdctl=True)
     calls = machine.run("lint.sh")
-    assert pip_installs(calls) == ["python -m pip install -q -e .[test,bench]"]  # ruff and mypy come with `test`
-    assert calls[-2:] == ["ruff check .", "mypy "]  # no arguments: its files and options are in pyproject.toml
-    assert machine.run("lint.sh") == ["ruff check .", "mypy "]
+    # ruff, mypy and import-linter come with `test`
+    assert pip_installs(calls) == ["python -m pip install -q -e .[test,bench]"]
+    # no arguments: their files, options and contracts are in pyproject.toml (no cache: nothing left in the tree)
+    gates = ["ruff check .", "mypy ", "lint-imports --no-cache"]
+    assert calls[-3:] == gates
+    assert machine.run("lint.sh") == gates

@@ -17,6 +17,7 @@ from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
+from orchestrator.flow.plan import PlanPath, WholePlan
 from orchestrator.kv import KvLease, generation_leg
 from orchestrator.kv.release import KvReleaser
 from orchestrator.metrics import Metrics
@@ -325,7 +326,7 @@ async def test_a_disaggregated_request_whose_decode_fails_releases_its_session(t
     pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", broken), fake_worker("decode", healthy)])
     c = coordinator(tmp_path, "disaggregated", pool)
     plan = await c.plan(chat(), "e2")
-    plan = attrs.evolve(plan, workers=(plan.workers[0], pool.workers[1]))  # route to the broken decode worker
+    plan = attrs.evolve(plan, decode=pool.workers[1])  # route to the broken decode worker
     with pytest.raises(EngineError, match="bad"):
         await c.execute(plan, Sink())
     releases = [r.request_id for r in broken.generated() + healthy.generated() if r.request_id.endswith("release")]
@@ -345,7 +346,7 @@ async def test_a_decode_worker_lost_after_the_last_token_ends_the_answer_without
     pool = FakePool([fake_worker("prefill", prefill), fake_worker("decode", dying), fake_worker("decode", spare)])
     c = coordinator(tmp_path, "disaggregated", pool)
     plan = await c.plan(chat(), "e3")
-    plan = attrs.evolve(plan, workers=(plan.workers[0], pool.workers[1]))  # route to the dying decode worker
+    plan = attrs.evolve(plan, decode=pool.workers[1])  # route to the dying decode worker
     sink = Sink()
     await c.execute(plan, sink)
     assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
@@ -480,7 +481,7 @@ def breaks_after(tokens: int, name: str):
 async def test_a_request_migrates_again_when_its_continuation_breaks_too_up_to_the_limit(tmp_path, autojump_clock):
     (_, a1, a2), pool = aggregated_workers(breaks_after(1, "a0"), breaks_after(1, "a1"), lambda r: decode_tokens(1))
     c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 2})
-    plan = attrs.evolve(await c.plan(chat(), "e7"), workers=(pool.workers[0],))
+    plan = attrs.evolve(await c.plan(chat(), "e7"), worker=pool.workers[0])
     sink = Sink()
     await c.execute(plan, sink)
     assert sink.text == " weather weather weather" and sink.finished == ("length", 3)
@@ -489,7 +490,7 @@ async def test_a_request_migrates_again_when_its_continuation_breaks_too_up_to_t
 
     (_, b1, b2), pool = aggregated_workers(breaks_after(1, "b0"), breaks_after(1, "b1"), lambda r: decode_tokens(1))
     c = coordinator(tmp_path, "aggregated", pool, limits={"migration_limit": 1})
-    plan = attrs.evolve(await c.plan(chat(), "e8"), workers=(pool.workers[0],))
+    plan = attrs.evolve(await c.plan(chat(), "e8"), worker=pool.workers[0])
     with pytest.raises(WorkerUnavailable, match="gone"):
         await c.execute(plan, Sink())
     assert len(b1.generated()) + len(b2.generated()) == 1  # one migration, then the error stands
@@ -499,7 +500,7 @@ async def test_a_migrated_request_counts_its_decode_stage_once(tmp_path, autojum
     """Its stage durations are the request's, observed once when it ends, not once per pass of the loop."""
     _, pool = aggregated_workers(breaks_after(1, "a0"), lambda r: decode_tokens(2))
     c = coordinator(tmp_path, "aggregated", pool)
-    plan = attrs.evolve(await c.plan(chat(), "e9"), workers=(pool.workers[0],))
+    plan = attrs.evolve(await c.plan(chat(), "e9"), worker=pool.workers[0])
     await c.execute(plan, Sink())
     rendered = c.metrics.render().decode()
     assert 'orchestrator_stage_duration_seconds_count{stage="decode"} 1.0' in rendered
@@ -527,6 +528,12 @@ def local_request_pool(*decodes: FakeEngineClient) -> FakePool:
     return FakePool([fake_worker("prefill", prefill), *[fake_worker("decode", client) for client in decodes]])
 
 
+def local_on(plan, worker) -> WholePlan:
+    """The planned request on conditional mode's local path, on `worker`, whichever path the planner chose."""
+    return WholePlan(request_id=plan.request_id, api=plan.api, full=plan.full, prompt_tokens=plan.prompt_tokens,
+                     path=PlanPath.LOCAL, worker=worker)
+
+
 class Undiscovered(FakeEngineClient):
     """A worker routable while its capabilities are not known (its discovery failed after it was READY)."""
 
@@ -550,7 +557,7 @@ async def test_a_local_request_never_moves_to_a_decode_worker_that_cannot_run_it
     pool = local_request_pool(dying, other)
     c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096})
     # local, on the dying worker (the planner may have picked the other one and split the request)
-    plan = attrs.evolve(await c.plan(chat(), "e10"), path="local", workers=(pool.workers[1],))
+    plan = local_on(await c.plan(chat(), "e10"), pool.workers[1])
     sink = Sink()
     with pytest.raises(WorkerUnavailable, match="gone"):
         await c.execute(plan, sink)
@@ -570,7 +577,7 @@ async def test_a_local_request_moves_past_a_sibling_decode_worker_to_one_that_ru
     pool = local_request_pool(dying, spare, *siblings)
     c = coordinator(tmp_path, "conditional", pool, conditional={"max_local_prefill_length": 4096},
                     limits={"decode_retries": 1, "migration_limit": 1})
-    plan = attrs.evolve(await c.plan(chat(), "e11"), path="local", workers=(pool.workers[1],))
+    plan = local_on(await c.plan(chat(), "e11"), pool.workers[1])
     sink = Sink()
     await c.execute(plan, sink)
     assert sink.text == " weather weather weather" and sink.finished == ("length", 3)

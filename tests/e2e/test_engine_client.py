@@ -181,7 +181,7 @@ async def test_injected_retryable_error_keeps_its_flag(sim_workers, engine_clien
 
 
 async def test_an_in_stream_overloaded_is_the_stall_watchdog_and_not_retryable(sim_workers, engine_client):
-    """tests/test_trtllm_conformance.py UPSTREAM stall-watchdog: TensorRT-LLM sends ERROR_CODE_OVERLOADED with
+    """tests/e2e/test_trtllm_conformance.py UPSTREAM stall-watchdog: TensorRT-LLM sends ERROR_CODE_OVERLOADED with
     retryable=True only when its response stream was not read for 30 s; another worker would not help."""
     worker = sim_workers.start("aggregated", "--time-scale", "0", "--error-rate", "1",
                                "--error-code", "ERROR_CODE_OVERLOADED", "--error-retryable")

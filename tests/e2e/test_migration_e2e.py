@@ -159,7 +159,7 @@ async def test_a_request_the_engine_cancelled_migrates_or_fails_never_finishes_c
         tmp_path, workers, sim_workers, orchestrator_servers, engine_client):
     """An engine-side abort (Abort all_requests, as an operator would send it) of a stream we did not cancel:
     with another worker the stream continues there and ends whole; alone, the stream ends with an error event
-    naming the engine's cancel. Never a 200 whose finish_reason is "cancelled" (tests/test_trtllm_conformance.py
+    naming the engine's cancel. Never a 200 whose finish_reason is "cancelled" (tests/e2e/test_trtllm_conformance.py
     UPSTREAM engine-cancel)."""
     started = [sim_workers.start("aggregated", *STEP) for _ in range(workers)]
     server = orchestrator_servers.start(write_config(tmp_path / "cancel.yaml", "aggregated",

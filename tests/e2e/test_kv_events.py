@@ -1,7 +1,7 @@
 """The KV event feed (orchestrator/workers/kv_events.py) against real simulated workers of both personas,
 and its source validation and decoding, pure.
 
-Upstream facts (see tests/test_trtllm_conformance.py UPSTREAM "kv-events-*" for file and commit): revision 1
+Upstream facts (see tests/e2e/test_trtllm_conformance.py UPSTREAM "kv-events-*" for file and commit): revision 1
 publishes over ZMQ per rank with an optional replay ROUTER, revision 3 streams SubscribeKvEvents and fails
 closed on image blocks; sources are validated as Dynamo's TensorRT-LLM sidecar validates them.
 """

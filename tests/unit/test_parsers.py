@@ -1,6 +1,6 @@
 """The parsers (orchestrator/parsers/) as a request uses them: any split of the model's text into deltas (the
 prefill leg's first token, the decode leg, a migration) gives the same answer, and the stream's deltas add up to
-the collected view. Formats themselves are held in tests/test_parsers_conformance.py."""
+the collected view. Formats themselves are held in tests/unit/test_parsers_conformance.py."""
 
 from __future__ import annotations
 

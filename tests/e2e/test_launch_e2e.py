@@ -15,7 +15,7 @@ import pytest
 from orchestrator.testkit.plugin import ManagedProcess, ProcessFailed, orchestrator_command
 from sim_helpers import png_bytes
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def log_text(process: ManagedProcess) -> str:
@@ -194,7 +194,7 @@ def test_every_other_shipped_config_serves_requests_and_leaves_nothing_behind(tm
 
 
 FAKE_TRTLLM_SERVE = '''#!{python}
-"""A stand-in for `trtllm-serve` (tests/test_launch_e2e.py): records how it was started, refuses what a real
+"""A stand-in for `trtllm-serve` (tests/e2e/test_launch_e2e.py): records how it was started, refuses what a real
 one would refuse (an options file it cannot open), then serves as a simulated worker."""
 import json, os, sys
 from pathlib import Path

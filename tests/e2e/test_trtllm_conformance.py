@@ -143,7 +143,7 @@ UPSTREAM = {
     "repetition-penalty": ("NVIDIA/TensorRT-LLM cpp/tensorrt_llm/executor/samplingConfig.cpp @ 3585984b32cd "
                            "checkRepetitionPenalty; tensorrt_llm/sampling_params.py @ 000a01de66f0 _validate",
                            "repetition_penalty must be > 0 (a float); the LLM API checks no other sampling range"),
-    # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/test_kv_events.py, test_kv_index.py)
+    # KV events (orchestrator/workers/kv_events.py, kv_index.py; tests/e2e/test_kv_events.py, test_kv_index.py)
     "kv-events-r1-sources": ("R1 control.py @ 06cb2191b0be GetKvEventSources; node.py @ 2361706f3283 _source "
                              "(merged)", "one source per attention-DP rank: transport zmq, endpoint_addr {host, port, "
                              "protocol tcp}, topic, replay_endpoint tcp://host:port or '', encoding msgpack, "
@@ -165,7 +165,7 @@ UPSTREAM = {
                             "the gRPC server names itself (transport grpc, encoding protobuf) and streams one event "
                             "per KvEventBatch, numbered per rank from 1; hashes are decimal_int64 text; a block with "
                             "an image position cannot be carried and fails closed as AllBlocksCleared"),
-    # Two numberings (orchestrator/engine/numbering.py; tests/test_foreign_wire_values.py)
+    # Two numberings (orchestrator/engine/numbering.py; tests/e2e/test_foreign_wire_values.py)
     "numbering-r1": ("R1 control.py @ 06cb2191b0be3da4297abb13d5082a5e39b3b460 GetServerInfo; proto/manifest.json "
                      "@ 4c5eefe973fb", "schema_revision = bindings' SCHEMA_REVISION (1), schema_release the BSR "
                      "release; KvConnectorInfo.schema_version at field 8; v0.1.0 numbers ERROR_CODE_INTERNAL 11 and "
@@ -188,7 +188,7 @@ UPSTREAM = {
                              "endpoint_addr with protocol tcp, a host that is not empty, '*', '0.0.0.0' or '::', and "
                              "a port; events need a positive kv_block_size"),
     # Parsers, guides and tool-call formats the simulated model follows (orchestrator/sim/tool_formats.py,
-    # answers.py; tests/test_sim_tools.py)
+    # answers.py; tests/e2e/test_sim_tools.py)
     "parsers-advertised": ("R1 control.py @ 06cb2191b0be GetModelInfo; proto/openengine/v1/model.proto @ "
                            "c78c8c5c5db7; R3 servicer.py @ 3a8b4f203346 GetModelInfo (open PR #16336)",
                            "revision 1 sets reasoning_parser = llm.args.reasoning_parser or '' and never "

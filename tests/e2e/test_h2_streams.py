@@ -1,5 +1,5 @@
 """Generate over our own HTTP/2 client (transport/h2_channel.py): the wire rules it keeps, and the same
-behaviour as grpcio against real simulated workers (tests/test_engine_client.py runs on both too)."""
+behaviour as grpcio against real simulated workers (tests/e2e/test_engine_client.py runs on both too)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Each tool-call and reasoning format, as the upstream parser (file and commit) or model card shows the model
-writing it, and what it must parse to. docs/parsers.md has the same facts as a table; tests/test_parsers.py runs
+writing it, and what it must parse to. docs/parsers.md has the same facts as a table; tests/unit/test_parsers.py runs
 every sample here through every split of its text."""
 
 from __future__ import annotations
