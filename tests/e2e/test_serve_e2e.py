@@ -177,8 +177,8 @@ def test_oversize_prompt_error_names_both_numbers(disagg):
 def test_openai_sdk_raises_typed_errors(disagg):
     with pytest.raises(openai.NotFoundError):
         disagg.openai().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        _complete(disagg, n=3)
+    with pytest.raises(openai.BadRequestError, match="n: must be <= 16"):
+        _complete(disagg, n=17)
 
 
 def test_models_health_and_metrics(disagg):
