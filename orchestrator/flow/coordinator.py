@@ -94,6 +94,7 @@ class Coordinator:
                 and choice.find_holder(len(prompt_ids), self.config.conditional.max_local_prefill_length)):
             path, roles = "local", ("decode",)
         workers = tuple(choice.pick(role) for role in roles)
+        await choice.settled()  # behind a prefix an earlier request is computing there (kv_aware)
         caps = tuple([await self._capabilities(w) for w in workers])
         if path == "local" and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
