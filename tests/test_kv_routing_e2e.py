@@ -194,8 +194,6 @@ async def test_back_to_back_requests_sharing_a_long_prefix_hit_the_cache_in_real
     assert sum(prompt - hit for prompt, hit in counts) < 2500 + 5 * 200, counts  # one cold prefill
 
 
-@pytest.mark.xfail(strict=False, reason="not reliable yet: a follower is at times charged the first request's "
-                   "whole prompt as load and computes the prefix elsewhere (docs/kv-routing.md, Bursts)")
 async def test_a_burst_sharing_a_long_prefix_waits_for_the_first_prefill_and_hits_the_cache(
         tmp_path, sim_workers, orchestrator_in_process, engine_client):
     """An agent's fan-out: requests sharing a long prefix sent at once follow the first to the worker computing

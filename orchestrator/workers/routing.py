@@ -255,7 +255,10 @@ class KvAware:
             # (WorkerChoice.settled waits for those being computed), so they are no load for it there. Without
             # this, one running request sharing a prefix outweighs the hit (a follower of a burst, or the next
             # request of a conversation sent back to back, went elsewhere and computed the prefix again).
-            loads = [load - min(max(by_worker.get(c.address, {}).values(), default=0), load)
+            # Without KV usage (each request taken to cost this prompt's blocks), each of ours there is taken to
+            # share them likewise.
+            loads = [load - min(max(by_worker.get(c.address, {}).values(), default=0)
+                                * (1 if kv_blocks is not None else c.inflight + c.sent_since_load), load)
                      if c.inflight or c.sent_since_load else load for load, c in zip(loads, candidates)]
         cached, ranks, eligible = [], [], []
         for i, (c, sample, requests_there) in enumerate(zip(candidates, samples, requests)):
