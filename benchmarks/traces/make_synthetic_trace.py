@@ -36,8 +36,9 @@ def conversations(count: int, turns: int, seed: int) -> list[dict]:
             output = rng.randint(32, 200)
             rows.append({"timestamp": round(at), "input_length": input_length, "output_length": output,
                          "hash_ids": hash_ids, "session_id": f"conversation-{c}"})
-            # the next turn: this prompt and its answer, as whole blocks so far
-            history = hash_ids[: (input_length + output) // BLOCK] or hash_ids[:1]
+            # the next turn resends this prompt: its full blocks keep their ids (a partial last block's id is
+            # never reused: grown by the answer it is other tokens, as in the Mooncake traces)
+            history = hash_ids[: input_length // BLOCK]
             at += rng.uniform(2000, 5000)
     return sorted(rows, key=lambda row: row["timestamp"])
 

@@ -19,6 +19,9 @@ import trio
 from orchestrator.workers.pool import Worker, WorkerPool
 
 SETTLE_POLL_S = 0.005  # how often a request waiting behind a prefix being computed looks again
+# The longest a request waits behind a prefix being computed (docs/kv-routing.md, Bursts): past it the earlier
+# request is likely queued in the engine rather than computing, and this one queues there too instead.
+SETTLE_MAX_S = 0.1
 
 
 class WorkerChoice:
@@ -61,10 +64,11 @@ class WorkerChoice:
     async def settled(self) -> None:
         """Wait until the prefixes the picks chose still being computed are computed: the workers' KV events
         show them stored, or they lapse (KvIndex.computing_ttl_s: the earlier request failed, say), or the
-        worker is no longer routable."""
+        worker is no longer routable; at most SETTLE_MAX_S."""
         index = self.pool.kv_index
-        for worker, rank, keys, depth in self._behind:
-            while (index is not None and worker.routable
-                   and index.computing((worker.address, rank), keys, depth, trio.current_time())):
-                await trio.sleep(SETTLE_POLL_S)
+        with trio.move_on_after(SETTLE_MAX_S):
+            for worker, rank, keys, depth in self._behind:
+                while (index is not None and worker.routable
+                       and index.computing((worker.address, rank), keys, depth, trio.current_time())):
+                    await trio.sleep(SETTLE_POLL_S)
         self._behind.clear()
