@@ -65,6 +65,8 @@ class WorkerChoice:
         """Wait until the prefixes the picks chose still being computed are computed: the workers' KV events
         show them stored, or they lapse (KvIndex.computing_ttl_s: the earlier request failed, say), or the
         worker is no longer routable; at most SETTLE_MAX_S."""
+        if not self._behind:  # (the usual case: nothing to wait for)
+            return
         index = self.pool.kv_index
         with trio.move_on_after(SETTLE_MAX_S):
             for worker, rank, keys, depth in self._behind:
