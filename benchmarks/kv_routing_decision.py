@@ -22,7 +22,7 @@ from orchestrator.workers.routing import KvAware, LoadSample
 
 class _Candidate:
     def __init__(self, address: str, requests: int):
-        self.address, self.inflight, self.sent_since_load = address, 0, 0
+        self.address, self.inflight, self.sent_since_load, self.finished_since_load = address, 0, 0, 0
         self.sample = LoadSample(0.0, requests, 100 * requests, 12000)
         self.targets_dp_rank, self.dp_size = False, 1
 

@@ -1,4 +1,4 @@
-"""`orchestrator bench run`, `orchestrator bench compare` and `orchestrator bench plan`."""
+"""`orchestrator bench run`, `compare`, `plan`, `reuse` and `trace`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     reuse.add_argument("file", type=Path, help="e.g. configs/bench/reuse.yaml")
     reuse.add_argument("--out", type=Path, default=None, help="also write results.json and report.md here")
     reuse.set_defaults(run=reuse_command)
+    trace = sub.add_parser("trace", help="replay a Mooncake-format trace in real time; TTFT, ITL, cache hits "
+                                         "against an infinite-cache oracle (docs/kv-routing.md)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    trace.add_argument("file", type=Path, help="JSONL: timestamp (ms), input_length, output_length, hash_ids, "
+                                               "optionally session_id (benchmarks/traces/ has one)")
+    trace.add_argument("--url", required=True, help="the deployment's base URL, e.g. http://127.0.0.1:8000")
+    trace.add_argument("--label", default="", help="names this run in the report (e.g. the routing policy)")
+    trace.add_argument("--model", default="tiny-chat")
+    trace.add_argument("--block-size", type=int, default=512, help="tokens per hash id in the trace")
+    trace.add_argument("--time-scale", type=float, default=1.0, help="multiplies the gaps between requests")
+    trace.add_argument("--length-scale", type=float, default=1.0,
+                       help="multiplies input and output lengths and the block size")
+    trace.add_argument("--sample", type=float, default=1.0, help="fraction of the conversations replayed, whole")
+    trace.add_argument("--seed", type=int, default=0, help="seed of the conversation sample")
+    trace.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
+    trace.add_argument("--out", type=Path, default=Path("results/trace"),
+                       help="runs.jsonl (one line per run, appended), report.md and ttft.png over all runs")
+    trace.set_defaults(run=trace_command)
     bench.set_defaults(run=lambda args: bench.print_help() or 2)
 
 
@@ -130,3 +148,11 @@ def reuse_command(args: argparse.Namespace) -> int:
     from orchestrator.bench.reuse import main_reuse
 
     return main_reuse(args.file, args.out)
+
+
+def trace_command(args: argparse.Namespace) -> int:
+    from orchestrator.bench.trace import main_trace
+
+    return main_trace(args.file, args.url, label=args.label, model=args.model, block_size=args.block_size,
+                      time_scale=args.time_scale, length_scale=args.length_scale, sample=args.sample,
+                      seed=args.seed, limit=args.limit, out=args.out)

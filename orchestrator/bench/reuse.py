@@ -203,7 +203,8 @@ class _Worker:
                                    mm_keys=True)  # image segments in the KV events, as a revision-3 worker
         self.step: Step | None = None
         self.busy_s = 0.0  # virtual time spent in steps
-        self.inflight = self.sent_since_load = 0  # the load is read fresh on every choice here
+        # the load is read fresh on every choice here
+        self.inflight = self.sent_since_load = self.finished_since_load = 0
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample:
         # GetLoad as TensorRT-LLM answers it with load metrics on (UPSTREAM load-kv): requests, the queued ones
@@ -279,6 +280,9 @@ class _OracleIndex:
 
     def routed(self, where: tuple[str, int], keys: Sequence[int], now: float) -> None:
         pass
+
+    def computing(self, where: tuple[str, int], keys: Sequence[int], depth: int, now: float) -> bool:
+        return False  # the oracle sees the caches as they are
 
 
 @attrs.frozen

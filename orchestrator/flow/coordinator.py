@@ -69,6 +69,7 @@ class Coordinator:
         choice = WorkerChoice(self.pool, self.kv_roles, lambda size: self._prompt_keys(api, prompt_ids, size))
         path = self._path(api, len(prompt_ids), choice)
         workers = tuple(choice.pick(role) for role in path.roles)
+        await choice.settled()  # behind a prefix an earlier request is computing there (kv_aware)
         caps = tuple([await self._capabilities(w) for w in workers])
         if path is LOCAL and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 
@@ -148,7 +149,9 @@ def _chained_blocks(blocks: Iterable[tuple], parent: int) -> list[int]:
     block is dropped by zip itself). Measured for an 8k-token prompt: cutting and hashing the token ids in C is
     about two thirds of the time, the chain step the rest; hashlib.blake2b per block over packed bytes
     (array/struct) is about 4x slower (packing the list alone costs as much as this loop, then one digest
-    object per block), and a comprehension carrying the chain saves under 10%, within the noise."""
+    object per block), and a comprehension carrying the chain saves under 10%, within the noise. Hashing each
+    block first (map(hash, ...)) and chaining the pair of ints runs as many instructions (callgrind: 1.10M against
+    1.06M for 8192 tokens): the cost is cutting and hashing the 8192 ids, the floor without a C extension."""
     keys: list[int] = []
     append = keys.append
     image = parent & IMAGE_BIT
@@ -319,13 +322,16 @@ def _event_image_block(block: Sequence[int | str], segments: Sequence[MmSegment]
 # ---- the index -------------------------------------------------------------------------------------------
 
 class _RankState:
-    __slots__ = ("index", "bit", "by_engine", "extra_refs")
+    __slots__ = ("index", "bit", "by_engine", "extra_refs", "computing")
 
     def __init__(self, index: int):
         self.index = index  # 1..255: this (worker, rank)'s bit in the masks
         self.bit = 1 << index
         self.by_engine: dict[int, int] = {}  # engine hash -> our key (events); our key -> our key (stored())
         self.extra_refs: dict[int, int] = {}  # our key -> further engine hashes mapping to it (rare: LoRA, salt)
+        # In-flight entries (events mode): our key -> until when, for the blocks of prompts we routed here that
+        # its events have not shown stored yet (routed_computing)
+        self.computing: dict[int, float] = {}
 
 
 class KvIndex:
@@ -336,10 +342,16 @@ class KvIndex:
     it holds; a worker counts its event entries, and its approximate entries where its mode is approximate
     (or, for a worker whose events carry no image keys, from the prompt's first image block on)."""
 
-    def __init__(self, ttl_s: float = 120.0, max_approximate: int = 1_000_000):
+    def __init__(self, ttl_s: float = 120.0, max_approximate: int = 1_000_000, computing_ttl_s: float = 10.0):
         if ttl_s <= 0:
             raise ValueError("ttl_s must be > 0")
+        if computing_ttl_s < 0:
+            raise ValueError("computing_ttl_s must be >= 0")
         self.ttl_s = ttl_s
+        # How long a prompt routed to a worker with events counts as being computed there when its events do not
+        # show it stored (the request failed, or its blocks were cached already); 0: not counted at all.
+        self.computing_ttl_s = computing_ttl_s
+        self._computing_sweep_at = 0.0
         self.max_approximate = max_approximate
         self._ranks: dict[WorkerRank, _RankState] = {}
         self._free_bits: list[int] = []  # indexes of (worker, rank)s forgotten
@@ -464,6 +476,10 @@ class KvIndex:
         self.removed(where, engine_hashes)
 
     def _store(self, state: _RankState, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
+        if state.computing:  # the events settle what was being computed there
+            pop = state.computing.pop
+            for key in keys:
+                pop(key, None)
         held, by_engine, bit = self._held, state.by_engine, state.bit
         for engine_hash, key in zip(engine_hashes, keys):
             old = by_engine.get(engine_hash)
@@ -526,6 +542,8 @@ class KvIndex:
         except ValueError:  # every bit taken: not recorded (a routing decision must not fail on it)
             return
         bit = state.bit
+        if not bit & self._approx_mask:
+            self._routed_computing(state, keys, now)
         if not (bit & (self._approx_mask | self._no_image_mask)):
             return
         if not (bit & self._approx_mask):
@@ -579,6 +597,8 @@ class KvIndex:
         bits = 0
         for state in states:
             bits |= state.bit
+        for state in states:
+            state.computing = {}
         shifts = {state.index for state in states}
         for stamp in [stamp for stamp in self._routed_until if stamp & 0xFF in shifts]:
             del self._routed_until[stamp]
@@ -591,9 +611,75 @@ class KvIndex:
                 del self._routed[key]
         # their deque items stay until due; expiring them finds no stamp and does nothing
 
+    # ---- in-flight entries (events mode) ----------------------------------------------------------------
+    # A prompt routed to a worker whose events say what it holds counts as held there from the routing on, not
+    # from its events (which come after its prefill): the next request with the same prefix follows it instead
+    # of computing the prefix again elsewhere. The events settle each block (stored: held from then on); a
+    # block they never show (the request failed, or it was cached already) lapses after computing_ttl_s.
+    def _routed_computing(self, state: _RankState, keys: Sequence[int], now: float) -> None:
+        if not self.computing_ttl_s or not keys:
+            return
+        if now >= self._computing_sweep_at:  # lapsed entries go once per TTL, amortised over the decisions
+            self._computing_sweep_at = now + self.computing_ttl_s
+            for other in self._ranks.values():
+                if other.computing:
+                    other.computing = {k: until for k, until in other.computing.items() if until > now}
+        if len(state.computing) > self.max_approximate:  # memory bound: forgotten, never wrong for long
+            state.computing = {}
+        # Only the blocks its events do not show yet (held blocks are prefix-closed: found by bisection).
+        held, bit = self._held, state.bit
+        low, high = 0, len(keys)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if held.get(keys[middle - 1], 0) & bit:
+                low = middle
+            else:
+                high = middle - 1
+        state.computing.update(zip(islice(keys, low, None), itertools.repeat(now + self.computing_ttl_s)))
+
+    def computing(self, where: WorkerRank, keys: Sequence[int], depth: int, now: float) -> bool:
+        """Whether the first `depth` blocks of `keys` are still being computed at `where`: routed there, not yet
+        shown stored by its events, and within computing_ttl_s."""
+        state = self._ranks.get(where)
+        if state is None or depth < 1 or not state.computing:
+            return False
+        key = keys[depth - 1]  # (a prefix's blocks are stored in order: its last says it all)
+        return not self._held.get(key, 0) & state.bit and state.computing.get(key, 0.0) > now
+
+    def _with_computing(self, result: dict[WorkerRank, int], keys: Sequence[int], now: float
+                        ) -> dict[WorkerRank, int]:
+        """`result` (the confirmed overlap) extended by each rank's in-flight entries. Held and in-flight blocks
+        together are prefix-closed (an engine stores a block after its parent and evicts leaves first; a routed
+        prompt adds its whole chain), so the leading run is found by bisection: a few lookups, not one a block."""
+        total = len(keys)
+        held = self._held
+        for where, state in self._ranks.items():
+            computing = state.computing
+            if not computing:
+                continue
+            bit = state.bit
+            low = result.get(where, 0)  # blocks known there: the answer is at least that
+            high = total
+            while low < high:
+                middle = (low + high + 1) // 2
+                key = keys[middle - 1]
+                if held.get(key, 0) & bit or computing.get(key, 0.0) > now:
+                    low = middle
+                else:
+                    high = middle - 1
+            if low:
+                result[where] = low
+        return result
+
     # ---- questions -----------------------------------------------------------------------------------
     def overlap(self, keys: Sequence[int], now: float) -> dict[WorkerRank, int]:
-        """How many LEADING blocks of `keys` each (worker, rank) holds; only those holding at least one."""
+        """How many LEADING blocks of `keys` each (worker, rank) holds, or is computing for a prompt we routed
+        there (in-flight entries); only those holding at least one."""
+        result = self.confirmed_overlap(keys, now)
+        return self._with_computing(result, keys, now) if keys and self.computing_ttl_s else result
+
+    def confirmed_overlap(self, keys: Sequence[int], now: float) -> dict[WorkerRank, int]:
+        """overlap() from the events and approximate entries alone (without the in-flight entries)."""
         self.expire(now)
         result: dict[WorkerRank, int] = {}
         if not keys:

@@ -54,7 +54,9 @@ class Worker:
         self.detail = ""
         self.inflight = 0
         self.sent_since_load = 0
+        self.finished_since_load = 0  # leases ended since the sample: routing takes them off its requests
         self.load_sample: LoadSample | None = None
+        self.idle_staleness = 0.0  # how long an idle sample holds (the pool sets it: about a health interval)
         self.scope = trio.CancelScope()
         self.idle = trio.Event()
         self.idle.set()
@@ -94,9 +96,16 @@ class Worker:
         return answer
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None:
-        if self.load_sample is None or now - self.load_sample.at > staleness:
+        sample = self.load_sample
+        if sample is None:
             return None
-        return self.load_sample
+        if now - sample.at > staleness and not (
+                # An idle worker's load is read with each health check only (WorkerPool._poll_load): its last
+                # sample holds until the next one is due, unless we sent it something since.
+                sample.requests == 0 and self.inflight == 0 and self.sent_since_load == 0
+                and now - sample.at <= self.idle_staleness):
+            return None
+        return sample
 
     @property
     def routable(self) -> bool:
@@ -164,6 +173,7 @@ class WorkerPool:
         current = set(self.workers)
         for spec in snapshot.workers - current:
             worker = self.workers[spec] = Worker(spec)
+            worker.idle_staleness = self.health_interval + max(1.0, self.health_interval)  # (+ its answer's time)
             log.info("worker added: %s %s", spec.role, spec.address)
             nursery.start_soon(self._run_worker, worker)
         for spec in current - snapshot.workers:
@@ -217,9 +227,10 @@ class WorkerPool:
             timeout = max(1.0, self.health_interval)
             try:
                 if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
+                    asked = (worker.sent_since_load, worker.finished_since_load)
                     state, load = await client.health_and_load(timeout=timeout)
                     if not isinstance(load, EngineError):
-                        self._on_load(worker, load)
+                        self._on_load(worker, load, asked)
                 else:
                     state = await client.health(timeout=timeout)
             except EngineError as exc:
@@ -334,7 +345,10 @@ class WorkerPool:
         return worker.inflight == 0 and worker.load_sample is not None and worker.load_sample.requests == 0
 
     @staticmethod
-    def _on_load(worker: Worker, load) -> None:
+    def _on_load(worker: Worker, load, asked: tuple[int, int] | None = None) -> None:
+        """A GetLoad answer; `asked`: our (sent, finished) counts since the previous sample when it was asked
+        (None: as it arrived). What was sent or finished during the round trip still counts after it: a sample
+        asked while our request ran may arrive after it finished, and must not count it running again."""
         kv = load.HasField("used_kv_blocks") and load.HasField("total_kv_blocks") and load.total_kv_blocks > 0
         # Revision-1 TensorRT-LLM counts its queued requests in running_requests and leaves queued_requests unset
         # (UPSTREAM load-kv). The sibling server (revision 3) sets queued_requests, but its running_requests is the
@@ -347,7 +361,9 @@ class WorkerPool:
             requests = max(load.running_requests, load.prefill_batch_size + load.decode_batch_size + queued)
         worker.load_sample = LoadSample(trio.current_time(), requests, load.used_kv_blocks if kv else None,
                                         load.total_kv_blocks if kv else None, queued=queued)
-        worker.sent_since_load = 0
+        sent, finished = asked if asked is not None else (worker.sent_since_load, worker.finished_since_load)
+        worker.sent_since_load -= sent
+        worker.finished_since_load -= finished
         if worker.load_sample.requests:
             worker.load_poll_due.set()  # busy (someone else's traffic): the poll runs at its own pace again
 
@@ -356,7 +372,8 @@ class WorkerPool:
         while True:
             if worker.state is WorkerState.READY:
                 try:
-                    self._on_load(worker, await client.load(timeout=max(1.0, interval * 4)))
+                    asked = (worker.sent_since_load, worker.finished_since_load)
+                    self._on_load(worker, await client.load(timeout=max(1.0, interval * 4)), asked)
                 except EngineError:
                     pass
             if self._idle_load(worker):
@@ -473,6 +490,7 @@ class WorkerPool:
             yield worker
         finally:
             worker.inflight -= 1
+            worker.finished_since_load += 1
             if worker.inflight == 0:
                 worker.idle.set()
 

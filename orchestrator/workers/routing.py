@@ -53,8 +53,9 @@ class LoadSample:
 
 class Candidate(Protocol):
     address: str
-    inflight: int
-    sent_since_load: int
+    inflight: int  # our requests there now (leased, not yet finished)
+    sent_since_load: int  # of ours, picked for it since its last load sample
+    finished_since_load: int  # of ours, finished there since its last load sample
 
     def fresh_load(self, now: float, staleness: float) -> LoadSample | None: ...
 
@@ -135,8 +136,8 @@ class LeastLoaded:
         return Decision(self.choose(candidates, now), "policy")
 
 
-def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None], per_request_default: float
-           ) -> tuple[list[float], list[float] | None]:
+def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None], per_request_default: float,
+           known: Sequence[tuple[int, float]] = ()) -> tuple[list[float], list[float] | None]:
     """Each candidate's load as both policies score it: its requests (running + queued as its fresh sample
     says, plus those we sent it since; without a fresh sample, ours in flight there) and, only where every
     candidate reports KV usage, its load in KV blocks: the blocks in use, with each request that holds none yet
@@ -149,8 +150,14 @@ def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None]
     wherever it waits, and one worker running one short request would otherwise look nearly free per queued
     request and draw the queue again. TensorRT-LLM does not say which of its requests are queued (UPSTREAM
     load-kv): there a worker's requests at the average weigh at least as much as its blocks in use, so a queue
-    behind few blocks still counts."""
-    requests = [float(c.inflight) if s is None else float(s.requests + c.sent_since_load)
+    behind few blocks still counts. `known` (per candidate, kv_aware): of those sent since the sample, how many
+    and the blocks they have to compute, charged as such instead of at the average (a request following a
+    prefix cached or being computed there costs only the rest of its prompt)."""
+    # Ours count from the pick until they finish, whatever the sample says: those sent since it are added, those
+    # finished since it taken off (a sample read while our last request ran must not outweigh its cached prefix
+    # once it is done), and never fewer than ours in flight there (a sample may predate their arrival).
+    requests = [float(c.inflight) if s is None
+                else float(max(c.inflight, s.requests + c.sent_since_load - c.finished_since_load))
                 for c, s in zip(candidates, samples)]
     reporting = [s for s in samples if s is not None and s.reports_kv]
     if len(reporting) != len(samples):
@@ -159,15 +166,26 @@ def _loads(candidates: Sequence[Candidate], samples: Sequence[LoadSample | None]
     used = sum(s.used_kv_blocks or 0 for s in reporting)
     per_request = used / admitted if admitted > 0 and used > 0 else per_request_default
 
-    def blocks(sample: LoadSample, sent: int) -> float:
+    def blocks(i: int, sample: LoadSample, candidate: Candidate) -> float:
         held = float(sample.used_kv_blocks or 0)
         if sample.queued is None:  # queued requests hidden in `requests`
             held = max(held, sample.requests * per_request)
         else:
             held += sample.queued * per_request
-        return held + sent * per_request
+        sent, finished = candidate.sent_since_load, candidate.finished_since_load
+        # Ours finished since the sample: those beyond the ones sent since were in it, and take their share of
+        # its blocks with them (a request's own blocks, not an average: one long request finished frees them all).
+        gone = min(sample.requests, max(0, finished - sent))
+        if gone:
+            held *= (sample.requests - gone) / sample.requests
+        still_sent = max(0, sent - (finished - gone))
+        counted, their_blocks = known[i] if known else (0, 0.0)
+        counted = min(counted, sent)
+        if counted:
+            their_blocks *= min(counted, still_sent) / counted
+        return held + max(0, still_sent - counted) * per_request + their_blocks
 
-    return requests, [blocks(s, c.sent_since_load) for c, s in zip(candidates, reporting)]
+    return requests, [blocks(i, s, c) for i, (c, s) in enumerate(zip(candidates, reporting))]
 
 
 class PrefixIndex(Protocol):
@@ -178,6 +196,8 @@ class PrefixIndex(Protocol):
     def mode(self, worker: str) -> str: ...
 
     def routed(self, where: tuple[str, int], keys: Sequence[int], now: float) -> None: ...
+
+    def computing(self, where: tuple[str, int], keys: Sequence[int], depth: int, now: float) -> bool: ...
 
 
 @attrs.frozen
@@ -200,17 +220,19 @@ class KvAware:
     load = KV blocks in use (+ an average request's blocks for each one queued or sent since the sample; from an
     engine that does not tell its queued requests apart, at least its requests x that average) where every
     candidate reports KV usage, else its requests x this prompt's blocks (each request there taken to cost
-    about as much as this one). Ties go to the lesser load, then in rotation. The hot-prefix guard rules out a
-    candidate far busier (in requests) than the least loaded one, or whose KV cache is nearly full, so that a
-    popular prefix spreads over the workers instead of queueing on the one that holds it. On an attention-DP
-    worker that accepts a target rank the cached blocks are the best rank's and that rank is targeted; one that
-    does not (the engine balances its ranks itself) counts the ranks' mean. Every decision is recorded in the
-    index (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the index learns of
-    it."""
+    about as much as this one). Ties go to the one holding more of the prompt, then in rotation. The hot-prefix
+    guard rules out a candidate far busier (in requests) than the least loaded one, or whose KV cache is nearly
+    full, so that a popular prefix spreads over the workers instead of queueing on the one that holds it. On an
+    attention-DP worker that accepts a target rank the cached blocks are the best rank's and that rank is
+    targeted; one that does not (the engine balances its ranks itself) counts the ranks' mean. Every decision is
+    recorded in the index (`KvIndex.routed`): for a worker without KV events (approximate mode) that is all the
+    index learns of it; for one with events, its prompt counts as being computed there until they show it."""
 
     def __init__(self, index: PrefixIndex, staleness_s: float, knobs: KvAwareKnobs = KvAwareKnobs()):
         self.index, self.staleness_s, self.knobs = index, staleness_s, knobs
         self._tiebreak = itertools.count()
+        # Per worker address: (the load sample it was for, requests we sent it since, the blocks they compute)
+        self._sent: dict[str, tuple[float, int, float]] = {}
 
     def decide(self, candidates: Sequence[CandidateT], now: float, prompt: Sequence[int] = ()
                ) -> Decision[CandidateT]:
@@ -218,13 +240,26 @@ class KvAware:
         blocks = len(prompt)
         overlap = self.index.overlap(prompt, now) if blocks else {}
         samples = [c.fresh_load(now, self.staleness_s) for c in candidates]
-        requests, kv_blocks = _loads(candidates, samples, per_request_default=float(blocks))
+        known = [self._sent_since(c.address, s) for c, s in zip(candidates, samples)]
+        requests, kv_blocks = _loads(candidates, samples, per_request_default=float(blocks), known=known)
         # without KV usage from every candidate: each request there taken to cost about as much as this one
         loads = kv_blocks if kv_blocks is not None else [r * max(blocks, 1) for r in requests]
         least = min(requests)
         by_worker: dict[str, dict[int, int]] = {}
         for (address, dp_rank), n in overlap.items():
             by_worker.setdefault(address, {})[dp_rank] = n
+        if overlap:
+            # Where a request of ours runs (or was just sent), the blocks of this prompt cached there are most
+            # likely its own, in use and counted in that worker's load (from its sample, or as sent since), or
+            # being computed for it: this prompt shares them, allocating and computing none of them again
+            # (WorkerChoice.settled waits for those being computed), so they are no load for it there. Without
+            # this, one running request sharing a prefix outweighs the hit (a follower of a burst, or the next
+            # request of a conversation sent back to back, went elsewhere and computed the prefix again).
+            # Without KV usage (each request taken to cost this prompt's blocks), each of ours there is taken to
+            # share them likewise.
+            loads = [load - min(max(by_worker.get(c.address, {}).values(), default=0)
+                                * (1 if kv_blocks is not None else c.inflight + c.sent_since_load), load)
+                     if c.inflight or c.sent_since_load else load for load, c in zip(loads, candidates)]
         cached, ranks, eligible = [], [], []
         for i, (c, sample, requests_there) in enumerate(zip(candidates, samples, requests)):
             held, rank = _held(c, by_worker.get(c.address))
@@ -239,9 +274,11 @@ class KvAware:
                 eligible.append(i)
         weight = self.knobs.overlap_weight
 
-        def cost(i: int) -> tuple[float, float, int]:
+        def cost(i: int) -> tuple[float, int, int]:
             uncached = blocks - max(cached[i], 0)
-            return weight * uncached + loads[i], loads[i], (i - turn) % len(candidates)
+            # At equal cost the one holding more of the prompt (it computes less: the burst measurement in
+            # docs/kv-routing.md), then in rotation.
+            return weight * uncached + loads[i], -max(cached[i], 0), (i - turn) % len(candidates)
 
         best = min(eligible or range(len(candidates)), key=cost)
         held = max(cached[best], 0)
@@ -258,11 +295,23 @@ class KvAware:
             # blocks, a chat template's, more often than their last), so that distinct prompts spread over the
             # ranks and our routing history knows which rank took this one.
             rank = (prompt[-1] >> 8) % max(getattr(chosen, "dp_size", 1), 1)  # (a key's low bits are flags)
+        sample = samples[best]
+        if sample is not None:  # what it computes counts there until its next load sample shows it
+            count, sent_blocks = known[best]
+            self._sent[chosen.address] = (sample.at, count + 1, sent_blocks + blocks - held)
         if blocks:
             # What we sent where: all the index knows of a worker without events (approximate mode), and of
-            # the image blocks of one whose events carry no image keys; it ignores them for the rest.
+            # the image blocks of one whose events carry no image keys; for one with events, its blocks count
+            # as being computed there until the events show them stored.
             self.index.routed((chosen.address, rank or 0), prompt, now)
         return Decision(chosen, reason, rank, held, blocks)
+
+    def _sent_since(self, address: str, sample: LoadSample | None) -> tuple[int, float]:
+        """The requests we sent `address` since its load `sample`, and the blocks they compute there."""
+        recorded = self._sent.get(address)
+        if recorded is None or sample is None or recorded[0] != sample.at:
+            return 0, 0.0
+        return recorded[1], recorded[2]
 
 
 def _held(candidate: Candidate, per_rank: dict[int, int] | None) -> tuple[int, int | None]:

@@ -61,10 +61,7 @@ async def test_requests_sharing_a_prefix_land_on_one_worker_routed_approximately
     async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         for round_ in range(4):
             hits = []
-            for name in ("alpha", "beta", "gamma"):
-                # the load each worker reports is fresh (a GetLoad with every 0.2 s health check): a stale "1
-                # running" would outweigh an 18-block hit (cost in blocks; one request holds ~36)
-                await trio.sleep(0.5)
+            for name in ("alpha", "beta", "gamma"):  # back to back: our finished requests no longer count there
                 hits.append(cached(await http.post("/v1/chat/completions", json=chat(
                     SYSTEM[name], f"question {round_}", image=image if name == "gamma" else None))))
             if round_ == 0:
@@ -163,8 +160,9 @@ async def test_two_replicas_fed_by_the_same_events_route_alike(tmp_path, sim_wor
                 return sum(w["blocks"] for w in (await health_of(b)).values()) >= blocks_before + 18
             await until(b_heard_of_it)
             for i, http in enumerate((b, a, b)):
-                # Each replica reads the workers' load itself: let both see the last request done (a fresh
-                # GetLoad comes with every health check, 0.2 s), or a stale "1 running" there may outweigh the hit.
+                # Each replica reads the workers' load itself and knows only its own requests finished: let both
+                # see the last request done (a fresh GetLoad comes with every health check, 0.2 s), or a stale "1
+                # running" of the other replica's may outweigh the hit (docs/kv-routing.md, replicas).
                 await trio.sleep(0.5)
                 hit = cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], f"next {i}")))
                 assert hit >= 18 * 32, (name, i, hit)
@@ -172,6 +170,51 @@ async def test_two_replicas_fed_by_the_same_events_route_alike(tmp_path, sim_wor
     assert 'orchestrator_routing_decisions_total{reason="prefix",role="aggregated"} 6.0' in metrics_b
     counts = await served(engine_client, workers)
     assert sum(prompt - hit for prompt, hit in counts) < 3 * 1000 + 9 * 200, counts  # one cold prefill a family
+
+
+LONG = {name: f"You are the {name} research assistant. " + " ".join(f"{name}-document-line-{i} reads on;"
+                                                                    for i in range(120)) for name in ("doc", "fan")}
+
+
+async def test_back_to_back_requests_sharing_a_long_prefix_hit_the_cache_in_real_time(
+        tmp_path, sim_workers, orchestrator_in_process, engine_client):
+    """Four workers publishing KV events, no pause between requests: each request after a prefix's first
+    finds it cached, right after the first finished (its load sample may still show it running, its events may
+    not have arrived: our finished request no longer counts, the routed prompt counts as being computed)."""
+    workers = [sim_workers.start("aggregated", *EVENTS) for _ in range(4)]
+    config = kv_config(tmp_path, "realtime", workers)
+    async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async def all_events():
+            return [w["mode"] for w in (await health_of(http)).values()] == ["events"] * 4
+        await until(all_events)
+        back_to_back = [cached(await http.post("/v1/chat/completions", json=chat(LONG["doc"], f"question {i}")))
+                        for i in range(6)]
+        assert back_to_back[0] == 0 and all(hit >= 40 * 32 for hit in back_to_back[1:]), back_to_back
+    counts = await served(engine_client, workers)
+    assert sum(prompt - hit for prompt, hit in counts) < 2500 + 5 * 200, counts  # one cold prefill
+
+
+async def test_a_burst_sharing_a_long_prefix_waits_for_the_first_prefill_and_hits_the_cache(
+        tmp_path, sim_workers, orchestrator_in_process, engine_client):
+    """An agent's fan-out: requests sharing a long prefix sent at once follow the first to the worker computing
+    it and wait for its prefill there instead of computing the prefix again (within the hot-prefix guard)."""
+    workers = [sim_workers.start("aggregated", *EVENTS) for _ in range(4)]
+    config = kv_config(tmp_path, "burst", workers)
+    async with orchestrator_in_process(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async def all_events():
+            return [w["mode"] for w in (await health_of(http)).values()] == ["events"] * 4
+        await until(all_events)
+        burst: list[int] = []
+
+        async def one(i):
+            burst.append(cached(await http.post("/v1/chat/completions", json=chat(LONG["fan"], f"task {i}"))))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):  # within the hot-prefix guard (max_imbalance 4): more spread deliberately
+                nursery.start_soon(one, i)
+        assert sorted(burst)[0] == 0 and all(hit >= 40 * 32 for hit in sorted(burst)[1:]), burst
+    counts = await served(engine_client, workers)
+    assert sum(prompt - hit for prompt, hit in counts) < 2500 + 4 * 200, counts  # one cold prefill
 
 
 async def test_an_attention_dp_worker_is_asked_for_the_rank_holding_the_prefix(

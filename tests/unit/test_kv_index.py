@@ -313,7 +313,27 @@ def test_an_events_worker_keeps_no_approximate_entries_for_text():
     index = events_index("a")
     keys = prompt_block_keys(ids(11, 64), 32)
     index.routed(A, keys, now=0.0)
-    assert index.overlap(keys, 1.0) == {} and index.routed_entries() == 0
+    assert index.confirmed_overlap(keys, 1.0) == {} and index.routed_entries() == 0
+
+
+def test_a_prompt_routed_to_an_events_worker_counts_as_being_computed_there_until_its_events_settle_it():
+    index = events_index("a")
+    keys = prompt_block_keys(ids(11, 64), 32)
+    index.routed(A, keys, now=0.0)
+    assert index.overlap(keys, 1.0) == {A: 2} and index.computing(A, keys, 2, 1.0)
+    index.stored(A, keys)  # its events show it computed: held from the events from now on
+    assert index.overlap(keys, 1.0) == {A: 2} and not index.computing(A, keys, 2, 1.0)
+    index.removed(A, keys)  # and evicted: nothing of the routing is left to answer
+    assert index.overlap(keys, 2.0) == {}
+    # never settled (the request failed): it lapses after computing_ttl_s
+    index.routed(A, keys, now=10.0)
+    assert index.overlap(keys, 10.0 + index.computing_ttl_s - 0.1) == {A: 2}
+    assert index.overlap(keys, 10.0 + index.computing_ttl_s) == {} and not index.computing(A, keys, 2, 30.0)
+    # a longer prompt sharing the first block: being computed for that block only
+    longer = prompt_block_keys(ids(11, 32) + ids(99, 64), 32)
+    index.routed(A, keys, now=40.0)
+    assert index.overlap(longer, 40.0) == {A: 1}
+    assert KvIndex(computing_ttl_s=0).computing_ttl_s == 0  # 0: routed prompts are not counted at all
 
 
 def test_a_worker_whose_events_carry_no_image_keys_is_answered_approximately_from_its_first_image_block():
@@ -329,7 +349,7 @@ def test_a_worker_whose_events_carry_no_image_keys_is_answered_approximately_fro
     assert index.overlap(keys, 11.0) == {A: 2}  # approximate entries expired, event entries did not
     index.set_mode("a", "events")  # its events key images after all: approximate entries no longer answer
     index.routed(A, keys, now=20.0)
-    assert index.overlap(keys, 21.0) == {A: 2}
+    assert index.confirmed_overlap(keys, 21.0) == {A: 2}
 
 
 def test_approximate_entries_are_bounded_and_forgotten_with_their_worker():

@@ -22,6 +22,7 @@ class FakeWorker:
     total_kv: int | None = None
     inflight: int = 0
     sent_since_load: int = 0
+    finished_since_load: int = 0
     targets_dp_rank: bool = False
     dp_size: int = 1
     queued: int = 0  # of `requests`, those the engine has not admitted yet (holding no KV blocks)
@@ -64,9 +65,8 @@ def test_the_cost_weighs_uncached_blocks_against_load_in_blocks():
     # KV usage reported everywhere: load = blocks in use. b holds 10 of 11 blocks but has 30 more in use than a:
     # cost a = 11 + 0, b = 1 + 30 -> a; with overlap_weight 4: a = 44, b = 34 -> b.
     workers = [FakeWorker("a", 0, used_kv=0, total_kv=1000), FakeWorker("b", 0, used_kv=30, total_kv=1000)]
-    index = events_index(a=0, b=10)
-    assert KvAware(index, 1.0).decide(workers, 0.0, PROMPT).worker.address == "a"
-    chosen = KvAware(index, 1.0, KvAwareKnobs(overlap_weight=4.0)).decide(workers, 0.0, PROMPT)
+    assert KvAware(events_index(a=0, b=10), 1.0).decide(workers, 0.0, PROMPT).worker.address == "a"
+    chosen = KvAware(events_index(a=0, b=10), 1.0, KvAwareKnobs(overlap_weight=4.0)).decide(workers, 0.0, PROMPT)
     assert chosen.worker.address == "b" and chosen.reason == "prefix"
 
 
@@ -78,9 +78,9 @@ def test_the_load_in_blocks_charges_queued_requests_an_average_running_requests_
     assert decision.worker.address == "b" and decision.reason == "load"
 
 
-def test_ties_go_to_the_lesser_load_then_in_rotation():
-    workers = [FakeWorker("a", 0, used_kv=20, total_kv=1000), FakeWorker("b", 0, used_kv=10, total_kv=1000)]
-    index = events_index(a=10, b=0)  # a: 1 + 20 = 21; b: 11 + 10 = 21: a tie, b is less loaded
+def test_ties_go_to_the_worker_holding_more_of_the_prompt_then_in_rotation():
+    workers = [FakeWorker("a", 0, used_kv=10, total_kv=1000), FakeWorker("b", 0, used_kv=20, total_kv=1000)]
+    index = events_index(a=0, b=10)  # a: 11 + 10 = 21; b: 1 + 20 = 21: a tie, b computes less
     assert KvAware(index, 1.0).decide(workers, 0.0, PROMPT).worker.address == "b"
     idle = [FakeWorker("a"), FakeWorker("b")]
     policy = KvAware(KvIndex(), 1.0)
@@ -88,16 +88,15 @@ def test_ties_go_to_the_lesser_load_then_in_rotation():
 
 
 def test_the_hot_prefix_guard_sends_a_hot_prompt_elsewhere_when_its_holder_is_far_busier():
-    index = events_index(a=10, b=0)
     knobs = KvAwareKnobs(overlap_weight=100.0, max_imbalance=4)  # a cache hit would win against any load
     busy = [FakeWorker("a", requests=5), FakeWorker("b", requests=0)]
-    decision = KvAware(index, 1.0, knobs).decide(busy, 0.0, PROMPT)
+    decision = KvAware(events_index(a=10, b=0), 1.0, knobs).decide(busy, 0.0, PROMPT)
     assert decision.worker.address == "b" and decision.reason == "hot_prefix_guard"
     within = [FakeWorker("a", requests=4), FakeWorker("b", requests=0)]
-    assert KvAware(index, 1.0, knobs).decide(within, 0.0, PROMPT).worker.address == "a"
+    assert KvAware(events_index(a=10, b=0), 1.0, knobs).decide(within, 0.0, PROMPT).worker.address == "a"
     # a request sent since the last sample counts as load too (a burst planned at once)
     burst = [FakeWorker("a", requests=4, sent_since_load=1), FakeWorker("b", requests=0)]
-    assert KvAware(index, 1.0, knobs).decide(burst, 0.0, PROMPT).worker.address == "b"
+    assert KvAware(events_index(a=10, b=0), 1.0, knobs).decide(burst, 0.0, PROMPT).worker.address == "b"
 
 
 def test_the_load_ceiling_voids_a_hit_on_a_worker_whose_kv_cache_is_nearly_full():
@@ -109,16 +108,19 @@ def test_the_load_ceiling_voids_a_hit_on_a_worker_whose_kv_cache_is_nearly_full(
 
 
 def test_an_attention_dp_worker_that_takes_a_target_rank_gets_the_rank_holding_the_prefix():
-    index = events_index(b=0)
-    index.set_mode("a", "events")
-    index.stored(("a", 2), PROMPT[:8])
-    index.stored(("a", 0), PROMPT[:2])
+    def ranks_index():
+        index = events_index(b=0)
+        index.set_mode("a", "events")
+        index.stored(("a", 2), PROMPT[:8])
+        index.stored(("a", 0), PROMPT[:2])
+        return index
+
     targeting = FakeWorker("a", targets_dp_rank=True, dp_size=4)
-    decision = KvAware(index, 1.0).decide([targeting, FakeWorker("b")], 0.0, PROMPT)
+    decision = KvAware(ranks_index(), 1.0).decide([targeting, FakeWorker("b")], 0.0, PROMPT)
     assert decision.worker is targeting and decision.rank == 2 and decision.cached_blocks == 8
     # without targeting the engine picks the rank: expect the mean over its 4 ranks, (8 + 2) / 4 -> 2 blocks
     plain = FakeWorker("a", dp_size=4)
-    decision = KvAware(index, 1.0).decide([plain, FakeWorker("b")], 0.0, PROMPT)
+    decision = KvAware(ranks_index(), 1.0).decide([plain, FakeWorker("b")], 0.0, PROMPT)
     assert decision.rank is None and decision.cached_blocks == 2
 
 
@@ -143,12 +145,13 @@ def test_two_replicas_fed_the_same_events_decide_alike():
             index.stored((address, 0), PROMPT[:n])
         return KvAware(index, 1.0)
 
-    # requests x 11 blocks of load: (1, 6, 2): a 8 + 11, b guarded (5 above the least), c 5 + 22 -> a
+    # requests x 11 blocks of load: (1, 6, 2): a 8 + 11, b guarded (5 above the least), c 5 + 22 -> a; then the
+    # prompt is being computed on a (routed there, no event yet): (0, 9, 0) goes there too, where c would compute 5
     one, two = replica(), replica()
     loads = [[FakeWorker("a", r1), FakeWorker("b", r2), FakeWorker("c", r3)]
              for r1, r2, r3 in ((0, 0, 0), (1, 6, 2), (2, 3, 9), (0, 9, 0))]
     assert [one.decide(w, 0.0, PROMPT).worker.address for w in loads] == \
-           [two.decide(w, 0.0, PROMPT).worker.address for w in loads] == ["b", "a", "a", "c"]
+           [two.decide(w, 0.0, PROMPT).worker.address for w in loads] == ["b", "a", "a", "a"]
 
 
 def test_make_policy_needs_an_index_for_kv_aware():
@@ -293,3 +296,32 @@ def test_a_salted_prompt_matches_no_block_of_another_salt_or_of_none():
     index = KvIndex()
     index.stored(("w", 0), a)
     assert index.overlap(a, 0.0) == {("w", 0): 4} and index.overlap(b, 0.0) == {} and index.overlap(plain, 0.0) == {}
+
+
+def test_a_request_of_ours_finished_since_the_load_sample_no_longer_counts_against_its_cached_prefix():
+    # a's sample was read while our last request ran there (1 request, 40 blocks): it has finished since
+    ran_there = FakeWorker("a", 1, used_kv=40, total_kv=1000, finished_since_load=1)
+    decision = KvAware(events_index(a=10, b=0), 1.0).decide([ran_there, FakeWorker("b", 0, used_kv=0, total_kv=1000)],
+                                                            0.0, PROMPT)
+    assert decision.worker.address == "a" and decision.cached_blocks == 10
+    # still running (nothing finished): 1 + 40 against 11, b
+    running = FakeWorker("a", 1, used_kv=40, total_kv=1000)
+    assert KvAware(events_index(a=10, b=0), 1.0).decide([running, FakeWorker("b", 0, used_kv=0, total_kv=1000)],
+                                                        0.0, PROMPT).worker.address == "b"
+
+
+def test_a_burst_follows_the_first_request_to_the_worker_computing_its_prefix():
+    """Requests sharing a prompt decided one after another before any load sample or event: the first goes by
+    load, the others follow it (the prefix counts as being computed there, and what it computes is not charged
+    to them), within the hot-prefix guard (max_imbalance 4: the sixth goes elsewhere)."""
+    index = events_index(a=0, b=0, c=0)
+    policy = KvAware(index, 1.0)
+    workers = [FakeWorker(name, 0, used_kv=0, total_kv=1000) for name in "abc"]
+    chosen = []
+    for _ in range(6):
+        decision = policy.decide(workers, 0.0, PROMPT)
+        decision.worker.sent_since_load += 1  # as the pool counts a pick
+        chosen.append((decision.worker.address, decision.cached_blocks))
+    first = chosen[0][0]
+    assert chosen[:5] == [(first, 0)] + [(first, 11)] * 4, chosen
+    assert chosen[5][0] != first, chosen

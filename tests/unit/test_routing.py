@@ -10,6 +10,7 @@ class FakeWorker:
     address: str
     inflight: int = 0
     sent_since_load: int = 0
+    finished_since_load: int = 0
     sample: tuple | None = None  # LoadSample's fields: (at, requests[, used_kv_blocks, total_kv_blocks, queued])
 
     def fresh_load(self, now, staleness):
