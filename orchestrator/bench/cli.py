@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                "optionally session_id (benchmarks/traces/ has one)")
     trace.add_argument("--url", required=True, help="the deployment's base URL, e.g. http://127.0.0.1:8000")
     trace.add_argument("--label", default="", help="names this run in the report (e.g. the routing policy)")
-    trace.add_argument("--model", default="tiny-chat")
+    trace.add_argument("--model", default="tiny-chat", help="the model name the replayed requests ask for")
     trace.add_argument("--block-size", type=int, default=512, help="tokens per hash id in the trace")
     trace.add_argument("--time-scale", type=float, default=1.0, help="multiplies the gaps between requests")
     trace.add_argument("--length-scale", type=float, default=1.0,
