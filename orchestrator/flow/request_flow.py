@@ -35,7 +35,7 @@ from orchestrator.decode import (
 )
 from orchestrator.decode.stage import DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
-from orchestrator.engine.errors import EngineCancelled, StreamStalled
+from orchestrator.engine.errors import EngineCancelled, ErrorCode, StreamStalled
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.flow.plan import LOCAL, Plan, SplitPlan
 from orchestrator.kv import HandoffError, KvLease, check_session, generation_leg
@@ -47,6 +47,7 @@ from orchestrator.roles import Role
 from orchestrator.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from orchestrator.workers.pool import Worker, WorkerPool
 
+KV_SESSION_NOT_FOUND = ErrorCode.ERROR_CODE_KV_SESSION_NOT_FOUND  # (an enum member looked up once)
 log = logging.getLogger(__name__)
 
 
@@ -143,11 +144,23 @@ class RequestFlow:
             self._handoff = (prefill_done, lease)  # the request's first decode leg: its handoff is measured
         # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
         # which keeps the KV rule for the lease.
+        streamed_before = state.completion_tokens
         try:
             await parts.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
                                    detokenizer=self.detokenizer, on_chunk=self._on_chunk,
                                    prompt_tokens=self.plan.prompt_tokens, lease=lease, migration=self.migrations,
                                    accepts=self.accepts)
+        except EngineError as error:
+            if error.code != KV_SESSION_NOT_FOUND or state.completion_tokens != streamed_before:
+                raise
+            # The prefill worker no longer holds the session: a decode leg pulled it and its worker died before
+            # its first token reached us (the retry on another decode worker then finds it gone), or the prefill
+            # worker restarted. Nothing is left to free, and nothing was streamed from it: the request goes on
+            # as a migration does, with a new prefill.
+            lease.released = True
+            log.warning("request %s: the KV session of %s is gone (%s); prefilling again", self.plan.request_id,
+                        lease.prefill_worker.address, error.message)
+            raise MidStreamFailure(error, decode_worker) from None
         finally:
             if not lease.settled:  # no decode leg pulled it (failed, retries exhausted): do not strand it
                 await parts.releaser.release_unpulled(lease, full, decode_worker)

@@ -196,3 +196,24 @@ async def test_a_request_the_engine_cancelled_migrates_or_fails_never_finishes_c
     else:
         error = events[-1]["error"]
         assert finishes == [] and "cancelled" in error["message"] and error["code"] == "engine_cancelled", error
+
+
+async def test_a_kv_session_taken_by_a_decode_worker_that_died_is_prefilled_again(tmp_path, sim_workers,
+                                                                                 orchestrator_servers):
+    """A decode worker pulls a request's KV session, then dies before its first token reaches us: the retry on
+    another decode worker finds the session gone (the prefill worker let go of it at the pull). Nothing was
+    streamed, so the request goes on with a new prefill instead of a 502 kv_session_not_found."""
+    prefill = sim_workers.start("prefill", "--time-scale", "0")
+    dying = sim_workers.start("decode", "--time-scale", "0", "--crash-after-tokens", "1")
+    healthy = sim_workers.start("decode", "--time-scale", "0")
+    server = orchestrator_servers.start(write_config(
+        tmp_path / "taken.yaml", "disaggregated",
+        {"prefill": [prefill.address], "decode": [dying.address, healthy.address]},
+        routing={"decode": "round_robin"}))
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for i in range(2):  # one of the two goes to the dying worker first
+            response = await http.post("/v1/chat/completions",
+                                       json=chat_body(f"weather {i}", max_tokens=8, ignore_eos=True))
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 8
+        assert dying.process.process.poll() is not None  # it did die, holding a pulled session
