@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import attrs
 
 from orchestrator.convert.media import ImageRef, MediaLimits, apply_request_uuids, parse_image_part
 from orchestrator.convert.tools import ToolCall, ToolUse, parse_tool_calls, parse_tool_use
-from orchestrator.errors import invalid
+from orchestrator.errors import InvalidRequest, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -419,6 +420,26 @@ def _template_kwargs(body: dict) -> str | None:
         return json.dumps(kwargs, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:
         raise invalid(f"chat_template_kwargs: not plain JSON values ({exc})", param="chat_template_kwargs") from exc
+
+
+_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\]")
+
+
+def renamed_error(error: InvalidRequest, origins: Sequence[str],
+                  fields: Sequence[tuple[str, str]]) -> InvalidRequest:
+    """An error of `parse_chat` as another API (Responses, Messages) names the field: `messages[i]...` becomes
+    the field chat message i came from (`origins[i]`); any other name, the first of `fields` (a regex and its
+    replacement, as re.sub takes them) that matches it."""
+    param = error.param
+    if param is None:
+        return error
+    match = _MESSAGE_PATH.match(param)
+    if match is not None and int(match.group(1)) < len(origins):
+        renamed = origins[int(match.group(1))] + param[match.end():]
+    else:
+        renamed = next((re.sub(pattern, replacement, param) for pattern, replacement in fields
+                        if re.match(pattern, param)), param)
+    return InvalidRequest(error.message.replace(param, renamed, 1), param=renamed, code=error.code)
 
 
 def parse_completion(body: dict) -> ApiRequest:

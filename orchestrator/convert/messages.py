@@ -18,9 +18,8 @@ field they came from.
 from __future__ import annotations
 
 import json
-import re
 
-from orchestrator.convert.api import ApiRequest, parse_chat
+from orchestrator.convert.api import ApiRequest, parse_chat, renamed_error
 from orchestrator.convert.media import MediaLimits
 from orchestrator.errors import InvalidRequest, invalid
 
@@ -92,7 +91,7 @@ def parse_messages(body, limits: MediaLimits | None = None, *, counting: bool = 
     try:
         return parse_chat(chat) if limits is None else parse_chat(chat, limits)
     except InvalidRequest as error:
-        raise _renamed(error, origins) from None
+        raise renamed_error(error, origins, _FIELDS) from None
 
 
 def _system_text(system) -> str:
@@ -227,23 +226,7 @@ def _tool_choice(choice) -> dict:
     return chat
 
 
-_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\]")
-_SAME_FIELD = {"stop": "stop_sequences", "tool_choice.function.name": "tool_choice.name",
-               "chat_template_kwargs": "thinking"}
-
-
-def _renamed(error: InvalidRequest, origins: list[str]) -> InvalidRequest:
-    param, message = error.param, error.message
-    if param is not None:
-        match = _MESSAGE_PATH.match(param)
-        if match is not None and int(match.group(1)) < len(origins):
-            origin = origins[int(match.group(1))]
-            param = origin + param[match.end():]
-            message = message.replace(match.group(0), origin, 1)
-        elif param in _SAME_FIELD:
-            message = message.replace(param, _SAME_FIELD[param], 1)
-            param = _SAME_FIELD[param]
-        elif param.startswith("tools[") and ".function." in param:
-            renamed = param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
-            message, param = message.replace(param, renamed, 1), renamed
-    return InvalidRequest(message, param=param, code=error.code)
+# chat fields -> the Messages API's
+_FIELDS = ((r"^stop\b", "stop_sequences"), (r"^tool_choice\.function\.name", "tool_choice.name"),
+           (r"^chat_template_kwargs", "thinking"), (r"^(tools\[\d+\])\.function\.parameters", r"\1.input_schema"),
+           (r"^(tools\[\d+\])\.function\.", r"\1."))

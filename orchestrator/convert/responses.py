@@ -18,12 +18,11 @@ chat parser finds names the Responses field it came from (`input[2].content[0]`,
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 
 import attrs
 
-from orchestrator.convert.api import ApiRequest, parse_chat
+from orchestrator.convert.api import ApiRequest, parse_chat, renamed_error
 from orchestrator.convert.media import MediaLimits
 from orchestrator.errors import InvalidRequest, invalid
 
@@ -109,7 +108,7 @@ def parse_responses(body: dict, history: Sequence[dict] = (), limits: MediaLimit
     try:
         api = parse_chat(chat) if limits is None else parse_chat(chat, limits)
     except InvalidRequest as error:
-        raise _renamed(error, origins) from None
+        raise renamed_error(error, origins, _FIELDS) from None
     return ResponsesRequest(
         api=api, input_items=tuple(json.dumps(item, ensure_ascii=False) for item in items), store=store,
         previous_response_id=previous_response_id(body), instructions=instructions or None,
@@ -242,22 +241,9 @@ def _add_items(items: list[dict], where: str, messages: list[dict], origins: lis
         origins.append(origin)
 
 
-_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\]")
-
-
-def _renamed(error: InvalidRequest, origins: list[str]) -> InvalidRequest:
-    """A chat parser's error, naming the Responses field it came from."""
-    param, message = error.param, error.message
-    if param is not None:
-        match = _MESSAGE_PATH.match(param)
-        if match is not None and int(match.group(1)) < len(origins):
-            origin = origins[int(match.group(1))]
-            param = origin + param[match.end():]
-            message = message.replace(match.group(0), origin, 1)
-        else:
-            param = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                     "reasoning_effort": "reasoning.effort"}.get(param, param)
-    return InvalidRequest(message, param=param, code=error.code)
+# chat fields -> the Responses API's (tools are flat there: `tools[i].name`)
+_FIELDS = ((r"^max_completion_tokens", "max_output_tokens"), (r"^response_format", "text.format"),
+           (r"^reasoning_effort", "reasoning.effort"), (r"^(tools\[\d+\])\.function\.", r"\1."))
 
 
 # ---- tools, reasoning, text -------------------------------------------------------------------------------

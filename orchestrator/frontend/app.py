@@ -402,15 +402,8 @@ class App:
                                   per_token=not self.config.http.coalesce_tokens, parser=parser)
         else:
             sink = _CollectingSink(kind, api, token_text, parser=parser)
-        try:
-            await self.coordinator.execute(plan, sink, watch=request.watch)
-        except (ApiError, RequestError, EngineError) as error:
-            if not response.streaming:
-                raise
-            await response.stream_error(to_api_error(error))
+        if not await self._execute(plan, sink, response, request):
             return "error"
-        if request.ended is DISCONNECT:
-            raise ClientGone()
         if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
                 await response.start_stream()
@@ -420,21 +413,29 @@ class App:
             response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
 
-    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan: Plan,
-                            response: _Response, request: RequestScope) -> str:
-        """Run a request of an API whose answer is blocks (the Responses and Messages APIs): the same execution as
-        a chat request's, with its exchange's sink, answer and record."""
-        parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
-        sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
+    async def _execute(self, plan: Plan, sink, response: _Response, request: RequestScope) -> bool:
+        """Run the plan into the sink, in the request's scope; False when it failed after the stream started (its
+        failure event is written). A failure before that is raised, for a plain error response; ClientGone when
+        the client went."""
         try:
             await self.coordinator.execute(plan, sink, watch=request.watch)
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
             await response.stream_error(to_api_error(error))
-            return "error"
+            return False
         if request.ended is DISCONNECT:
             raise ClientGone()
+        return True
+
+    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan: Plan,
+                            response: _Response, request: RequestScope) -> str:
+        """Run a request of an API whose answer is blocks (the Responses and Messages APIs): the same execution as
+        a chat request's, with its exchange's sink, answer and record."""
+        parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
+        sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
+        if not await self._execute(plan, sink, response, request):
+            return "error"
         answer = exchange.response()
         await exchange.keep(self.response_store, answer)
         response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)

@@ -66,7 +66,7 @@ def test_a_continuation_puts_the_stored_conversation_before_the_input():
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]},
                 {"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x"}]}]},
      "input[1].content[0].image_url.url"),
-    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].function.name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"input": "x", "reasoning": {"effort": 3}}, "reasoning.effort"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
