@@ -20,8 +20,8 @@ from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import kv_pb2, model_pb2, server_pb2
 from orchestrator.workers.pool import WorkerPool
 from orchestrator.workers.states import WorkerState
+from pool_helpers import ScriptedRegistry
 from sim_helpers import collect, full_request, terminal
-from test_pool_unit import ScriptedRegistry
 
 SIBLING = ("--schema-revision", "3")
 

@@ -1,31 +1,17 @@
 """The worker pool's registry diffing, with a scripted registry and unreachable worker addresses."""
 
-from collections.abc import Callable
 from typing import cast
 
 import trio
 
 from orchestrator.config import RoutingConfig
-from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
+from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import server_pb2
 from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.workers.states import WorkerState
-
-
-class ScriptedRegistry(WorkerRegistry):
-    """Publishes what the test tells it to."""
-
-    publish: Callable[[Snapshot], None]  # the pool's, once it runs this registry
-
-    def __init__(self, first: Snapshot):
-        self.first = first
-
-    async def run(self, publish: Callable[[Snapshot], None]) -> None:
-        self.publish = publish
-        publish(self.first)
-        await trio.sleep_forever()
+from pool_helpers import ScriptedRegistry
 
 
 async def test_a_worker_that_registers_again_while_it_retires_is_added_anew():
