@@ -129,6 +129,12 @@ class ModelTokenizer:
         return "\n".join(pieces)  # as OpenAI-compatible servers join parts
 
     @functools.cached_property
+    def special_texts(self) -> dict[int, str]:
+        """Each special token's text, by id, but the EOS token's (what ends an answer is never its text)."""
+        return {token_id: token.content for token_id, token in self.tokenizer.get_added_tokens_decoder().items()
+                if token.special and token_id != self.eos_id}
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for (a text of B bytes has at least B / this many tokens)."""
         sizes = (len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
@@ -233,11 +239,16 @@ class IncrementalDetokenizer:
     once a token completes a character and keeps the context that spaces and byte fallback need.
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: ModelTokenizer, stop: Sequence[str] = (), *, keep_special: bool = False):
+        """`keep_special`: special tokens are text too (but EOS), for output parsers whose markers are special
+        tokens (Llama's <|python_tag|>, Mistral's [TOOL_CALLS], gpt-oss's channels): vLLM's skip_special_tokens
+        false."""
         self._tokenizer = tokenizer
         self._token_texts = tokenizer.token_texts
+        # special token id -> its text, kept in the output (None: special tokens are skipped, the default)
+        self._specials = tokenizer.special_texts if keep_special else None
         if self._token_texts is None:
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=not keep_special)
             self._pending: list[int] = []  # ids the stream has not turned into text yet (a partial character)
         self._unfinished = b""  # byte-level: the bytes of a character still missing some
         self._held = ""  # decoded text not handed out yet: it may be the start of a stop string
@@ -252,7 +263,9 @@ class IncrementalDetokenizer:
         if texts is None:
             return self._add_through_stream(ids)
         new = None
-        if len(ids) == 1 and not self._unfinished and ids[0] < len(texts):
+        if self._specials is not None and not self._specials.keys().isdisjoint(ids):
+            new = self._add_keeping_specials(ids, self._specials)
+        elif len(ids) == 1 and not self._unfinished and ids[0] < len(texts):
             new = texts[ids[0]]
         if new is None:
             new = self._add_bytes(ids)
@@ -270,6 +283,21 @@ class IncrementalDetokenizer:
         text, used = _utf8_decode(raw, "replace", False)  # stops before an unfinished character
         self._unfinished = raw[used:]
         return text
+
+    def _add_keeping_specials(self, ids: Sequence[int], specials: dict[int, str]) -> str:
+        pieces, run = [], []
+        for token in ids:
+            special = specials.get(token)
+            if special is None:
+                run.append(token)
+                continue
+            if run:
+                pieces.append(self._add_bytes(run))
+                run = []
+            pieces.append(special)
+        if run:
+            pieces.append(self._add_bytes(run))
+        return "".join(pieces)
 
     def _add_through_stream(self, ids: Sequence[int]) -> str:
         step, tokenizer, grew = self._stream.step, self._tokenizer.tokenizer, False

@@ -126,9 +126,11 @@ class Coordinator:
 
     # ---- execution ---------------------------------------------------------------------------------
     async def execute(self, plan: Plan, sink: OutputSink, *,
-                      watch: Callable[[trio.Nursery], None] | None = None) -> None:
+                      watch: Callable[[trio.Nursery], None] | None = None, keep_special_tokens: bool = False) -> None:
         """Run the plan in the request's own nursery. `watch(nursery)` is called once it is open: the caller
         arranges for its cancellation when the client goes (a callback, or a watcher task started in it).
+        `keep_special_tokens`: the answer's text keeps them (the output parser the caller runs reads its markers
+        there).
         Raises RequestError/EngineError; trio.Cancelled if an outer scope cancelled it (after every worker
         was released)."""
         started = trio.current_time()
@@ -142,7 +144,8 @@ class Coordinator:
                 if watch is not None:
                     watch(request_nursery)
                 try:
-                    await RequestFlow(self.flow_parts, plan, sink, started).run()
+                    await RequestFlow(self.flow_parts, plan, sink, started,
+                                      keep_special_tokens=keep_special_tokens).run()
                     flow_ended = True
                 finally:
                     if request_nursery.child_tasks:

@@ -65,10 +65,11 @@ class FlowCollaborators:
 
 
 class RequestFlow:
-    def __init__(self, parts: FlowCollaborators, plan: Plan, sink: OutputSink, started: float):
+    def __init__(self, parts: FlowCollaborators, plan: Plan, sink: OutputSink, started: float, *,
+                 keep_special_tokens: bool = False):
         self.parts, self.plan, self.sink, self.started = parts, plan, sink, started
         self.state = StreamState()
-        self.detokenizer = IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop)
+        self.detokenizer = IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop, keep_special=keep_special_tokens)
         self.migrations = 0
         self.failed: list[Worker] = []  # workers a leg of this request failed on mid-stream
         self._last_chunk: float | None = None

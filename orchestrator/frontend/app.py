@@ -418,7 +418,9 @@ class App:
         failure event is written). A failure before that is raised, for a plain error response; ClientGone when
         the client went."""
         try:
-            await self.coordinator.execute(plan, sink, watch=request.watch)
+            await self.coordinator.execute(plan, sink, watch=request.watch,
+                                           keep_special_tokens=self.output_parsers.keep_special_tokens(plan.api,
+                                                                                                      plan.caps))
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
@@ -480,7 +482,9 @@ class App:
                 sinks.append(_CollectingSink(kind, api, token_text, parser=parser))
 
         async def run_choice(index: int) -> None:
-            await self.coordinator.execute(plans[index], sinks[index])
+            plan = plans[index]
+            await self.coordinator.execute(
+                plan, sinks[index], keep_special_tokens=self.output_parsers.keep_special_tokens(api, plan.caps))
             if streams:  # its finish: now, not with [DONE] (the other choices still stream)
                 await response.chunk(streams[index].tail)
 

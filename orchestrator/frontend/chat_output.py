@@ -67,6 +67,10 @@ class OutputParsers:
         return ParserSpec(tool_call_parser=tool_spec.tool_call_parser,
                           reasoning_parser=reasoning_spec.reasoning_parser)
 
+    def keep_special_tokens(self, api: ApiRequest, caps: Sequence[WorkerCapabilities]) -> bool:
+        """Whether a chat answer's text must keep special tokens: its parsers' markers are special tokens."""
+        return api.kind == "chat" and self.spec(caps).needs_special_tokens
+
     def for_request(self, api: ApiRequest, request_id: str,
                     caps: Sequence[WorkerCapabilities]) -> StreamParser | None:
         """The parser of one chat answer, or None when its text goes out as it is (completions, or a model with

@@ -243,3 +243,11 @@ async def test_text_that_is_not_a_call_is_never_lost(pieces):
     api = chat(tools=[WEATHER])
     answer = accumulate(await streamed(api, OutputParsers().for_request(api, "r", [worker("hermes")]), pieces))
     assert answer["message"]["content"] == "".join(pieces) and answer["finish_reason"] == "stop"
+
+
+def test_a_family_whose_markers_are_special_tokens_keeps_them_in_the_answers_text():
+    parsers = OutputParsers()
+    assert parsers.keep_special_tokens(chat(tools=[WEATHER]), [worker("mistral")])
+    assert parsers.keep_special_tokens(chat(tools=[WEATHER]), [worker("llama3_json")])
+    assert not parsers.keep_special_tokens(chat(tools=[WEATHER]), [worker("hermes", "qwen3")])
+    assert not parsers.keep_special_tokens(parse_completion({"model": "m", "prompt": "x"}), [worker("mistral")])

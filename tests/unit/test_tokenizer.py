@@ -179,3 +179,16 @@ def test_a_partial_stop_string_at_the_end_is_released_as_text(tokenizer):
     ids = TOKENIZER.encode("the answer is sun")
     pieces, detok = stream(ids, stop=["sunny"], tokenizer=tokenizer)
     assert "".join(pieces) == "the answer is sun" and detok.stopped_on is None
+
+
+@pytest.mark.parametrize("step", [1, 2, 8])
+def test_special_tokens_are_text_when_the_output_parser_reads_its_markers_there_but_eos_never(step):
+    """Llama's <|python_tag|>, Mistral's [TOOL_CALLS] and gpt-oss's channels are special tokens: a detokenizer
+    that skips them (the default) hides a tool call from its parser. EOS ends an answer and is never its text."""
+    ids = TOKENIZER.encode("<|im_start|>call<|image|> now") + [TOKENIZER.eos_id]
+    for keep, expected in ((False, "call now"), (True, "<|im_start|>call<|image|> now")):
+        detokenizer = IncrementalDetokenizer(TOKENIZER, keep_special=keep)
+        text = "".join(detokenizer.add(ids[i:i + step]) for i in range(0, len(ids), step)) + detokenizer.finish()
+        assert text == expected
+    general = IncrementalDetokenizer(GENERAL, keep_special=True)  # the DecodeStream path keeps them too
+    assert "<|im_start|>" in general.add(ids[:3]) + general.finish()
