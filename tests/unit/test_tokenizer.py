@@ -185,6 +185,7 @@ def test_a_partial_stop_string_at_the_end_is_released_as_text(tokenizer):
 def test_special_tokens_are_text_when_the_output_parser_reads_its_markers_there_but_eos_never(step):
     """Llama's <|python_tag|>, Mistral's [TOOL_CALLS] and gpt-oss's channels are special tokens: a detokenizer
     that skips them (the default) hides a tool call from its parser. EOS ends an answer and is never its text."""
+    assert TOKENIZER.eos_id is not None
     ids = TOKENIZER.encode("<|im_start|>call<|image|> now") + [TOKENIZER.eos_id]
     for keep, expected in ((False, "call now"), (True, "<|im_start|>call<|image|> now")):
         detokenizer = IncrementalDetokenizer(TOKENIZER, keep_special=keep)
