@@ -18,7 +18,7 @@ from orchestrator.bench.trace import (
 )
 from orchestrator.testkit.plugin import write_config
 
-SHIPPED = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "synthetic_conversations.jsonl"
+SHIPPED = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "synthetic_conversations.jsonl"
 
 
 def test_equal_hash_ids_give_equal_token_blocks_and_the_rest_is_the_request_s_own():

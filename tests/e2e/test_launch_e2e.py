@@ -256,7 +256,7 @@ def test_the_shipped_trtllm_config_launches_from_any_directory_with_what_trtllm_
         assert Path(record["cwd"]) == deployment
 
 
-BENCH_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "bench"
+BENCH_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "bench"
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in BENCH_CONFIGS.glob("*.yaml")))
@@ -273,7 +273,7 @@ def test_every_bench_config_runs_with_the_command_its_comment_gives(tmp_path, co
     argv = orchestrator_command(*words[1:])
     argv[argv.index("--out") + 1] = str(tmp_path / "out")
     bench = ManagedProcess(f"bench-{Path(config).stem}", argv, log_dir=tmp_path,
-                           cwd=Path(__file__).resolve().parent.parent)
+                           cwd=Path(__file__).resolve().parents[2])
     try:
         with pytest.raises(subprocess.TimeoutExpired):
             bench.wait(3)  # imports, loads the file, starts working: no early exit
