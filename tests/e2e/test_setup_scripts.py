@@ -27,7 +27,7 @@ TOOLS = ("bash", "dirname", "basename", "sha256sum", "cut", "id", "rm")  # what 
 
 
 class Machine:
-    def __init__(self, root: Path, *, etcd: bool, etcdctl: bool):
+    def __init__(self, root: Path, *, etcd: bool, etcdctl: bool, redis: bool = True):
         self.root, self.calls = root / "repo", root / "calls.log"
         shutil.copytree(ROOT / "scripts", self.root / "scripts")
         shutil.copy(ROOT / "pyproject.toml", self.root / "pyproject.toml")
@@ -35,7 +35,7 @@ class Machine:
         self.bin.mkdir()
         for tool in TOOLS:
             (self.bin / tool).symlink_to(system_tool(tool))
-        stubs = ["apt-get"] + ["etcd"] * etcd + ["etcdctl"] * etcdctl
+        stubs = ["apt-get"] + ["etcd"] * etcd + ["etcdctl"] * etcdctl + ["redis-server"] * redis
         venv = self.root / ".venv" / "bin"
         venv.mkdir(parents=True)
         for path in [self.bin / name for name in stubs] + [venv / name for name in ("python", "orchestrator", "ruff",
@@ -64,6 +64,12 @@ def test_setup_installs_etcdctl_from_etcd_client_where_it_installs_etcd(tmp_path
     calls = machine.run("setup.sh")
     (install,) = [call for call in calls if call.startswith("apt-get install")]
     assert "etcd-client" in install.split() and "etcd-server" in install.split()
+
+
+def test_setup_installs_redis_server_for_the_shared_response_store_tests(tmp_path):
+    machine = Machine(tmp_path, etcd=True, etcdctl=True, redis=False)
+    (install,) = [call for call in machine.run("setup.sh") if call.startswith("apt-get install")]
+    assert "redis-server" in install.split()
 
 
 def test_a_second_set_up_from_the_same_pyproject_installs_nothing(tmp_path):
