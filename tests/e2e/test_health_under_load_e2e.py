@@ -44,6 +44,11 @@ async def test_workers_streaming_tokens_stay_in_the_pool_while_their_health_answ
                     states.add(worker["state"])
                 await trio.sleep(0.1)
 
+        # both workers in the pool before the load starts: /health is 200 once one of them is (a worker still
+        # connecting on a busy machine is not what this test is about)
+        with trio.fail_after(30):
+            while {w["state"] for w in (await http.get("/health")).json()["workers"]} != {"ready"}:
+                await trio.sleep(0.05)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_health)
             async with trio.open_nursery() as clients:
