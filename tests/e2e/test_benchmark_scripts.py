@@ -76,7 +76,10 @@ def test_kv_event_flood_prints_the_bound_held_the_rss_and_the_loop_lateness():
     found = re.search(r"index peak ([\d,]+) blocks \(bound ([\d,]+)\)", out)
     assert found is not None, out
     peak, bound = (int(n.replace(",", "")) for n in found.groups())
-    assert 0 < peak <= bound, out
+    applied = re.search(r"applied (\d+)", out)
+    # the flood reached the index, and no sample ever saw more than the bound (the sampler, every 50 ms, can miss
+    # a fill that the bound's refusal cleared on a starved machine: the applied batches say the flood got in)
+    assert applied is not None and int(applied.group(1)) > 0 and peak <= bound, out
     assert re.search(r"RSS fresh \d+ MB  peak during the flood \d+ MB", out), out
     assert "loop lateness quiet:" in out and "loop lateness flooded:" in out and "p99 flooded / quiet" in out
 
