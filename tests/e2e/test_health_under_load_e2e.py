@@ -13,7 +13,8 @@ from orchestrator.testkit.plugin import write_config
 from serve_helpers import chat_body, sse_events
 
 CLIENTS = 24
-REQUESTS_EACH = 3
+REQUESTS_EACH = 3  # of 160 tokens each at time scale 1: about 4 s of load, several health rounds (0.2 s apart,
+                   # each timing out after 1 s while the workers answer 1.6 s late)
 
 
 async def test_workers_streaming_tokens_stay_in_the_pool_while_their_health_answers_late(
@@ -30,7 +31,7 @@ async def test_workers_streaming_tokens_stay_in_the_pool_while_their_health_answ
             nonlocal done
             for i in range(REQUESTS_EACH):
                 response = await http.post("/v1/chat/completions", json=chat_body(
-                    f"client {n} request {i}", max_tokens=48, stream=True, ignore_eos=True))
+                    f"client {n} request {i}", max_tokens=160, stream=True, ignore_eos=True))
                 events = sse_events(response.text)
                 if response.status_code != 200 or events[-1] != "[DONE]" or any(
                         isinstance(e, dict) and "error" in e for e in events):
