@@ -34,9 +34,9 @@ class OutputSink(Protocol):
         """The engine has finished: what is delivered from now on may be written together with the finish."""
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
-                     cached_tokens: int | None = None) -> None:
+                     cached_tokens: int | None = None, stop_text: str | None = None) -> None:
         """The last call. `cached_tokens`: of the prompt, how many the engine found cached (None: it did not
-        say)."""
+        say). `stop_text`: the stop string the answer ended on, if it did (its text is not in the answer)."""
 
     @property
     def can_write_now(self) -> bool:

@@ -106,8 +106,9 @@ async def finish_answer(sink: OutputSink, state: StreamState, prompt_tokens: int
     """The answer's last call to `sink`: `reason` (else what the stream ended on), the usage, and the cached
     prompt tokens the engine reported, never more than the prompt (also kept in `state` for the metrics)."""
     state.cached_tokens = None if reported_cached is None else min(reported_cached, prompt_tokens)
+    stop_text = state.stopped_on or (state.finished.stop_text if state.finished is not None else None)
     await sink.finish(finish_reason(state) if reason is None else reason, prompt_tokens, state.completion_tokens,
-                      cached_tokens=state.cached_tokens)
+                      cached_tokens=state.cached_tokens, stop_text=stop_text if reason is None else None)
 
 
 class ReplayedStream:

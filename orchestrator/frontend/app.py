@@ -607,7 +607,7 @@ class _StreamingSink:
         self.response.ending = True
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
-                     cached_tokens: int | None = None) -> None:
+                     cached_tokens: int | None = None, stop_text: str | None = None) -> None:
         self.response.usage = (prompt_tokens, completion_tokens, cached_tokens)
         data = b""
         if self.parser is not None:  # what the parser held back (a partial tag, a call read whole at the end)
@@ -661,7 +661,7 @@ class _CollectingSink:
         pass
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
-                     cached_tokens: int | None = None) -> None:
+                     cached_tokens: int | None = None, stop_text: str | None = None) -> None:
         if self.parser is not None:
             self.collector.add(self.parser.finish())
             if reason == "stop" and self.collector.message().tool_calls:

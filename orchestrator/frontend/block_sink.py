@@ -31,6 +31,7 @@ class BlockSink:
         self.reason = "stop"
         self.prompt_tokens = self.completion_tokens = 0
         self.cached_tokens: int | None = None
+        self.stop_text: str | None = None  # the stop string the answer ended on
 
     async def delta(self, text, token_ids, logprobs) -> None:
         await self._write(self.answer.feed(self._parse(text)))
@@ -51,13 +52,13 @@ class BlockSink:
         pass
 
     async def finish(self, reason: str, prompt_tokens: int, completion_tokens: int, *,
-                     cached_tokens: int | None = None) -> None:
+                     cached_tokens: int | None = None, stop_text: str | None = None) -> None:
         events = self.answer.feed(self.parser.finish()) if self.parser is not None else []
         events += self.answer.close()
         if reason == "stop" and self.answer.has_tool_calls:
             reason = "tool_calls"
         self.reason, self.prompt_tokens, self.completion_tokens = reason, prompt_tokens, completion_tokens
-        self.cached_tokens = cached_tokens
+        self.cached_tokens, self.stop_text = cached_tokens, stop_text
         await self._write(events)
 
     def _parse(self, text: str) -> Delta:

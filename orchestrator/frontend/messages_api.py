@@ -41,24 +41,27 @@ class MessagesExchange:
         self.sink = BlockSink(parser, writer if self.api.stream else None, send if self.api.stream else None)
         return self.sink
 
-    def _stop_and_usage(self) -> tuple[str, dict]:
+    def _stop_and_usage(self) -> tuple[str, str | None, dict]:
+        """The stop reason, the stop sequence it names (one of the request's `stop_sequences`), the usage."""
         sink = self.sink
         if sink is None:
             raise RuntimeError("the answer has no sink yet")
-        return (mfmt.STOP_REASONS.get(sink.reason, "end_turn"),
-                mfmt.usage(sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens))
+        usage = mfmt.usage(sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
+        if sink.reason == "stop" and sink.stop_text is not None and sink.stop_text in self.api.stop:
+            return "stop_sequence", sink.stop_text, usage
+        return mfmt.STOP_REASONS.get(sink.reason, "end_turn"), None, usage
 
     def response(self) -> dict:
-        stop_reason, usage = self._stop_and_usage()
+        stop_reason, stop_sequence, usage = self._stop_and_usage()
         blocks = self.sink.answer.blocks if self.sink is not None else []
-        return mfmt.message(self.message_id, self.api.model, blocks, stop_reason, usage)
+        return mfmt.message(self.message_id, self.api.model, blocks, stop_reason, usage, stop_sequence)
 
     def finish_event(self, answer: dict) -> bytes:
         writer = self.writer
         if writer is None:
             raise RuntimeError("the answer has no writer yet")
-        stop_reason, usage = self._stop_and_usage()
-        return writer.finish(stop_reason, usage)
+        stop_reason, stop_sequence, usage = self._stop_and_usage()
+        return writer.finish(stop_reason, usage, stop_sequence)
 
     async def keep(self, store, answer: dict) -> None:
         """(Messages are not stored.)"""

@@ -60,9 +60,10 @@ def tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def message(message_id: str, model: str, blocks: list[Block], stop_reason: str | None, usage_body: dict) -> dict:
+def message(message_id: str, model: str, blocks: list[Block], stop_reason: str | None, usage_body: dict,
+            stop_sequence: str | None = None) -> dict:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": [content_block(b) for b in blocks], "stop_reason": stop_reason, "stop_sequence": None,
+            "content": [content_block(b) for b in blocks], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": usage_body}
 
 
@@ -97,6 +98,6 @@ class EventWriter:
                 out.append(event("content_block_stop", {"index": block.index}))
         return b"".join(out)
 
-    def finish(self, stop_reason: str, usage_body: dict) -> bytes:
-        delta = {"delta": {"stop_reason": stop_reason, "stop_sequence": None}, "usage": usage_body}
+    def finish(self, stop_reason: str, usage_body: dict, stop_sequence: str | None = None) -> bytes:
+        delta = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage_body}
         return b"".join(self._start()) + event("message_delta", delta) + event("message_stop", {})

@@ -247,3 +247,24 @@ def test_a_continuation_is_routed_where_its_conversation_is_cached(tmp_path):
                 threads[name] = (instructions, answer)
     finally:
         deployment.close()
+
+
+def test_a_message_that_ends_on_a_stop_sequence_says_which(deployment):
+    """After a tool result the model answers "The tool returned ..."; cut on "returned" that is Anthropic's
+    stop_reason "stop_sequence", naming it, and its text is not in the answer."""
+    client = anthropic_client(deployment)
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather in Quito?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Quito"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "mild"}]}]
+    kwargs: dict[str, Any] = {"model": "tiny-chat", "max_tokens": 64, "messages": messages,
+                              "tools": [MESSAGES_TOOL], "stop_sequences": ["returned"],
+                              "thinking": {"type": "disabled"}}
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    for answer in (whole, streamed):
+        assert answer.stop_reason == "stop_sequence" and answer.stop_sequence == "returned"
+        text = "".join(getattr(b, "text", "") for b in answer.content if b.type == "text")
+        assert text.startswith("The tool") and "returned" not in text

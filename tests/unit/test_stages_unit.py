@@ -73,7 +73,7 @@ class Sink:
     def ending(self):
         pass
 
-    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
+    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None, stop_text=None):
         self.finished = (reason, completion_tokens)
 
 
@@ -453,7 +453,7 @@ async def test_a_request_whose_answer_completes_after_its_deadline_passed_is_not
     though a watcher task (plain ASGI) is cancelled after it, in the nursery whose deadline has passed."""
 
     class SlowFinish(Sink):
-        async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
+        async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None, stop_text=None):
             with trio.CancelScope(shield=True):
                 await trio.sleep(3)
             await super().finish(reason, prompt_tokens, completion_tokens, cached_tokens=cached_tokens)

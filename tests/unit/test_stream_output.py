@@ -48,7 +48,7 @@ class RecordingSink:
     def ending(self):
         self.ended_after = len(self.received)
 
-    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None):
+    async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None, stop_text=None):
         raise AssertionError("stream_output does not finish the response; the coordinator does")
 
     can_write_now = False  # unless a test says otherwise (WritesNowSink)
