@@ -96,7 +96,7 @@ async def send_one(connection: Connection, body: dict, input_tokens: int, tokeni
         if event.get("usage"):
             usage.update(event["usage"])
         for choice in event.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            text = streamed_text(choice)
             if text:
                 chunks.append((at, max(1, len(tokenizer.encode(text)))))
 
@@ -125,6 +125,18 @@ async def send_one(connection: Connection, body: dict, input_tokens: int, tokeni
         error = "no_content"
     return RequestRecord(start=start, end=end, chunks=tuple(chunks), output_tokens=output,
                          input_tokens=usage.get("prompt_tokens", input_tokens), error=error, error_message=message)
+
+
+def streamed_text(choice: dict) -> str:
+    """What one streamed choice delta generated: its content, its reasoning (`reasoning_content`), its tool calls'
+    argument text (chat), or its text (completions). A thinking model's first tokens are reasoning, and a tool
+    call's are arguments: each is output, and its first one the time to first token."""
+    delta = choice.get("delta")
+    if delta is None:
+        return choice.get("text") or ""
+    calls = delta.get("tool_calls") or ()
+    return ((delta.get("reasoning_content") or "") + (delta.get("content") or "")
+            + "".join((call.get("function") or {}).get("arguments") or "" for call in calls))
 
 
 def _error_message(body: bytes) -> str:

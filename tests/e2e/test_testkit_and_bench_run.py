@@ -70,6 +70,21 @@ def test_bench_run_with_poisson_arrivals_reports_every_metric(tmp_path, sim_work
     assert "10/10" in result.stderr  # the progress bar
 
 
+def test_bench_run_counts_a_thinking_models_reasoning_as_its_output(tmp_path, sim_workers, orchestrator_servers):
+    """The demo's model thinks first (reasoning_parser qwen3): its first tokens reach clients as
+    reasoning_content. They are output (and the first of them the time to first token), not a missing answer."""
+    worker = sim_workers.start("aggregated", "--time-scale", "0", "--reasoning-parser", "qwen3")
+    server = orchestrator_servers.start(write_config(tmp_path / "think.yaml", "aggregated",
+                                                     {"aggregated": [worker.address]}))
+    out = tmp_path / "run.json"
+    result = subprocess.run(orchestrator_command("bench", "run", "--url", server.url, "--concurrency", "1",
+                                                 "--requests", "4", "--input-len", "40", "--output-len", "8",
+                                                 "--out", str(out)), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["completed"] == 4 and point["errors"] == {} and point["output_tokens_mean"] == 8
+
+
 @pytest.mark.parametrize("time_scale", ["1", "0.1"])
 def test_a_closed_loop_bench_run_reports_rates_its_latencies_allow_at_any_time_scale(
         tmp_path, sim_workers, orchestrator_servers, time_scale):
