@@ -64,15 +64,13 @@ def _positive(instance, attribute, value):
         raise _InvalidField(attribute.name, "a number > 0", value)
 
 
-def _parser_name(kind: str):
-    def check(instance, attribute, value):
-        if value is None:
-            return
+def _parser_name(instance, attribute, value):
+    """model.tool_call_parser / reasoning_parser: a parser we have (the attribute is resolve()'s keyword)."""
+    if value is not None:
         try:
-            resolve(**{f"{kind}_parser" if kind == "reasoning" else "tool_call_parser": value})
+            resolve(**{attribute.name: value})
         except UnknownParserError as exc:
             raise _InvalidField(attribute.name, f"one of {', '.join(exc.known)}", value) from None
-    return check
 
 
 class _InvalidField(ValueError):
@@ -90,8 +88,8 @@ class ModelConfig:
     context_window: int | None = attrs.field(default=None, validator=_positive)
     aliases: tuple[str, ...] = ()
     # The output parsers (TensorRT-LLM's names, docs/parsers.md); unset: what the workers advertise in ModelInfo
-    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name("tool"))
-    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name("reasoning"))
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
 
     def resolved_dir(self, base: Path) -> Path:
         if self.dir.startswith("builtin:"):

@@ -52,7 +52,7 @@ from orchestrator.frontend.messages_api import MessagesExchange
 from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.frontend.request_scope import DISCONNECT, InFlight, RequestScope
 from orchestrator.frontend.response_store import open_store
-from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange
+from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange, not_found
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
@@ -243,8 +243,7 @@ class App:
         response_id = scope["path"][len(RESPONSE_PATH):]
         record = await self.response_store.get(response_id) if response_id else None
         if record is None:
-            error = ApiError(404, f"no stored response has the id {response_id!r} (never stored, deleted, or expired)",
-                             code="response_not_found")
+            error = not_found(response_id, param=None)
             await send_json(send, 404, error.body())
             return
         if scope["method"] == "DELETE":

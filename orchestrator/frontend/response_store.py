@@ -54,7 +54,29 @@ def open_store(config: ResponsesConfig, base_dir: Path) -> ResponseStore:
     return SqliteStore(config.resolved_path(base_dir), max_age_s=config.max_age_s, max_count=config.max_count)
 
 
-class SqliteStore:
+class _BlockingStore:
+    """A store whose client blocks: each call runs on a worker thread (`_put`, `_get`, `_delete` do the work)."""
+
+    async def put(self, record: StoredResponse) -> None:
+        await trio.to_thread.run_sync(self._put, record)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await trio.to_thread.run_sync(self._get, response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await trio.to_thread.run_sync(self._delete, response_id)
+
+    def _put(self, record: StoredResponse) -> None:
+        raise NotImplementedError
+
+    def _get(self, response_id: str) -> StoredResponse | None:
+        raise NotImplementedError
+
+    def _delete(self, response_id: str) -> bool:
+        raise NotImplementedError
+
+
+class SqliteStore(_BlockingStore):
     def __init__(self, path: Path | None, *, max_age_s: float, max_count: int, clock=time.time) -> None:
         self.max_age_s, self.max_count, self.clock = max_age_s, max_count, clock
         if path is not None:
@@ -67,15 +89,6 @@ class SqliteStore:
             self._db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at REAL NOT NULL, "
                              "response TEXT NOT NULL, conversation TEXT NOT NULL)")
             self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)")
-
-    async def put(self, record: StoredResponse) -> None:
-        await trio.to_thread.run_sync(self._put, record)
-
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await trio.to_thread.run_sync(self._get, response_id)
-
-    async def delete(self, response_id: str) -> bool:
-        return await trio.to_thread.run_sync(self._delete, response_id)
 
     def close(self) -> None:
         with self._lock:
@@ -100,7 +113,7 @@ class SqliteStore:
             return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
 
 
-class RedisStore:
+class RedisStore(_BlockingStore):
     def __init__(self, url: str, *, prefix: str, max_age_s: float, max_count: int) -> None:
         import redis  # only a deployment with a shared store needs the package
 
@@ -110,15 +123,6 @@ class RedisStore:
 
     def _key(self, response_id: str) -> str:
         return f"{self.prefix}:{response_id}"
-
-    async def put(self, record: StoredResponse) -> None:
-        await trio.to_thread.run_sync(self._put, record)
-
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await trio.to_thread.run_sync(self._get, response_id)
-
-    async def delete(self, response_id: str) -> bool:
-        return await trio.to_thread.run_sync(self._delete, response_id)
 
     def close(self) -> None:
         self._redis.close()

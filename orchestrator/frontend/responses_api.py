@@ -26,9 +26,9 @@ from orchestrator.tokenizer import ModelTokenizer
 RESPONSE_PATH = "/v1/responses/"  # GET and DELETE /v1/responses/{id}
 
 
-def not_found(response_id: str) -> ApiError:
+def not_found(response_id: str, param: str | None = "previous_response_id") -> ApiError:
     return ApiError(404, f"no stored response has the id {response_id!r} (never stored, deleted, or expired)",
-                    param="previous_response_id", code="response_not_found")
+                    param=param, code="response_not_found")
 
 
 class ResponsesExchange:

@@ -64,13 +64,9 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: int
         "reasoning": {"effort": request.reasoning_effort, "summary": None},
         "store": request.store, "temperature": request.temperature, "top_p": request.top_p,
         "max_output_tokens": request.max_output_tokens, "text": {"format": json.loads(request.text_format)},
-        "tool_choice": _tool_choice(json.loads(request.tool_choice)), "tools": json.loads(request.tools),
+        "tool_choice": json.loads(request.tool_choice), "tools": json.loads(request.tools),
         "truncation": "disabled", "usage": usage_body,
     }
-
-
-def _tool_choice(choice):
-    return choice
 
 
 def finish_status(reason: str) -> tuple[str, str | None]:
