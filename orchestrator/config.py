@@ -19,6 +19,7 @@ import yaml
 from orchestrator.models import MODELS_DIR
 from orchestrator.parsers import UnknownParserError, resolve
 from orchestrator.roles import ROLES
+from orchestrator.tls import TlsMaterial, UnreadableTlsFile
 
 MODES = ("aggregated", "disaggregated", "conditional")
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -120,8 +121,8 @@ class EtcdDiscovery:
     cert_file: str | None = None
     key_file: str | None = None
 
-    def tls_files(self, base_dir: Path, file: str):
-        """The PEM bytes (ca, cert, key), or None for plaintext unless the endpoints say https://."""
+    def tls(self, base_dir: Path, file: str) -> TlsMaterial | None:
+        """The TLS material, or None for plaintext unless the endpoints say https://."""
         if self.ca_file is None and self.cert_file is None and self.key_file is None:
             return None
         return _read_pem_files(self, "discovery.etcd", base_dir, file)
@@ -203,27 +204,20 @@ class TlsFiles:
     key_file: str | None = None
     server_name: str | None = None  # the name to check in the workers' certificates, if not their address
 
-    def read(self, base_dir: Path, file: str) -> tuple[bytes | None, bytes | None, bytes | None]:
-        return _read_pem_files(self, "workers_tls", base_dir, file)
+    def tls(self, base_dir: Path, file: str) -> TlsMaterial:
+        return _read_pem_files(self, "workers_tls", base_dir, file, server_name=self.server_name)
 
 
-def _read_pem_files(section, name: str, base_dir: Path, file: str) -> tuple[bytes | None, bytes | None, bytes | None]:
+def _read_pem_files(section, name: str, base_dir: Path, file: str, server_name: str | None = None) -> TlsMaterial:
     """`section`'s ca_file, cert_file and key_file read (None where unset); paths relative to the config."""
     if (section.cert_file is None) != (section.key_file is None):
         raise ConfigError(file, name, "both cert_file and key_file, or neither")
-    out: list[bytes | None] = []
-    for key in ("ca_file", "cert_file", "key_file"):
-        value = getattr(section, key)
-        if value is None:
-            out.append(None)
-            continue
-        path = Path(value) if Path(value).is_absolute() else base_dir / value
-        try:
-            out.append(path.read_bytes())
-        except OSError as exc:
-            raise ConfigError(file, f"{name}.{key}", f"a readable PEM file ({exc.strerror})", value) from exc
-    ca, cert, key_pem = out
-    return ca, cert, key_pem
+    try:
+        return TlsMaterial.read(section.ca_file, section.cert_file, section.key_file, base_dir=base_dir,
+                                server_name=server_name)
+    except UnreadableTlsFile as exc:
+        raise ConfigError(file, f"{name}.{exc.setting}", f"a readable PEM file ({exc.strerror})",
+                          getattr(section, exc.setting)) from exc
 
 
 @attrs.frozen
@@ -284,6 +278,16 @@ class HttpConfig:
     # One SSE event per token (what aiperf and other token-counting clients measure). True: the tokens
     # that arrived together go out as one event, fewer writes under load but coarser timing.
     coalesce_tokens: bool = False
+
+    def tls(self, base_dir: Path, file: str) -> TlsMaterial | None:
+        """The served certificate and key (HTTPS), or None for plain HTTP."""
+        if self.tls_cert_file is None or self.tls_key_file is None:  # load() refuses one without the other
+            return None
+        try:
+            return TlsMaterial.read(cert_file=self.tls_cert_file, key_file=self.tls_key_file, base_dir=base_dir)
+        except UnreadableTlsFile as exc:
+            raise ConfigError(file, f"http.tls_{exc.setting}", f"a readable PEM file ({exc.strerror})",
+                              getattr(self, f"tls_{exc.setting}")) from exc
 
 
 @attrs.frozen

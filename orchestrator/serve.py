@@ -77,21 +77,15 @@ def worker_tls(config: Config):
     """The TLS settings of every worker connection (None: plaintext h2c, TensorRT-LLM's default)."""
     if config.workers_tls is None:
         return None
-    from orchestrator.engine.client import ChannelTls
-
-    ca, cert, key = config.workers_tls.read(config.base_dir, config.source)
-    return ChannelTls(ca, key, cert, config.workers_tls.server_name)
+    return config.workers_tls.tls(config.base_dir, config.source)
 
 
 def make_registry(config: Config, loop_thread):
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
-        from orchestrator.discovery.etcd_client import EtcdTls
-
         etcd = config.discovery.etcd
-        files = etcd.tls_files(config.base_dir, config.source)
         return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name, loop_thread=loop_thread,
-                            tls=None if files is None else EtcdTls(*files))
+                            tls=etcd.tls(config.base_dir, config.source))
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static
@@ -210,13 +204,8 @@ async def serve_http(app, config: Config, host: str, port: int, shutdown: trio.E
     from orchestrator.frontend.http_server import ServerLimits, open_listener
     from orchestrator.frontend.http_server import serve_http as serve_native
 
-    ssl_context = None
-    if http.tls_cert_file and http.tls_key_file:  # HTTPS (the config has both or neither)
-        import ssl
-
-        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_context.load_cert_chain(config.base_dir / http.tls_cert_file, config.base_dir / http.tls_key_file)
-        ssl_context.set_alpn_protocols(["http/1.1"])
+    tls = http.tls(config.base_dir, config.source)
+    ssl_context = None if tls is None else tls.server_context(["http/1.1"])  # HTTPS
     limits = ServerLimits(keep_alive_s=http.keep_alive_s, max_header_bytes=http.max_header_bytes,
                           grace_s=config.limits.shutdown_grace_s + LAST_WORDS_S,
                           max_connections=connection_cap(http.max_connections, open_files_limit()))

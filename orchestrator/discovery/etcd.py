@@ -17,9 +17,10 @@ import logging
 import trio
 
 from orchestrator.discovery import keys
-from orchestrator.discovery.etcd_client import EtcdTls, new_client
+from orchestrator.discovery.etcd_client import new_client
 from orchestrator.discovery.snapshots import Publish, Snapshot, WorkerRegistry, WorkerSpec
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.tls import TlsMaterial
 from orchestrator.transport.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class WatchBroken(Exception):
 
 class EtcdRegistry(WorkerRegistry):
     def __init__(self, endpoints: tuple[str, ...], namespace: str, *, model: str, loop_thread: LoopThread,
-                 max_backoff: float = 2.0, probe_interval_s: float = 2.0, tls: EtcdTls | None = None):
+                 max_backoff: float = 2.0, probe_interval_s: float = 2.0, tls: TlsMaterial | None = None):
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
         self.endpoints = endpoints

@@ -6,12 +6,11 @@ worker registered (discovery/lease_keeper.py).
 
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import aetcd
-import attrs
-import grpc
+
+from orchestrator.tls import TlsMaterial
 
 
 def parse_etcd_url(url: str) -> tuple[str, int]:
@@ -21,21 +20,6 @@ def parse_etcd_url(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 2379
 
 
-@attrs.frozen
-class EtcdTls:
-    """TLS to etcd (PEM bytes): the CA that signed etcd's certificate (None: the system's), ours for mTLS."""
-
-    ca: bytes | None = None
-    cert: bytes | None = None
-    key: bytes | None = None
-
-    @classmethod
-    def from_files(cls, ca_file: str | None, cert_file: str | None, key_file: str | None) -> EtcdTls:
-        def read(name: str | None) -> bytes | None:
-            return None if name is None else Path(name).read_bytes()
-        return cls(read(ca_file), read(cert_file), read(key_file))
-
-
 class _TlsEtcdClient(aetcd.Client):
     """aetcd opens plaintext channels only; this one opens a TLS channel and sets up the same stubs.
 
@@ -43,7 +27,7 @@ class _TlsEtcdClient(aetcd.Client):
     discovery test runs it against a real etcd that requires client certificates.
     """
 
-    def __init__(self, *, tls: EtcdTls, **kwargs):
+    def __init__(self, *, tls: TlsMaterial, **kwargs):
         super().__init__(**kwargs)
         self._tls = tls
 
@@ -52,8 +36,8 @@ class _TlsEtcdClient(aetcd.Client):
             return
         from aetcd import rpc, watcher
 
-        credentials = grpc.ssl_channel_credentials(self._tls.ca, self._tls.key, self._tls.cert)
-        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", credentials, options=self._options.items())
+        options = [*self._options.items(), *self._tls.grpc_options()]
+        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._tls.grpc_credentials(), options=options)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
@@ -62,11 +46,11 @@ class _TlsEtcdClient(aetcd.Client):
         self._connected.set()
 
 
-def new_client(url: str, timeout: float = 3.0, tls: EtcdTls | None = None) -> aetcd.Client:
+def new_client(url: str, timeout: float = 3.0, tls: TlsMaterial | None = None) -> aetcd.Client:
     """A client for one etcd endpoint; TLS when `tls` is given or the URL is https://."""
     host, port = parse_etcd_url(url)
     if tls is None and url.startswith("https://"):
-        tls = EtcdTls()
+        tls = TlsMaterial()
     if tls is None:
         return aetcd.Client(host=host, port=port, timeout=timeout)
     return _TlsEtcdClient(host=host, port=port, timeout=timeout, tls=tls)

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import aetcd
 
-from orchestrator.discovery.etcd_client import EtcdTls, new_client
+from orchestrator.discovery.etcd_client import new_client
 from orchestrator.log import RateLimitedLog, cause_chain
+from orchestrator.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1
@@ -31,7 +32,7 @@ class LeaseKeeper:
     """Keeps `key` = `value` in etcd under a lease of `ttl` seconds while `is_healthy()`; `run()` until cancelled."""
 
     def __init__(self, etcd_url: str, key: str, value: bytes, *, ttl: int = 10,
-                 is_healthy: Callable[[], bool] = lambda: True, tls: EtcdTls | None = None):
+                 is_healthy: Callable[[], bool] = lambda: True, tls: TlsMaterial | None = None):
         self.etcd_url = etcd_url
         self.tls = tls
         self.key = key.encode()

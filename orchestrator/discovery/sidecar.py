@@ -48,15 +48,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def etcd_tls(args: argparse.Namespace):
     """TLS to etcd from the --etcd-* flags (None: plaintext, unless --etcd says https://)."""
-    from orchestrator.discovery.etcd_client import EtcdTls
+    from orchestrator.tls import TlsMaterial, UnreadableTlsFile
 
     if args.etcd_ca is None and args.etcd_cert is None and args.etcd_key is None:
         return None
     if (args.etcd_cert is None) != (args.etcd_key is None):
         raise SystemExit("orchestrator register: --etcd-cert and --etcd-key go together")
     try:
-        return EtcdTls.from_files(args.etcd_ca, args.etcd_cert, args.etcd_key)
-    except OSError as exc:
+        return TlsMaterial.read(args.etcd_ca, args.etcd_cert, args.etcd_key)
+    except UnreadableTlsFile as exc:
         raise SystemExit(f"orchestrator register: cannot read {exc.filename}: {exc.strerror}") from exc
 
 

@@ -32,15 +32,15 @@ from orchestrator.engine.errors import ClientClosed, EngineError, ErrorCode, Inc
 from orchestrator.engine.numbering import Health, Numbering, error_code_of, health_of, health_text, numbering_of
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.tls import TlsMaterial
 from orchestrator.transport.calls import STREAM_TRANSPORTS, CallStream, WorkerChannel
 from orchestrator.transport.errors import ERROR_CODE_DRAINING
 from orchestrator.transport.grpcio_channel import GrpcioChannel
 from orchestrator.transport.h2_channel import H2Channel
 from orchestrator.transport.keepalive import KeepalivePolicy
 from orchestrator.transport.loop_thread import LoopThread
-from orchestrator.transport.tls import ChannelTls
 
-__all__ = ["CLIENT_SCHEMA_REVISION", "STREAM_TRANSPORTS", "ChannelTls", "EngineClient", "GenerateStream",
+__all__ = ["CLIENT_SCHEMA_REVISION", "STREAM_TRANSPORTS", "EngineClient", "GenerateStream",
            "check_revision"]
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class EngineClient:
     @classmethod
     @asynccontextmanager
     async def open(cls, address: str, loop_thread: LoopThread, *, discovery_timeout: float = 10.0,
-                   name: str | None = None, tls: ChannelTls | None = None, stream_transport: str = "h2",
+                   name: str | None = None, tls: TlsMaterial | None = None, stream_transport: str = "h2",
                    keepalive_interval_s: float = 30.0,
                    keepalive_timeout_s: float = 10.0) -> AsyncIterator[EngineClient]:
         """`keepalive_*`: a PING after that long without hearing from the worker while calls are open, to be
@@ -170,7 +170,7 @@ class EngineClient:
             channel: WorkerChannel
             if stream_transport == "h2":
                 channel = H2Channel(address, worker=name, nursery=nursery, keepalive=keepalive,
-                                    ssl_context=None if tls is None else tls.ssl_context(),
+                                    ssl_context=None if tls is None else tls.client_context(["h2"]),
                                     server_name=None if tls is None else tls.server_name)
             else:
                 channel = await GrpcioChannel.open(address, loop_thread, worker=name, tls=tls, keepalive=keepalive)

@@ -15,11 +15,11 @@ from typing import Any
 
 import grpc
 
+from orchestrator.tls import TlsMaterial
 from orchestrator.transport import calls
 from orchestrator.transport.errors import EngineError, ErrorCode, from_rpc_error
 from orchestrator.transport.keepalive import KeepalivePolicy
 from orchestrator.transport.loop_thread import LoopThread, StreamInbox
-from orchestrator.transport.tls import ChannelTls
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -49,14 +49,14 @@ class GrpcioChannel:
         self._worker = worker
 
     @classmethod
-    async def open(cls, address: str, loop_thread: LoopThread, *, worker: str, tls: ChannelTls | None,
+    async def open(cls, address: str, loop_thread: LoopThread, *, worker: str, tls: TlsMaterial | None,
                    keepalive: KeepalivePolicy) -> GrpcioChannel:
         options = [*_CHANNEL_OPTIONS, *_keepalive_options(keepalive)]
 
         async def connect() -> grpc.aio.Channel:  # on the loop thread: the channel belongs to that loop
             if tls is None:
                 return grpc.aio.insecure_channel(address, options=options)
-            return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+            return grpc.aio.secure_channel(address, tls.grpc_credentials(), options=[*options, *tls.grpc_options()])
 
         return cls(await loop_thread.run(connect), loop_thread, worker=worker, keepalive=keepalive)
 

@@ -125,7 +125,7 @@ class WorkerPool:
         self.health_interval = health_interval
         self.discovery_timeout = discovery_timeout
         self.removal_grace = removal_grace
-        self.tls = tls  # orchestrator.engine.client.ChannelTls for every worker, or None
+        self.tls = tls  # orchestrator.tls.TlsMaterial for every worker, or None
         self.stream_transport = stream_transport  # how Generate streams travel (EngineClient.open)
         self.keepalive = keepalive  # config.KeepaliveConfig for every worker connection, or None: the defaults
         self.identity_interval = max(5.0, health_interval * 10)

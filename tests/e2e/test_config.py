@@ -11,6 +11,7 @@ from orchestrator import config as config_module
 from orchestrator.config import ConfigError
 from orchestrator.launch import check_sim_workers
 from orchestrator.testkit.plugin import orchestrator_command
+from orchestrator.tls import TlsMaterial
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -155,7 +156,7 @@ def test_etcd_tls_files_are_named_when_they_cannot_be_used(tmp_path, etcd, key, 
     config = config_module.load(path)
     assert config.discovery.etcd is not None
     with pytest.raises(ConfigError) as info:
-        config.discovery.etcd.tls_files(config.base_dir, config.source)
+        config.discovery.etcd.tls(config.base_dir, config.source)
     assert info.value.key == key and words in str(info.value) and str(path) in str(info.value)
 
 
@@ -164,7 +165,7 @@ def test_etcd_tls_files_are_read_relative_to_the_config(tmp_path):
     path = write(tmp_path, "discovery:\n  etcd: {endpoints: ['https://etcd:2379'], ca_file: ca.pem}\n")
     config = config_module.load(path)
     assert config.discovery.etcd is not None
-    assert config.discovery.etcd.tls_files(config.base_dir, config.source) == (b"CA", None, None)
+    assert config.discovery.etcd.tls(config.base_dir, config.source) == TlsMaterial(ca=b"CA")
 
 
 def test_the_config_knows_the_stream_transports_the_engine_client_has():
