@@ -101,7 +101,7 @@ def _monitor_after(errors, *, heard: bool):
              "answer": EngineError("internal", worker="w", rpc="Health")}
     states = []
     for kind in errors:
-        pool._on_health_error(worker, client, 1.0, kinds[kind])  # type: ignore[arg-type]
+        pool.monitor._on_health_error(worker, client, 1.0, kinds[kind])  # type: ignore[arg-type]
         states.append(str(worker.state))
     return states, client.failed
 

@@ -450,7 +450,7 @@ async def test_the_pool_is_the_one_reader_of_a_workers_identity_and_tells_the_fe
         async with LoopThread.open() as loop_thread, trio.open_nursery() as nursery:
             pool = WorkerPool(loop_thread=loop_thread, metrics=Metrics(), routing=RoutingConfig(), model="",
                               health_interval=0.05, kv=KvRouting(index, feed, roles=(), follow_roles=("aggregated",)))
-            pool.identity_interval = 0.5
+            pool.monitor.identity_interval = 0.5
             await nursery.start(pool.run, StaticRegistry([WorkerSpec(address=address, role="aggregated")]))
             await wait_for(lambda: "cannot be followed" in feed.detail.get(address, ""))
             before = servicer.server_infos

@@ -142,7 +142,7 @@ async def test_the_streams_of_a_frozen_decode_worker_migrate_within_three_health
     print(f"{len(finishes)} streams, {migrated:.0f} migrated; longest gap after the freeze {max(gaps):.2f} s")
     assert not failures and finishes and all(finish == "length" for finish in finishes), (failures, finishes)
     assert migrated >= 1
-    # up to an interval until the next check, two timed-out checks (workers/pool.py HEALTH_MISSES), plus the
+    # up to an interval until the next check, two timed-out checks (workers/monitor.py HEALTH_MISSES), plus the
     # migration (a new prefill; generous on 2 cores)
     assert max(gaps) <= 3 * interval + 1.5, max(gaps)
 

@@ -9,6 +9,7 @@ from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 from orchestrator.engine import EngineClient, LoopThread
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import server_pb2
+from orchestrator.workers.monitor import WorkerMonitor
 from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.workers.states import WorkerState
 from pool_helpers import ScriptedRegistry
@@ -62,7 +63,7 @@ async def test_a_load_sample_keeps_the_queued_requests_apart():
     so the sample must say how many of its requests are queued."""
     worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
     worker.sent_since_load = 3
-    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=2, queued_requests=5, used_kv_blocks=80,
+    WorkerMonitor.on_load(worker, server_pb2.LoadInfo(running_requests=2, queued_requests=5, used_kv_blocks=80,
                                                     total_kv_blocks=1000))
     sample = worker.load_sample
     assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (7, 5, 2)
@@ -73,7 +74,7 @@ async def test_a_load_sample_from_tensorrt_llm_counts_its_queued_requests_in_wit
     """UPSTREAM load-kv: TensorRT-LLM's running_requests is its active count and queued_requests stays unset, so
     routing must not take the requests for admitted ones holding the blocks in use (routing._loads)."""
     worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
-    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=7, used_kv_blocks=80, total_kv_blocks=1000))
+    WorkerMonitor.on_load(worker, server_pb2.LoadInfo(running_requests=7, used_kv_blocks=80, total_kv_blocks=1000))
     sample = worker.load_sample
     assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (7, None, 7)
 
@@ -83,10 +84,10 @@ async def test_a_load_sample_from_the_sibling_server_counts_its_queue_once():
     tracker's count) already holds them: 4 in the batch and 5 queued are 9 requests, not 14. An engine whose
     running_requests are only those in the batch adds its queue."""
     worker = Worker(WorkerSpec(address="grpc://127.0.0.1:9", role="aggregated"))
-    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=9, queued_requests=5, prefill_batch_size=1,
+    WorkerMonitor.on_load(worker, server_pb2.LoadInfo(running_requests=9, queued_requests=5, prefill_batch_size=1,
                                                     decode_batch_size=3, used_kv_blocks=80, total_kv_blocks=1000))
     sample = worker.load_sample
     assert sample is not None and (sample.requests, sample.queued, sample.admitted) == (9, 5, 4)
-    WorkerPool._on_load(worker, server_pb2.LoadInfo(running_requests=4, queued_requests=5, prefill_batch_size=1,
+    WorkerMonitor.on_load(worker, server_pb2.LoadInfo(running_requests=4, queued_requests=5, prefill_batch_size=1,
                                                     decode_batch_size=3))
     assert worker.load_sample is not None and worker.load_sample.requests == 9
