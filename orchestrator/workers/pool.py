@@ -26,12 +26,13 @@ import grpc
 import trio
 
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.engine import EngineClient, EngineError, LoopThread, WorkerUnavailable
+from orchestrator.engine import EngineClient, EngineError, LoopThread, NoLoraSurface, WorkerUnavailable
 from orchestrator.engine.numbering import Health
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import RateLimitedLog, bounded, cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
 from orchestrator.roles import ROLES
+from orchestrator.workers.adapters import AdapterSpec, WorkerAdapters, listed, no_worker_message, room
 from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.kv_routing import KvRouting
@@ -74,6 +75,7 @@ class Worker:
         self.unresponsive = False
         self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
+        self.adapters = WorkerAdapters()  # its LoRA adapters, as its last ListLoras (or our LoadLora) said
 
     @property
     def dp_size(self) -> int:
@@ -150,6 +152,8 @@ class WorkerPool:
         self.registry_healthy = True
         self.registry_detail = ""
         self.changed = trio.Event()  # set on every pool change; replaced after
+        # An adapter being loaded for a role (place_adapter): later requests for it wait for that load
+        self._placing: dict[tuple[str, str], trio.Event] = {}
 
     # ---- running ---------------------------------------------------------------------------------
     async def run(self, registry: WorkerRegistry, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -212,6 +216,7 @@ class WorkerPool:
                         kv = self.kv
                         if kv is not None and kv.feed is not None and worker.role in kv.follow_roles:
                             nursery.start_soon(kv.feed.follow, worker.address, client, worker.instance)
+                        nursery.start_soon(self._watch_adapters, worker, client)
                         await self._monitor(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -328,6 +333,23 @@ class WorkerPool:
                 worker.log("worker %s %s still %s: %s", worker.role, worker.address, state, detail)
         worker.state, worker.detail = state, detail
 
+    async def _watch_adapters(self, worker: Worker, client: EngineClient) -> None:
+        """Keep `worker.adapters` as the worker's ListLoras says: once it is ready, then at the identity checks'
+        pace (never faster than its health checks; our own LoadLora updates it at once). A worker without the
+        LoRA surface is asked again only at that pace too: it may be restarted with a LoRA config."""
+        while True:
+            while not worker.routable:
+                await trio.sleep(self.health_interval)
+            try:
+                worker.adapters = listed([a.lora_name for a in await client.list_loras(timeout=self.health_interval
+                                                                                       + 1.0)])
+            except NoLoraSurface:
+                worker.adapters = WorkerAdapters()
+            except EngineError as exc:
+                # A failed read: what it last said stands (the health monitor judges the worker itself)
+                worker.log("worker %s: ListLoras failed: %s", worker.address, cause_chain(exc))
+            await trio.sleep(self.identity_interval)
+
     def _polls_load(self, worker: Worker) -> bool:
         return self._policy_names[worker.role] in ("least_loaded", "kv_aware")
 
@@ -399,6 +421,64 @@ class WorkerPool:
         windows = [w.client.cached_capabilities.max_context_length for w in self.workers.values()
                    if w.client is not None and w.client.cached_capabilities is not None]
         return max((window for window in windows if window), default=None)
+
+    # ---- LoRA adapters (adapters.py) ------------------------------------------------------------------
+    def has_adapter(self, name: str) -> bool:
+        """Whether a routable worker holds the adapter now."""
+        return any(w.routable and w.adapters.holds(name) for w in self.workers.values())
+
+    def adapter_holders(self, name: str) -> list[str]:
+        """The addresses of the routable workers holding the adapter (/v1/models shows an adapter's state)."""
+        return sorted(w.address for w in self.workers.values() if w.routable and w.adapters.holds(name))
+
+    async def place_adapter(self, role: str, name: str, spec: AdapterSpec | None) -> None:
+        """Make sure a routable worker of `role` holds the adapter `name`: one already does, or it is loaded
+        (LoadLora of `spec`) on the one with the most room among those that support LoRA. Concurrent requests
+        for an adapter being loaded wait for that load instead of loading it elsewhere too. NoWorkerAvailable
+        names the adapter when no worker can have it (none supports LoRA, none has room, every load failed, or
+        it is not configured: `spec` None)."""
+        while True:
+            if any(w.role == role and w.routable and w.adapters.holds(name) for w in self.workers.values()):
+                return
+            placing = self._placing.get((role, name))
+            if placing is None:
+                break
+            await placing.wait()
+        loaders = sorted((w for w in self.workers.values() if w.role == role and w.routable
+                          and w.client is not None and self._room(w) > 0),
+                         key=lambda w: (-self._room(w), w.inflight))
+        if spec is None or not loaders:
+            message = no_worker_message(name, role, loadable=len(loaders))
+            if spec is None and loaders:
+                message += " (it is not among the model's configured adapters, so it is not loaded anywhere)"
+            raise NoWorkerAvailable(message, code="adapter_unavailable", retry_after=1)
+        done = self._placing[(role, name)] = trio.Event()
+        try:
+            for worker in loaders:
+                client = worker.client
+                if client is None:
+                    continue
+                try:
+                    await client.load_lora(spec.name, spec.source_path, spec.lora_id)
+                except EngineError as exc:
+                    if isinstance(exc, NoLoraSurface):
+                        worker.adapters = WorkerAdapters()
+                    log.warning("loading LoRA adapter %r on %s failed: %s", name, worker.address, cause_chain(exc))
+                    continue
+                worker.adapters = worker.adapters.with_loaded(name)
+                log.info("loaded LoRA adapter %r on %s %s", name, worker.role, worker.address)
+                self._notify()
+                return
+            raise NoWorkerAvailable(f"no {role} worker could load the LoRA adapter {name!r} (see the log)",
+                                    code="adapter_unavailable", retry_after=1)
+        finally:
+            del self._placing[(role, name)]
+            done.set()
+
+    @staticmethod
+    def _room(worker: Worker) -> int:
+        caps = worker.client.cached_capabilities if worker.client is not None else None
+        return 0 if caps is None else room(worker.adapters, caps.supports_lora, caps.max_loras)
 
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)
@@ -520,6 +600,10 @@ def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> 
     view: dict = {"address": worker.address, "role": worker.role, "state": worker.state,
                   "detail": bounded(worker.detail),
                   "inflight": worker.inflight}
+    if worker.adapters.surface:  # its LoRA adapters (a worker without the LoRA RPCs shows none)
+        view["lora_adapters"] = sorted(worker.adapters.names)
+        if worker.adapters.detail:
+            view["lora_detail"] = bounded(worker.adapters.detail)
     if kv_index is not None:
         # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
         view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
@@ -535,6 +619,7 @@ def _describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> 
                           "guided_decoding": caps.guided_decoding.supported,
                           # advertised abort by session (never relied on: orchestrator/kv/lease.py)
                           "supports_abort_cleanup": caps.supports_abort_cleanup,
+                          "supports_lora": caps.supports_lora, "max_loras": caps.max_loras,
                           # e.g. trtllm_supports_dp_rank_targeting, trtllm_kv_event_hash_algo, trtllm_node
                           "extra": {key: json.loads(value) for key, value in caps.extra}}
     sample = worker.load_sample
