@@ -286,6 +286,7 @@ class AdmissionService(SimWorkerState):
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "target_dp_rank": rank,
+                            "lora_name": request.lora_name,
                             "cache_salt": request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
                             "conversation_id": engine_conversation_id(persona, kind, extra, metadata_conversation),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},

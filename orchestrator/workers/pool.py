@@ -76,6 +76,7 @@ class Worker:
         self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
         self.adapters = WorkerAdapters()  # its LoRA adapters, as its last ListLoras (or our LoadLora) said
+        self.adapters_read = False  # whether ListLoras answered since it connected
 
     @property
     def dp_size(self) -> int:
@@ -340,15 +341,19 @@ class WorkerPool:
         while True:
             while not worker.routable:
                 await trio.sleep(self.health_interval)
-            try:
-                worker.adapters = listed([a.lora_name for a in await client.list_loras(timeout=self.health_interval
-                                                                                       + 1.0)])
-            except NoLoraSurface:
-                worker.adapters = WorkerAdapters()
-            except EngineError as exc:
-                # A failed read: what it last said stands (the health monitor judges the worker itself)
-                worker.log("worker %s: ListLoras failed: %s", worker.address, cause_chain(exc))
+            await self._read_adapters(worker, client)
             await trio.sleep(self.identity_interval)
+
+    async def _read_adapters(self, worker: Worker, client: EngineClient) -> None:
+        try:
+            worker.adapters = listed([a.lora_name for a in await client.list_loras(timeout=self.health_interval + 1.0)])
+        except NoLoraSurface:
+            worker.adapters = WorkerAdapters()
+        except EngineError as exc:
+            # A failed read: what it last said stands (the health monitor judges the worker itself)
+            worker.log("worker %s: ListLoras failed: %s", worker.address, cause_chain(exc))
+            return
+        worker.adapters_read = True
 
     def _polls_load(self, worker: Worker) -> bool:
         return self._policy_names[worker.role] in ("least_loaded", "kv_aware")
@@ -437,6 +442,10 @@ class WorkerPool:
         for an adapter being loaded wait for that load instead of loading it elsewhere too. NoWorkerAvailable
         names the adapter when no worker can have it (none supports LoRA, none has room, every load failed, or
         it is not configured: `spec` None)."""
+        unread = [w for w in self.workers.values() if w.role == role and w.routable and not w.adapters_read]
+        for worker in unread:  # (just connected: its watch has not read them yet)
+            if worker.client is not None:
+                await self._read_adapters(worker, worker.client)
         while True:
             if any(w.role == role and w.routable and w.adapters.holds(name) for w in self.workers.values()):
                 return

@@ -13,7 +13,7 @@ from orchestrator.engine.capabilities import MAX_LORAS, WorkerCapabilities
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.flow.worker_choice import WorkerChoice
 from orchestrator.metrics import Metrics
-from orchestrator.openengine.v1 import kv_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import kv_pb2, lora_pb2, model_pb2, server_pb2
 from orchestrator.testkit.fakes import FakeEngineClient, capabilities, fake_worker
 from orchestrator.workers.adapters import (
     MAX_ADAPTER_NAME,
@@ -93,10 +93,20 @@ def test_capabilities_read_supports_lora_and_bound_max_loras():
 class LoraClient(FakeEngineClient):
     """A fake worker with the LoRA RPCs: `refuse` makes LoadLora fail with that error."""
 
-    def __init__(self, name: str, caps: WorkerCapabilities, refuse: EngineError | None = None):
+    def __init__(self, name: str, caps: WorkerCapabilities, refuse: EngineError | None = None,
+                 holds: tuple[str, ...] = (), surface: bool = True):
         super().__init__(name, caps)
+        self.surface = surface
         self.refuse = refuse
+        self.holds = holds
         self.loads: list[tuple[str, str, int]] = []
+
+    async def list_loras(self, *, timeout: float | None = 5.0):
+        await trio.lowlevel.checkpoint()
+        if not self.surface:
+            raise NoLoraSurface("no LoRA surface: runtime LoRA enumeration is not supported", worker=self.name,
+                                rpc="ListLoras")
+        return [lora_pb2.LoraAdapter(lora_name=name) for name in self.holds]
 
     async def load_lora(self, name: str, source_path: str, lora_id: int, *, timeout: float | None = 60.0):
         self.loads.append((name, source_path, lora_id))
@@ -114,7 +124,8 @@ def pool_of(*clients: tuple[LoraClient, list[str] | None]) -> WorkerPool:
     pool = WorkerPool(loop_thread=None, metrics=Metrics(), routing=RoutingConfig(), model="m")
     for client, names in clients:
         worker = fake_worker("aggregated", client)
-        worker.adapters = WorkerAdapters() if names is None else listed(names)
+        if names is not None:
+            worker.adapters, worker.adapters_read = listed(names), True
         pool.workers[worker.spec] = worker
     return pool
 
@@ -131,9 +142,17 @@ async def test_an_adapter_a_worker_holds_is_not_loaded_again():
     assert pool.has_adapter("sql") and pool.adapter_holders("sql") == ["grpc://w1"]
 
 
+async def test_a_worker_that_just_connected_is_asked_for_its_adapters_before_one_is_loaded():
+    """Its adapter watch has not read ListLoras yet: loading elsewhere would put a second copy beside its own."""
+    fresh, other = LoraClient("fresh", lora_caps(), holds=("sql",)), LoraClient("other", lora_caps(4))
+    pool = pool_of((fresh, None), (other, []))
+    await pool.place_adapter("aggregated", "sql", CATALOG.get("sql"))
+    assert other.loads == [] and pool.adapter_holders("sql") == ["grpc://fresh"]
+
+
 async def test_an_adapter_no_worker_holds_is_loaded_on_the_one_with_the_most_room():
     full, roomy, revision_1 = (LoraClient("full", lora_caps(max_loras=1)), LoraClient("roomy", lora_caps(4)),
-                               LoraClient("r1", lora_caps(supports_lora=False)))
+                               LoraClient("r1", lora_caps(supports_lora=False), surface=False))
     pool = pool_of((full, ["poet"]), (roomy, ["poet"]), (revision_1, None))
     await pool.place_adapter("aggregated", "sql", CATALOG.get("sql"))
     assert roomy.loads == [("sql", "/adapters/sql", adapter_id("sql"))] and full.loads == revision_1.loads == []
@@ -151,7 +170,7 @@ async def test_a_failed_load_moves_on_to_the_next_worker_and_a_worker_without_th
 
 
 async def test_no_worker_able_to_hold_the_adapter_is_a_503_naming_it():
-    revision_1 = LoraClient("r1", lora_caps(supports_lora=False))
+    revision_1 = LoraClient("r1", lora_caps(supports_lora=False), surface=False)
     with pytest.raises(NoWorkerAvailable, match="'sql'") as refused:
         await pool_of((revision_1, None)).place_adapter("aggregated", "sql", CATALOG.get("sql"))
     assert refused.value.code == "adapter_unavailable"
