@@ -45,7 +45,8 @@ def held_by(worker) -> list[str]:
 
 
 def lora_config(tmp_path, mode: str, workers: dict[str, list], adapters: dict[str, str], **sections):
-    return write_config(tmp_path / f"{mode}.yaml", mode, {role: [w.address for w in ws] for role, ws in workers.items()},
+    addresses = {role: [w.address for w in ws] for role, ws in workers.items()}
+    return write_config(tmp_path / f"{mode}.yaml", mode, addresses,
                         model={"adapters": [{"name": n, "source_path": p} for n, p in adapters.items()]}, **sections)
 
 

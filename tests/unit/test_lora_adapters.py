@@ -3,17 +3,20 @@ pool loading an adapter where none is held, and the KV keys of an adapter's prom
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import pytest
 import trio
 
 from orchestrator.config import RoutingConfig
-from orchestrator.engine import EngineError, NoLoraSurface
+from orchestrator.engine import EngineError, LoopThread, NoLoraSurface
 from orchestrator.engine.capabilities import MAX_LORAS, WorkerCapabilities
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.flow.worker_choice import WorkerChoice
 from orchestrator.metrics import Metrics
 from orchestrator.openengine.v1 import kv_pb2, lora_pb2, model_pb2, server_pb2
+from orchestrator.roles import Role
 from orchestrator.testkit.fakes import FakeEngineClient, capabilities, fake_worker
 from orchestrator.workers.adapters import (
     MAX_ADAPTER_NAME,
@@ -121,7 +124,7 @@ def lora_caps(max_loras: int | None = 2, supports_lora: bool = True) -> WorkerCa
 
 def pool_of(*clients: tuple[LoraClient, list[str] | None]) -> WorkerPool:
     """A pool (not running) whose READY workers are these clients, each with these adapters (None: no surface)."""
-    pool = WorkerPool(loop_thread=None, metrics=Metrics(), routing=RoutingConfig(), model="m")
+    pool = WorkerPool(loop_thread=cast(LoopThread, None), metrics=Metrics(), routing=RoutingConfig(), model="m")
     for client, names in clients:
         worker = fake_worker("aggregated", client)
         if names is not None:
@@ -131,7 +134,7 @@ def pool_of(*clients: tuple[LoraClient, list[str] | None]) -> WorkerPool:
 
 
 def worker_of(pool: WorkerPool, client: LoraClient):
-    return next(w for w in pool.workers.values() if w.client is client)
+    return next(w for w in pool.workers.values() if w.address == f"grpc://{client.name}")
 
 
 async def test_an_adapter_a_worker_holds_is_not_loaded_again():
@@ -193,9 +196,9 @@ async def test_requests_for_an_adapter_being_loaded_wait_for_that_load():
 async def test_an_adapters_leg_goes_only_to_a_worker_holding_it():
     pool = pool_of(*[(LoraClient(f"w{i}", lora_caps()), ["sql"] if i == 2 else []) for i in range(4)])
     choice = WorkerChoice(pool, (), lambda size: [], adapter="sql")
-    assert {choice.pick("aggregated").address for _ in range(8)} == {"grpc://w2"}
+    assert {choice.pick(Role.AGGREGATED).address for _ in range(8)} == {"grpc://w2"}
     base = WorkerChoice(pool, (), lambda size: [])
-    assert len({base.pick("aggregated").address for _ in range(8)}) == 4
+    assert len({base.pick(Role.AGGREGATED).address for _ in range(8)}) == 4
     assert "lora_adapters" in pool.snapshot()[2] and pool.snapshot()[2]["lora_adapters"] == ["sql"]
 
 

@@ -44,7 +44,7 @@ def test_a_name_is_bound_to_its_id_and_path_for_the_life_of_the_process(tmp_path
         registry.load(6, "sql", sql)
     with pytest.raises(LoraRefused, match="ID 5 is permanently bound"):
         registry.load(5, "poet", poet)
-    with pytest.raises(LoraRefused, match="path .* is permanently bound"):
+    with pytest.raises(LoraRefused, match=r"path .* is permanently bound"):
         registry.load(6, "poet", sql)
     registry.unload("sql")
     with pytest.raises(KeyError):
