@@ -76,7 +76,8 @@ class Worker:
         self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
         self.adapters = WorkerAdapters()  # its LoRA adapters, as its last ListLoras (or our LoadLora) said
-        self.adapters_read = False  # whether ListLoras answered since it connected
+        self.adapters_read = False  # whether ListLoras answered since it connected (or since it restarted)
+        self.adapters_instance = ""  # the ServerInfo.instance_id those adapters were read from
 
     @property
     def dp_size(self) -> int:
@@ -314,6 +315,9 @@ class WorkerPool:
             self._on(worker, WorkerEvent.HEALTHY, f"capability discovery failing: {exc}")
             return
         worker.instance.saw(caps.instance_id)
+        if worker.adapters_read and caps.instance_id != worker.adapters_instance:
+            # Restarted: the new process holds none of the old one's adapters until its ListLoras says so
+            worker.adapters, worker.adapters_read = WorkerAdapters(), False
         if not caps.serves_role(worker.role):
             self._on(worker, WorkerEvent.IDENTITY_MISMATCH,
                      f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
@@ -345,6 +349,7 @@ class WorkerPool:
             await trio.sleep(self.identity_interval)
 
     async def _read_adapters(self, worker: Worker, client: EngineClient) -> None:
+        caps = client.cached_capabilities
         try:
             worker.adapters = listed([a.lora_name for a in await client.list_loras(timeout=self.health_interval + 1.0)])
         except NoLoraSurface:
@@ -353,7 +358,7 @@ class WorkerPool:
             # A failed read: what it last said stands (the health monitor judges the worker itself)
             worker.log("worker %s: ListLoras failed: %s", worker.address, cause_chain(exc))
             return
-        worker.adapters_read = True
+        worker.adapters_read, worker.adapters_instance = True, caps.instance_id if caps is not None else ""
 
     def _polls_load(self, worker: Worker) -> bool:
         return self._policy_names[worker.role] in ("least_loaded", "kv_aware")

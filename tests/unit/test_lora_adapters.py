@@ -241,3 +241,18 @@ def _batch(event: Stored):
     from orchestrator.workers.kv_event_codec import Batch
 
     return Batch((event,))
+
+
+async def test_a_restarted_worker_holds_none_of_its_old_processes_adapters_until_it_says_so():
+    client = LoraClient("w", lora_caps(4), holds=())
+    pool = pool_of((client, ["sql"]))
+    worker = worker_of(pool, client)
+    worker.adapters_instance = client.caps.instance_id
+    worker.identity_checked_at = trio.current_time()  # (no identity RPC: the capabilities say the instance)
+    await pool._check_identity(worker, client)
+    assert worker.adapters.holds("sql")  # the same process
+    client.caps = attrs.evolve(client.caps, instance_id="restarted")
+    await pool._check_identity(worker, client)
+    assert not worker.adapters.holds("sql") and not worker.adapters_read
+    await pool.place_adapter("aggregated", "sql", CATALOG.get("sql"))  # read again, then loaded anew
+    assert client.loads == [("sql", "/adapters/sql", adapter_id("sql"))]
