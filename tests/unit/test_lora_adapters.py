@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from orchestrator.config import RoutingConfig
-from orchestrator.engine import EngineError, LoopThread, NoLoraSurface
+from orchestrator.engine import EngineClient, EngineError, LoopThread, NoLoraSurface
 from orchestrator.engine.capabilities import MAX_LORAS, WorkerCapabilities
 from orchestrator.errors import NoWorkerAvailable
 from orchestrator.flow.worker_choice import WorkerChoice
@@ -249,10 +249,10 @@ async def test_a_restarted_worker_holds_none_of_its_old_processes_adapters_until
     worker = worker_of(pool, client)
     worker.adapters_instance = client.caps.instance_id
     worker.identity_checked_at = trio.current_time()  # (no identity RPC: the capabilities say the instance)
-    await pool._check_identity(worker, client)
+    await pool._check_identity(worker, cast(EngineClient, client))
     assert worker.adapters.holds("sql")  # the same process
     client.caps = attrs.evolve(client.caps, instance_id="restarted")
-    await pool._check_identity(worker, client)
+    await pool._check_identity(worker, cast(EngineClient, client))
     assert not worker.adapters.holds("sql") and not worker.adapters_read
     await pool.place_adapter("aggregated", "sql", CATALOG.get("sql"))  # read again, then loaded anew
     assert client.loads == [("sql", "/adapters/sql", adapter_id("sql"))]
