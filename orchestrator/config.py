@@ -83,6 +83,19 @@ class _InvalidField(ValueError):
 
 
 @attrs.frozen
+class AdapterConfig:
+    """A LoRA adapter a model serves: its API name, and where the workers find its weights (a path on the worker
+    host, relative ones resolved against the config file's directory; not checked here)."""
+
+    name: str
+    source_path: str
+
+    def resolved_source_path(self, base: Path) -> str:
+        path = Path(self.source_path)
+        return str(path if path.is_absolute() else (base / path).resolve())
+
+
+@attrs.frozen
 class ModelConfig:
     name: str = "tiny-chat"  # the API's `model`
     dir: str = "builtin:tiny-chat"  # tokenizer.json + tokenizer_config.json; builtin:NAME = shipped
@@ -91,6 +104,12 @@ class ModelConfig:
     # The output parsers (TensorRT-LLM's names, docs/parsers.md); unset: what the workers advertise in ModelInfo
     tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name)
     reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    adapters: tuple[AdapterConfig, ...] = ()  # LoRA adapters, requested as `NAME` or `MODEL:NAME`
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What a request's `model` may say to mean this model: its name and aliases."""
+        return (self.name, *self.aliases)
 
     def resolved_dir(self, base: Path) -> Path:
         if self.dir.startswith("builtin:"):

@@ -217,6 +217,8 @@ def full_leg(req: ApiRequest, *, request_id: str, model: str, prompt_ids: list[i
         request.media_options.update(json.loads(req.media_options))
     if req.cache_salt is not None:  # both TensorRT-LLM servers pass it to generate_async(cache_salt=...)
         request.kv.cache_salt = req.cache_salt
+    if req.lora_adapter is not None:  # on every leg (each is a copy): the decode leg's KV was computed with it
+        request.lora_name = req.lora_adapter
     if req.logprobs:
         request.response.return_output_logprobs = True
         # TensorRT-LLM computes the sampled token's own logprob only when at least one candidate is asked for

@@ -1,6 +1,6 @@
 """The OpenEngine v1 client the orchestrator's stages call, on trio: one EngineClient per worker.
 
-- client: EngineClient (generate, abort, health, server/model info, load, connect-until-ready) over one
+- client: EngineClient (generate, abort, health, server/model info, load, LoRA adapters, connect-until-ready) over one
   transport/ WorkerChannel, and GenerateStream, the events of one Generate call
 - events: typed Generate events, decoded from GenerateResponse messages; token_message: the token ids of
   the common one-token message, read from its bytes without a protobuf parse
@@ -18,6 +18,7 @@ from orchestrator.engine.errors import (
     EngineError,
     ErrorCode,
     IncompatibleWorker,
+    NoLoraSurface,
     WorkerNotReady,
     WorkerUnavailable,
 )
@@ -26,6 +27,6 @@ from orchestrator.transport.loop_thread import LoopThread
 
 __all__ = [
     "CLIENT_SCHEMA_REVISION", "ClientClosed", "DiscoveryFailed", "EngineClient", "EngineError", "ErrorCode",
-    "Failed", "Finished", "GenerateStream", "IncompatibleWorker", "LoopThread", "PrefillReady", "Tokens",
-    "Usage", "WorkerCapabilities", "WorkerNotReady", "WorkerUnavailable", "check_revision",
+    "Failed", "Finished", "GenerateStream", "IncompatibleWorker", "LoopThread", "NoLoraSurface", "PrefillReady",
+    "Tokens", "Usage", "WorkerCapabilities", "WorkerNotReady", "WorkerUnavailable", "check_revision",
 ]

@@ -30,6 +30,8 @@ from orchestrator.roles import Role
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# DeploymentCapacity.max_loras above this is read as this: we never size anything on a count a worker sends.
+MAX_LORAS = 1024
 
 # Revision-1 TensorRT-LLM (tensorrt_llm/grpc/openengine/control.py) reports ENGINE_ROLE_UNSPECIFIED:
 # "the same build serves either phase; the role is per request". Such a worker takes any role.
@@ -126,6 +128,11 @@ class WorkerCapabilities:
     # the output parsers the model needs, by TensorRT-LLM's names ("" / None: none said); the frontend runs them
     tool_call_parser: str | None = None  # ModelInfo.tool_call_parser (the sibling server fills it)
     reasoning_parser: str | None = None  # ModelInfo.reasoning_parser (both servers: llm.args.reasoning_parser)
+    # LoRA: ModelInfo.supports_lora (revision 1 always false: its Generate refuses lora_name; the sibling server
+    # true with a LoRA config) and DeploymentCapacity.max_loras (the sibling's lora_config.max_loras: how many
+    # adapters its GPU LoRA cache holds at once; None: not said), at most MAX_LORAS
+    supports_lora: bool = False
+    max_loras: int | None = None
 
     def serves_role(self, role: str) -> bool:
         return self.role in (role, UNSPECIFIED_ROLE)
@@ -189,6 +196,8 @@ class WorkerCapabilities:
                                for key, value in json_format.MessageToDict(server.extra).items())),
             tool_call_parser=model.tool_call_parser[:64] or None,  # (a name: never more than a short word)
             reasoning_parser=model.reasoning_parser[:64] or None,
+            supports_lora=model.supports_lora if model.HasField("supports_lora") else False,
+            max_loras=min(capacity.max_loras, MAX_LORAS) if capacity.HasField("max_loras") else None,
         )
 
 

@@ -28,10 +28,17 @@ from google.protobuf.message import Message
 
 from orchestrator.engine import events as ev
 from orchestrator.engine.capabilities import SingleFlightCache, WorkerCapabilities
-from orchestrator.engine.errors import ClientClosed, EngineError, ErrorCode, IncompatibleWorker, WorkerNotReady
+from orchestrator.engine.errors import (
+    ClientClosed,
+    EngineError,
+    ErrorCode,
+    IncompatibleWorker,
+    NoLoraSurface,
+    WorkerNotReady,
+)
 from orchestrator.engine.numbering import Health, Numbering, error_code_of, health_of, health_text, numbering_of
 from orchestrator.log import RateLimitedLog, cause_chain
-from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, server_pb2
 from orchestrator.tls import TlsMaterial
 from orchestrator.transport.calls import STREAM_TRANSPORTS, CallStream, WorkerChannel
 from orchestrator.transport.errors import ERROR_CODE_DRAINING
@@ -71,7 +78,11 @@ def check_revision(info: server_pb2.ServerInfo, *, worker: str) -> None:
 _CONTROL_RESPONSES: dict[str, type[Message]] = {
     "Health": lifecycle_pb2.HealthResponse, "GetServerInfo": server_pb2.ServerInfo, "GetModelInfo": model_pb2.ModelInfo,
     "GetLoad": server_pb2.LoadInfo, "Abort": lifecycle_pb2.AbortResponse,
-    "GetKvEventSources": kv_pb2.GetKvEventSourcesResponse}
+    "GetKvEventSources": kv_pb2.GetKvEventSourcesResponse, "ListLoras": lora_pb2.ListLorasResponse,
+    "LoadLora": lora_pb2.LoadLoraResponse, "UnloadLora": lora_pb2.UnloadLoraResponse}
+# How a worker without the LoRA surface answers its RPCs: revision 1 UNIMPLEMENTED (control.py), the sibling server
+# FAILED_PRECONDITION "TensorRT-LLM was not configured with LoRA support" (servicer.py _supports_lora)
+_NO_LORA_STATUSES = ("UNIMPLEMENTED", "FAILED_PRECONDITION")
 # Both servers spell it so: revision 1 as an extra key (request_mapping.py), the sibling as a metadata key
 CONVERSATION_ID = "conversation_id"
 _GENERATE_PATH = "/openengine.v1.Inference/Generate"
@@ -284,6 +295,31 @@ class EngineClient:
                    else lifecycle_pb2.AbortRequest(kv_session=kv_session) if kv_session is not None
                    else lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()))
         return await self._unary("Abort", request, timeout, metadata)
+
+    # ---- LoRA adapters (orchestrator/workers/adapters.py) --------------------------------------------
+    async def list_loras(self, *, timeout: float | None = 5.0) -> list[lora_pb2.LoraAdapter]:
+        """Control.ListLoras: the adapters the worker holds. NoLoraSurface: it serves no LoRA RPCs."""
+        return list((await self._lora("ListLoras", lora_pb2.ListLorasRequest(), timeout)).adapters)
+
+    async def load_lora(self, name: str, source_path: str, lora_id: int, *,
+                        timeout: float | None = 60.0) -> lora_pb2.LoadLoraResponse:
+        """Control.LoadLora. The sibling server binds a name to its id and path for the life of its process (a
+        second load with other attributes is INVALID_ARGUMENT) and answers already_loaded for the same ones."""
+        adapter = lora_pb2.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=source_path)
+        return await self._lora("LoadLora", lora_pb2.LoadLoraRequest(adapter=adapter), timeout)
+
+    async def unload_lora(self, name: str, *, timeout: float | None = 10.0) -> lora_pb2.UnloadLoraResponse:
+        """Control.UnloadLora (an unknown name: NOT_FOUND)."""
+        return await self._lora("UnloadLora", lora_pb2.UnloadLoraRequest(lora_name=name), timeout)
+
+    async def _lora(self, rpc: str, request, timeout: float | None):
+        try:
+            return await self._unary(rpc, request, timeout)
+        except EngineError as exc:
+            if exc.grpc_status is not None and exc.grpc_status.name in _NO_LORA_STATUSES:
+                raise NoLoraSurface(f"no LoRA surface: {exc.message}", worker=self.name, rpc=rpc, code=exc.code,
+                                    retryable=False, grpc_status=exc.grpc_status) from exc
+            raise
 
     # ---- KV events (orchestrator/workers/kv_events.py) --------------------------------------------
     async def kv_event_sources(self, ranks: tuple[int, ...] = (), *,

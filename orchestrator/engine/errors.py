@@ -21,8 +21,8 @@ from orchestrator.transport.errors import (
 
 __all__ = [
     "ERROR_CODE_DRAINING", "ClientClosed", "DiscoveryFailed", "EngineCancelled", "EngineError", "ErrorCode",
-    "IncompatibleWorker", "StreamStalled", "WorkerNotReady", "WorkerUnavailable", "code_name", "from_engine_error",
-    "from_grpc_status",
+    "IncompatibleWorker", "NoLoraSurface", "StreamStalled", "WorkerNotReady", "WorkerUnavailable", "code_name",
+    "from_engine_error", "from_grpc_status",
     "from_rpc_error", "grpc_status_from_number",
 ]
 
@@ -55,6 +55,12 @@ def engine_cancelled(message: str, *, worker: str) -> EngineCancelled:
 
 class IncompatibleWorker(EngineError):
     """The worker speaks a schema revision we cannot use."""
+
+
+class NoLoraSurface(EngineError):
+    """The worker does not serve the LoRA RPCs: revision-1 TensorRT-LLM answers them UNIMPLEMENTED (it has no
+    runtime adapter load), the sibling server FAILED_PRECONDITION when it was started without a LoRA config.
+    A fact about the worker, not a fault: it stays routable for requests without an adapter."""
 
 
 class WorkerNotReady(EngineError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import trio
 
 from orchestrator.config import Config
@@ -36,14 +37,19 @@ from orchestrator.metrics import Metrics
 from orchestrator.prefill.stage import PrefillStage
 from orchestrator.roles import Role
 from orchestrator.tokenizer import ModelTokenizer
+from orchestrator.workers.adapters import AdapterCatalog
 from orchestrator.workers.pool import Worker, WorkerPool
 from orchestrator.workers.prompt_keys import request_block_keys, salted
 
 
 class Coordinator:
-    def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics):
+    def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics,
+                 adapters: AdapterCatalog | None = None):
         self.config, self.pool, self.tokenizer, self.metrics = config, pool, tokenizer, metrics
         self.model_names = {config.model.name, *config.model.aliases}
+        # The model's LoRA adapters (model.adapters): which names a request may use, and where to load them from
+        self.adapters = adapters if adapters is not None else AdapterCatalog.of(
+            [(a.name, a.resolved_source_path(config.base_dir), None) for a in config.model.adapters])
         limits = config.limits
         releaser = KvReleaser(pool, metrics, limits.kv_cleanup_timeout_s)
         self.flow_parts = FlowCollaborators(
@@ -58,7 +64,11 @@ class Coordinator:
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
-        if api.model not in self.model_names:
+        if api.lora_adapter is None and api.model not in self.model_names:
+            adapter = self.adapters.resolve(api.model, self.model_names)
+            if adapter is not None:  # the adapter's own name, or "model:adapter"
+                api = attrs.evolve(api, lora_adapter=adapter)
+        if api.lora_adapter is None and api.model not in self.model_names:
             raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)
@@ -66,13 +76,16 @@ class Coordinator:
                                             window=self.config.model.context_window or self.pool.largest_window())
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="messages" if api.kind == "chat" else "prompt")
-        choice = WorkerChoice(self.pool, self.kv_roles, lambda size: self._prompt_keys(api, prompt_ids, size))
+        choice = WorkerChoice(self.pool, self.kv_roles, lambda size: self._prompt_keys(api, prompt_ids, size),
+                              adapter=api.lora_adapter)
         path = self._path(api, len(prompt_ids), choice)
+        await self._place_adapter(api, path.roles)
         workers = tuple(choice.pick(role) for role in path.roles)
         await choice.settled()  # behind a prefix an earlier request is computing there (kv_aware)
         caps = tuple([await self._capabilities(w) for w in workers])
         if path is LOCAL and not caps[0].runs_whole_requests_on_decode:
             # The sibling server's declared decode role refuses a request without a KV session: prefill elsewhere.
+            await self._place_adapter(api, (Role.PREFILL,))
             path, workers = DISAGGREGATED, (choice.pick(Role.PREFILL), *workers)
             caps = (await self._capabilities(workers[0]), *caps)
         touched = [(w.role, c) for w, c in zip(workers, caps)]
@@ -87,6 +100,15 @@ class Coordinator:
                         limits=limits)
         return planned(path, workers, request_id=request_id, api=api, full=full, prompt_tokens=len(prompt_ids),
                        target_ranks=tuple(choice.target_ranks.items()), caps=caps)
+
+    async def _place_adapter(self, api: ApiRequest, roles: tuple[Role, ...]) -> None:
+        """A request with a LoRA adapter: a worker of each role of its path holds it (loaded now where none did,
+        workers/adapters.py). Both legs of a split request run with it: the KV the decode leg pulls was computed
+        with the adapter."""
+        if api.lora_adapter is None:
+            return
+        for role in roles:
+            await self.pool.place_adapter(role, api.lora_adapter, self.adapters.get(api.lora_adapter))
 
     def _path(self, api: ApiRequest, prompt_tokens: int, choice: WorkerChoice) -> PlanPath:
         """The mode's path for this request, before its workers' capabilities are known."""
@@ -106,7 +128,8 @@ class Coordinator:
         index = self.pool.kv_index
         return salted(request_block_keys(prompt_ids, block_size, api.images, self.tokenizer.image_token_id,
                                          self.config.routing.kv_aware.image_tokens,
-                                         index.image_length if index is not None else None), api.cache_salt)
+                                         index.image_length if index is not None else None,
+                                         adapter=api.lora_adapter), api.cache_salt)
 
     async def _capabilities(self, worker: Worker) -> WorkerCapabilities:
         unavailable = f"{worker.role} worker {worker.address} is not available"

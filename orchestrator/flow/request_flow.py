@@ -227,14 +227,18 @@ def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     """What a worker that takes over the request (a retry, a migration) must be able to do, which the planner
     checked of the first workers only: serve the guide and the logprobs asked for, and on the local path run the
     whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
-    leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
+    leg is never split), and hold the request's LoRA adapter. None: nothing to check, any worker of the role will
+    do (most requests)."""
     api = plan.api
     needs_features = api.guided is not None or bool(api.logprobs)
     runs_whole = plan.path is LOCAL
-    if not needs_features and not runs_whole:
+    adapter = api.lora_adapter
+    if not needs_features and not runs_whole and adapter is None:
         return None
 
     def accepts(worker) -> bool:
+        if adapter is not None and not worker.adapters.holds(adapter):
+            return False
         caps = worker.client.cached_capabilities if worker.client is not None else None
         if caps is None:
             # Not discovered yet (discovery runs before a worker is READY, and may fail after). Features: the

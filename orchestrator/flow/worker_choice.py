@@ -26,8 +26,10 @@ SETTLE_MAX_S = 0.1
 
 
 class WorkerChoice:
-    def __init__(self, pool: WorkerPool, kv_roles: tuple[str, ...], cut_keys: Callable[[int], list[int]]):
+    def __init__(self, pool: WorkerPool, kv_roles: tuple[str, ...], cut_keys: Callable[[int], list[int]], *,
+                 adapter: str | None = None):
         self.pool, self.kv_roles, self._cut_keys = pool, kv_roles, cut_keys
+        self.adapter = adapter  # the request's LoRA adapter: only workers holding it (None: any)
         self._keys_by_size: dict[int, list[int]] = {}
         self.holder: Worker | None = None  # conditional mode: the decode worker chosen for holding the prefix
         self.target_ranks: dict[Worker, int] = {}  # the attention-DP rank that holds the prefix, per worker
@@ -49,7 +51,7 @@ class WorkerChoice:
         return self.holder
 
     def pick(self, role: Role) -> Worker:
-        accepts = None if self.holder is None or role is not Role.DECODE else (lambda w: w is self.holder)
+        accepts = self._accepts(role)
         keys = self.keys(role)[0] if role in self.kv_roles else []
         if not keys:  # (route() would count a decision that was not kv_aware)
             return self.pool.pick(role, accepts=accepts)
@@ -61,6 +63,14 @@ class WorkerChoice:
                 (decision.worker.address, decision.rank or 0), keys, decision.cached_blocks, trio.current_time()):
             self._behind.append((decision.worker, decision.rank or 0, keys, decision.cached_blocks))
         return decision.worker
+
+    def _accepts(self, role: Role) -> Callable[[Worker], bool] | None:
+        holder, adapter = (self.holder if role is Role.DECODE else None), self.adapter
+        if adapter is None:
+            return None if holder is None else (lambda w: w is holder)
+        if holder is None:
+            return lambda w: w.adapters.holds(adapter)
+        return lambda w: w is holder and w.adapters.holds(adapter)
 
     async def settled(self) -> None:
         """Wait until the prefixes the picks chose still being computed are computed: the workers' KV events

@@ -44,8 +44,12 @@ class KvReleaser:
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.cleanup_timeout_s
             candidates = [decode_worker] if decode_worker is not None and decode_worker.routable else []
+            # a leg with a LoRA adapter only where it is loaded: elsewhere it is refused, and a base-model pull would
+            # cache the adapter's KV as the base model's
+            adapter = full.lora_name
+            holds = (lambda w: w.adapters.holds(adapter)) if adapter else None
             try:
-                candidates.append(self.pool.pick(Role.DECODE, exclude=tuple(candidates)))
+                candidates.append(self.pool.pick(Role.DECODE, exclude=tuple(candidates), accepts=holds))
             except NoWorkerAvailable:
                 pass
             leg = release_leg(full, lease.session)

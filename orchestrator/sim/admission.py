@@ -35,10 +35,12 @@ class EngineFailure(Exception):
     """A refused request. `in_stream`: reported as GenerateResponse.error even where the persona's
     refusals are gRPC statuses (engine-side failures after acceptance: faults, KV transfer)."""
 
-    def __init__(self, code: int, message: str, retryable: bool = False, in_stream: bool = False):
+    def __init__(self, code: int, message: str, retryable: bool = False, in_stream: bool = False,
+                 status: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = cast(error_pb2.ErrorCode, code)  # an ErrorCode number (E.X, or E.Value(name) typed as int)
         self.message, self.retryable, self.in_stream = message, retryable, in_stream
+        self.status = status  # the gRPC status, where the server's is not the code's usual one (_STATUS_OF)
 
 
 class StallWatch:
@@ -115,8 +117,9 @@ class AdmissionService(SimWorkerState):
             except EngineUnavailable as refusal:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
             except EngineFailure as failure:
-                if self.persona.errors_as_status and not failure.in_stream and failure.code in _STATUS_OF:
-                    await context.abort(_STATUS_OF[failure.code], failure.message)
+                if self.persona.errors_as_status and not failure.in_stream and (
+                        failure.status is not None or failure.code in _STATUS_OF):
+                    await context.abort(failure.status or _STATUS_OF[failure.code], failure.message)
                 yield generation_pb2.GenerateResponse(request_id=rid, error=error_pb2.EngineError(
                     code=cast(error_pb2.ErrorCode, self.persona.wire_error_code(failure.code)),
                     message=failure.message, retryable=failure.retryable))
@@ -261,6 +264,7 @@ class AdmissionService(SimWorkerState):
                                     f"supported by the '{c.guided_backend}' grammar backend")
             # Taken (a backend that has the mode: answers.py writes a valid instance), or passed on and ignored by
             # the engine (the sibling server without a backend: the text stays free).
+        lora = self._lora(request.lora_name)
         self._maybe_inject_error(kind)
 
         source = request.WhichOneof("input")
@@ -282,6 +286,7 @@ class AdmissionService(SimWorkerState):
         stopping = request.stopping
         self.recent.append({"id": request.request_id, "kind": kind, "prompt_tokens": len(prompt_ids),
                             "target_dp_rank": rank,
+                            "lora_name": request.lora_name,
                             "cache_salt": request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
                             "conversation_id": engine_conversation_id(persona, kind, extra, metadata_conversation),
                             "extra": {k: v for k, v in extra.items() if k != "request_type"},
@@ -301,7 +306,7 @@ class AdmissionService(SimWorkerState):
                                 f"{c.profile.image_tokens}) does not fit the context window of {window} tokens")
         max_tokens = self._max_tokens(request.stopping, window - prompt_len, prompt_len, window)
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
-        key = output.request_key(prompt_ids, media_ids, seed)
+        key = output.request_key(prompt_ids, media_ids, seed, request.lora_name)
         plan = self._plan_answer(request, prompt_ids, media_ids, seed, key)
 
         first_gen: tuple[int, ...] = ()
@@ -322,6 +327,7 @@ class AdmissionService(SimWorkerState):
             target_rank=rank, script=plan.script, script_ends=plan.ends, answer_offset=plan.offset,
             natural_length=plan.natural_length,
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else None,
+            lora=lora,
         )
         stop_texts = [cond.stop_text for cond in stopping.conditions if cond.WhichOneof("condition") == "stop_text"]
         token_response = self._token_response(rid, want_logprobs, top_n, first_without_logprob=kind == GENERATION_ONLY)
@@ -345,10 +351,24 @@ class AdmissionService(SimWorkerState):
                 guide = (kind, request.guided.choice.choices if kind == "choice" else getattr(request.guided, kind))
         chat = chat_prompt.read(prompt_ids, self.tokenizer)
         if chat is not None:  # the answer is a function of the conversation before it, not of what it resends
-            key = output.request_key(prompt_ids[:chat.prefix_len], media_ids, seed)
+            key = output.request_key(prompt_ids[:chat.prefix_len], media_ids, seed, request.lora_name)
         return answers.plan(chat, guide, answers.Parsers(c.tool_call_parser, c.reasoning_parser), key,
                             self.tokenizer,
                             max_tokens_given=request.stopping.HasField("max_tokens") and not c.natural_eos)
+
+    def _lora(self, name: str) -> tuple[int, str] | None:
+        """The request's LoRA adapter as (lora_id, lora_name) (None: the base model). Revision 1 refuses one
+        UNIMPLEMENTED (servicer.py "LoRA selection is not supported"); the sibling server one it does not hold
+        FAILED_PRECONDITION "LoRA is not loaded: NAME" (servicer.py Generate, KeyError from its registry)."""
+        if not name:
+            return None
+        if not self.persona.serves_lora:
+            raise EngineFailure(E.ERROR_CODE_UNSUPPORTED_FEATURE, "LoRA selection is not supported")
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise EngineFailure(E.ERROR_CODE_INVALID_ARGUMENT, f"LoRA is not loaded: {name}",
+                                status=grpc.StatusCode.FAILED_PRECONDITION)
+        return adapter.lora_id, adapter.name
 
     def _max_tokens(self, stopping, room: int, prompt_len: int, window: int) -> int:
         persona = self.persona

@@ -58,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image-paths", choices=IMAGE_PATHS, default="both",
                    help="revision 3: where multimodal_capabilities lists MODALITY_IMAGE")
     p.add_argument("--max-context-length", type=int, default=None, help="override the profile's context window")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="revision 3: lora_config.max_loras, the LoRA adapters the GPU cache holds at once; 0: started "
+                        "without a LoRA config (revision 1 serves no adapters, whatever this says)")
     p.add_argument("--total-kv-blocks", type=int, default=None, help="override the profile's KV cache size")
     p.add_argument("--guided-backend", choices=GUIDED_BACKENDS, default="none",
                    help="the grammar backend TensorRT-LLM was started with; none: guided decoding unsupported "
@@ -156,6 +159,8 @@ def config_from_args(args: argparse.Namespace):
                              ("--drop-kv-events", args.drop_kv_events, 0)):
         if value is not None and not low <= value <= 65535:
             raise SimFlagError(f"{flag} must be an integer from {low} to 65535, got {value}")
+    if args.max_loras < 0:
+        raise SimFlagError(f"--max-loras must be 0 or more, got {args.max_loras}")
     kv_events = KvEventsConfig(enabled=args.kv_events, port=args.kv_events_port,
                                replay_port=args.kv_events_replay_port, topic=args.kv_events_topic,
                                drop_every=args.drop_kv_events, advertise_port=args.kv_events_advertise_port)
@@ -177,7 +182,7 @@ def config_from_args(args: argparse.Namespace):
         eos_probability=args.eos_probability, seed=args.seed, guided_backend=args.guided_backend,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, natural_eos=args.natural_eos,
         load_metrics=args.load_metrics, stall_timeout_s=args.stall_timeout, attention_dp_size=args.attention_dp_size,
-        prefix_caching=args.prefix_caching, kv_events=kv_events,
+        prefix_caching=args.prefix_caching, kv_events=kv_events, max_loras=args.max_loras,
     )
 
 

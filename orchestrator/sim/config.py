@@ -63,6 +63,13 @@ class SimConfig:
     load_metrics: str = "on"  # persona.LOAD_METRICS
     stall_timeout_s: float | None = None  # None: the persona's; 0: no watchdog
     media_limits: media.MediaLimits = media.MediaLimits()
+    # lora_config.max_loras (--max-loras): the adapters the GPU LoRA cache holds at once (DeploymentCapacity.max_loras);
+    # 0: started without a LoRA config (the LoRA RPCs answer FAILED_PRECONDITION). Revision 1 serves no adapters.
+    max_loras: int = attrs.field(default=4, validator=attrs.validators.ge(0))
+
+    @property
+    def lora_configured(self) -> bool:
+        return self.persona.serves_lora and self.max_loras > 0
 
     @property
     def context_window(self) -> int:

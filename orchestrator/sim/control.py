@@ -9,9 +9,10 @@ from typing import cast
 import grpc
 from google.protobuf import struct_pb2
 
-from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, model_pb2, server_pb2
+from orchestrator.openengine.v1 import generation_pb2, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, server_pb2
 from orchestrator.roles import Role
 from orchestrator.sim import handoff, kv_events, kv_transfer, prefix_cache
+from orchestrator.sim.lora import Adapter, LoraRefused
 from orchestrator.sim.worker_state import SimWorkerState
 
 HS = lifecycle_pb2.HealthState
@@ -76,7 +77,9 @@ class ControlService(SimWorkerState):
             schema_release=SCHEMA_RELEASES[c.schema_revision],
             capacity=server_pb2.DeploymentCapacity(
                 kv_block_size=c.profile.kv_block_size, total_kv_blocks=self.scheduler.total_blocks,
-                max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens),
+                max_running_requests=c.profile.max_batch_size, max_batched_tokens=c.profile.max_num_tokens,
+                # the sibling server: lora_config.max_loras when it has a LoRA config (servicer.py GetServerInfo)
+                max_loras=c.max_loras if c.lora_configured else None),
             extra=_struct({"profile": c.profile.name, "time_scale": c.time_scale, "persona": self.persona.name,
                            "handoff_shape": self.persona.handoff_shape, **self._kv_event_extra(),
                            # what revision-1 TensorRT-LLM advertises without conversation affinity (control.py)
@@ -111,7 +114,7 @@ class ControlService(SimWorkerState):
                            for mode in self.persona.guide_modes(c.guided_backend)]),
                 max_num_sequences=1, supports_stop_in_output=True,
                 supports_cache_salt=True),
-            supports_lora=False, supports_multimodal=c.multimodal,
+            supports_lora=c.lora_configured, supports_multimodal=c.multimodal,
             # revision 1 fills reasoning_parser from llm.args.reasoning_parser and never tool_call_parser, though
             # its proto has the field (control.py); the sibling server fills both (servicer.py GetModelInfo)
             reasoning_parser=c.reasoning_parser,
@@ -218,11 +221,35 @@ class ControlService(SimWorkerState):
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "abort needs a target")
 
-    async def _unimplemented(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "LoRA adapters are not supported by the simulated worker")
+    # LoRA: revision 1 answers every RPC UNIMPLEMENTED (control.py); the sibling server keeps a registry
+    # (orchestrator/sim/lora.py) and, without a LoRA config, answers FAILED_PRECONDITION (servicer.py)
+    async def LoadLora(self, request, context):
+        await self._lora_surface(context, "runtime LoRA load is not supported; configure adapters at startup")
+        adapter = request.adapter
+        try:
+            loaded, already = self.loras.load(adapter.lora_id, adapter.lora_name, adapter.source_path)
+        except LoraRefused as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return lora_pb2.LoadLoraResponse(adapter=_adapter(loaded), already_loaded=already)
 
-    LoadLora = UnloadLora = ListLoras = _unimplemented
+    async def UnloadLora(self, request, context):
+        await self._lora_surface(context, "runtime LoRA unload is not supported; configure adapters at startup")
+        try:
+            adapter = self.loras.unload(request.lora_name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA {request.lora_name!r} is not loaded")
+        return lora_pb2.UnloadLoraResponse(adapter=_adapter(adapter))
+
+    async def ListLoras(self, request, context):
+        await self._lora_surface(context, "runtime LoRA enumeration is not supported")
+        return lora_pb2.ListLorasResponse(adapters=[_adapter(a) for a in self.loras.listed()])
+
+    async def _lora_surface(self, context, unimplemented: str) -> None:
+        if not self.persona.serves_lora:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, unimplemented)
+        if not self.config.lora_configured:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "TensorRT-LLM was not configured with LoRA support")
 
     # KV events: what each persona's engine does is in orchestrator/sim/kv_events.py.
     async def GetKvEventSources(self, request, context):
@@ -264,6 +291,10 @@ class ControlService(SimWorkerState):
         """(published, dropped) batches over every publisher."""
         publishers = list(self.zmq_publishers) + ([self.kv_fanout] if self.kv_fanout is not None else [])
         return sum(p.published for p in publishers), sum(p.dropped for p in publishers)
+
+
+def _adapter(adapter: Adapter) -> lora_pb2.LoraAdapter:
+    return lora_pb2.LoraAdapter(lora_id=adapter.lora_id, lora_name=adapter.name, source_path=adapter.source_path)
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

@@ -99,7 +99,8 @@ def wire_event(event: Event, *, mm_keys: bool) -> dict:
     if isinstance(event, BlockStored):
         body: dict[str, object] = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                 "parent_block_hash": event.parent_block_hash, "token_ids": [_token(t) for t in event.token_ids],
-                "block_size": event.block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+                "block_size": event.block_size, "lora_id": event.lora[0] if event.lora else None, "medium": "GPU",
+                "lora_name": event.lora[1] if event.lora else None}
         if mm_keys:
             body["mm_keys"] = [[{"type": "mm_key", "hash": key.hash, "start_offset": key.start_offset}
                                 for key in block] for block in event.mm_keys]
@@ -213,7 +214,8 @@ def proto_event(event: Event) -> kv_pb2.KvEvent:
             return kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared())  # fail closed
         stored = kv_pb2.BlockStored(block_hashes=[block_hash(h) for h in event.block_hashes],
                                     token_ids=cast("list[int]", list(event.token_ids)),  # ints: checked above
-                                    block_size=event.block_size, lora_id=0, lora_name="",
+                                    block_size=event.block_size, lora_id=event.lora[0] if event.lora else 0,
+                                    lora_name=event.lora[1] if event.lora else "",
                                     medium=kv_pb2.STORAGE_MEDIUM_GPU, group_idx=0)
         if event.parent_block_hash is not None:
             stored.parent_block_hash.CopyFrom(block_hash(event.parent_block_hash))

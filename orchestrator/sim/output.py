@@ -26,12 +26,16 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def request_key(prompt_ids: list[int] | tuple[int, ...], media_ids: list[str], seed: int | None) -> int:
-    """The output state after the prompt: seed and media first, then every prompt token, in order."""
+def request_key(prompt_ids: list[int] | tuple[int, ...], media_ids: list[str], seed: int | None,
+                adapter: str = "") -> int:
+    """The output state after the prompt: seed, media and LoRA adapter first (each adapter writes its own text),
+    then every prompt token, in order."""
     digest = hashlib.blake2b(digest_size=8)
     for media_id in media_ids:
         digest.update(b"\x00" + media_id.encode())
     digest.update(b"\x01" + str(seed if seed is not None else 0).encode())
+    if adapter:
+        digest.update(b"\x02" + adapter.encode())
     state = int.from_bytes(digest.digest(), "little")
     for token in prompt_ids:
         state = advance(state, token)

@@ -59,6 +59,13 @@ class Persona:
         return not self.revision_1_trtllm
 
     @property
+    def serves_lora(self) -> bool:
+        """The LoRA RPCs and GenerateRequest.lora_name are served (with a LoRA config: --max-loras > 0) as the
+        sibling server serves them (lora_registry.py). Revision 1 answers the RPCs UNIMPLEMENTED, reports
+        supports_lora false and refuses a lora_name UNIMPLEMENTED (control.py, servicer.py)."""
+        return not self.revision_1_trtllm
+
+    @property
     def streams_context_token(self) -> bool:
         """The context-only leg streams its one token before PrefillReady (revision-1 streaming.py)."""
         return self.revision_1_trtllm

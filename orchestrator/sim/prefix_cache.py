@@ -37,19 +37,26 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 Token = int | bytes  # bytes: an image's digest, the first of its expanded tokens
+Lora = tuple[int, str]  # a LoRA adapter: (lora_id, lora_name)
 HASH_ALGO = "v2_sha256_64"
 ROOT_KEY = hashlib.sha256(b"\x00").digest()  # ReuseScope(lora_id=None, salt=None).to_bytes() == b"\x00"
 
 
-def root_key(cache_salt: str | None) -> bytes:
+def root_key(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     """The root of a request's chains: its reuse scope, so that blocks of requests with different cache salts
-    (kv.cache_salt) never match. TensorRT-LLM's scope with a salt is the mask byte 0b10 then the salt id as 8
-    little-endian bytes (ReuseScope.to_bytes); its salt id is the first 8 bytes of the salt's blake3
-    (get_cache_salt_id), sha256 here, which is not a dependency: equal salts meet, different ones never do."""
-    if cache_salt is None:
+    (kv.cache_salt) or LoRA adapters never match. TensorRT-LLM's scope (ReuseScope(lora_id, salt).to_bytes,
+    tensorrt_llm/runtime/kv_cache_manager_v2/_cache_key.py @fa202e2a0fc2 reuse_scope_to_bytes) is a mask byte (bit 0:
+    an adapter, bit 1: a salt), then the adapter's lora_id and the salt id, each as 8 little-endian bytes; its salt
+    id is the first 8 bytes of the salt's blake3 (get_cache_salt_id), sha256 here, which is not a dependency:
+    equal salts meet, different ones never do."""
+    if cache_salt is None and lora_id is None:
         return ROOT_KEY
-    salt_id = hashlib.sha256(cache_salt.encode()).digest()[:8]
-    return hashlib.sha256(b"\x02" + salt_id).digest()
+    scope = bytes([(lora_id is not None) | (cache_salt is not None) << 1])
+    if lora_id is not None:
+        scope += lora_id.to_bytes(8, "little")
+    if cache_salt is not None:
+        scope += hashlib.sha256(cache_salt.encode()).digest()[:8]
+    return hashlib.sha256(scope).digest()
 DIGEST_SIZE = 32
 
 
@@ -116,6 +123,7 @@ class BlockStored:
     token_ids: tuple[Token, ...]
     block_size: int
     mm_keys: tuple[tuple[MmKey, ...], ...] = ()  # one tuple per block when the worker takes images
+    lora: Lora | None = None  # the adapter the blocks were computed with (the events' lora_id and lora_name)
 
 
 @attrs.frozen
@@ -134,10 +142,10 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 # ---- the cache ----------------------------------------------------------------------------------------
 
 class _Block:
-    __slots__ = ("key", "hash", "parent", "tokens", "children", "refs", "last_used", "last_digest")
+    __slots__ = ("key", "hash", "parent", "tokens", "children", "refs", "last_used", "last_digest", "lora")
 
-    def __init__(self, key: bytes, parent: _Block | None, tokens: tuple[Token, ...]):
-        self.key, self.parent, self.tokens = key, parent, tokens
+    def __init__(self, key: bytes, parent: _Block | None, tokens: tuple[Token, ...], lora: Lora | None = None):
+        self.key, self.parent, self.tokens, self.lora = key, parent, tokens, lora
         self.hash = wire_hash(key)
         self.children = 0
         self.refs = 0
@@ -156,7 +164,8 @@ class PrefixLease:
     owned: int = 0
     cached_tokens: int = 0  # the prefix it found cached at admission
     released: bool = False
-    root: bytes = ROOT_KEY  # its reuse scope (root_key of its cache salt)
+    root: bytes = ROOT_KEY  # its reuse scope (root_key of its cache salt and adapter)
+    lora: Lora | None = None  # its adapter
 
 
 class PrefixCache:
@@ -178,10 +187,11 @@ class PrefixCache:
         self._tiebreak = 0
 
     # ---- requests ------------------------------------------------------------------------------------
-    def acquire(self, tokens: Sequence[Token], cache_salt: str | None = None) -> PrefixLease:
+    def acquire(self, tokens: Sequence[Token], cache_salt: str | None = None, lora: Lora | None = None
+                ) -> PrefixLease:
         """Pin the longest cached prefix of `tokens` a request may reuse (not its last token), within the
-        reuse scope of its `cache_salt`."""
-        lease = PrefixLease(root=root_key(cache_salt))
+        reuse scope of its `cache_salt` and LoRA adapter."""
+        lease = PrefixLease(root=root_key(cache_salt, lora[0] if lora is not None else None), lora=lora)
         if not self.enabled:
             return lease
         parent_key, parent = lease.root, None
@@ -211,7 +221,7 @@ class PrefixCache:
             key = block_key(parent.key if parent else lease.root, chunk)
             block = self.blocks.get(key)
             if block is None:
-                block = _Block(key, parent, chunk)
+                block = _Block(key, parent, chunk, lease.lora)
                 self.blocks[key] = block
                 if parent is not None:
                     parent.children += 1
@@ -275,7 +285,7 @@ class PrefixCache:
             self.events[-1] = attrs.evolve(last, block_hashes=(*last.block_hashes, block.hash),
                                            token_ids=(*last.token_ids, *block.tokens), mm_keys=last.mm_keys + mm)
             return
-        self.events.append(BlockStored((block.hash,), parent_hash, block.tokens, self.block_size, mm))
+        self.events.append(BlockStored((block.hash,), parent_hash, block.tokens, self.block_size, mm, block.lora))
 
     def _event_removed(self, block: _Block) -> None:
         last = self.events[-1] if self.events else None

@@ -65,6 +65,7 @@ class SimRequest:
     answer_offset: int = 0
     natural_length: int | None = None
     cache_salt: str | None = None  # kv.cache_salt: its prefix-cache namespace
+    lora: tuple[int, str] | None = None  # its LoRA adapter (lora_id, lora_name): a namespace of its own too
     cached: int = 0  # prompt tokens found in the prefix cache at admission
     lease: PrefixLease | None = None
 
@@ -212,7 +213,8 @@ class Scheduler:
         while self.waiting and self.running < self.profile.max_batch_size:
             request = self.waiting[0]
             rank = self._choose_rank(request)
-            lease = rank.cache.acquire(request.tokens, request.cache_salt) if request.tokens is not None else None
+            lease = (rank.cache.acquire(request.tokens, request.cache_salt, request.lora)
+                     if request.tokens is not None else None)
             reused = lease.cached_tokens // self.profile.kv_block_size if lease is not None else 0
             need = self.blocks_needed(request) - reused  # cached blocks are shared, not allocated again
             if not rank.make_room(need):

@@ -30,6 +30,7 @@ from orchestrator.sim import kv_events, kv_transfer, output
 from orchestrator.sim.admission import AdmissionService
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.control import ControlService
+from orchestrator.sim.lora import LoraRegistry
 from orchestrator.sim.responses import ResponseCallbacks
 from orchestrator.sim.scheduler import Faults, Scheduler, SimRequest
 
@@ -77,6 +78,7 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.background: list[asyncio.Future] = []  # e.g. etcd self-registration
         # what recent requests carried, for tests and debugging: {id, kind, media: [...]}
         self.recent: collections.deque[dict] = collections.deque(maxlen=32)
+        self.loras = LoraRegistry()  # the adapters LoadLora registered (a persona that serves them)
 
     def start_kv_events(self) -> None:
         """Bind the persona's KV event publishers and connect them to the scheduler's steps."""

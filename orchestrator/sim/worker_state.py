@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from orchestrator.openengine.v1 import lifecycle_pb2
     from orchestrator.sim import kv_events, kv_transfer, output
     from orchestrator.sim.config import SimConfig
+    from orchestrator.sim.lora import LoraRegistry
     from orchestrator.sim.outbox import Outbox
     from orchestrator.sim.persona import Persona
     from orchestrator.sim.scheduler import Scheduler, SimRequest
@@ -52,6 +53,7 @@ class SimWorkerState:
     model_info_calls: int
     load_calls: int
     recent: collections.deque[dict]
+    loras: LoraRegistry
 
     if TYPE_CHECKING:  # defined by the other parts
         def health_state(self) -> lifecycle_pb2.HealthState: ...

@@ -32,6 +32,7 @@ import attrs
 import msgpack
 
 from orchestrator.log import bounded
+from orchestrator.workers.adapters import MAX_ADAPTER_NAME
 from orchestrator.workers.kv_index import EventBlockError, KvIndex, MmSegment
 
 END_SEQ = -1
@@ -172,6 +173,16 @@ class Stored:
     token_ids: Sequence[int | str]
     block_size: int
     mm_keys: Sequence[Sequence[MmSegment]] | None = None
+    # the LoRA adapter the blocks were computed with ("": none; None: one the event does not name, a lora_id without
+    # a lora_name, whose blocks cannot be keyed: they are not indexed): kv_index.adapter_root
+    adapter: str | None = ""
+
+
+def event_adapter(lora_id: Any, lora_name: Any) -> str | None:
+    """A BlockStored's LoRA scope from its lora_id and lora_name (msgpack: nil when none; protobuf: 0 and "")."""
+    if isinstance(lora_name, str) and lora_name:
+        return lora_name if len(lora_name) <= MAX_ADAPTER_NAME else None
+    return "" if lora_id in (None, 0) else None
 
 
 @attrs.frozen
@@ -239,7 +250,8 @@ def _wire_events(events: list) -> Batch:
                                                  for key in _list(block, "mm_keys")] for block in _list(mm, "mm_keys")]
             parent = event.get("parent_block_hash")
             decoded.append(Stored(_ints(event["block_hashes"]), None if parent is None else _int(parent), token_ids,
-                                  _int(event["block_size"]), segments))
+                                  _int(event["block_size"]), segments,
+                                  event_adapter(event.get("lora_id"), event.get("lora_name"))))
         elif kind == "BlockRemoved":
             decoded.append(Removed(_ints(event["block_hashes"])))
         elif kind == "AllBlocksCleared":
@@ -288,7 +300,7 @@ def _proto_event(event: Any) -> KvEvent | None:
         stored = event.block_stored
         parent = _proto_hash(stored.parent_block_hash) if stored.HasField("parent_block_hash") else None
         return Stored([_proto_hash(h) for h in stored.block_hashes], parent, list(stored.token_ids),
-                      stored.block_size)
+                      stored.block_size, adapter=event_adapter(stored.lora_id, stored.lora_name))
     if kind == "block_removed":
         return Removed([_proto_hash(h) for h in event.block_removed.block_hashes])
     if kind == "all_blocks_cleared":
@@ -337,6 +349,8 @@ def apply(index: KvIndex, where: tuple[str, int], batch: Batch, bound: int) -> I
 
 def _stored(index: KvIndex, where: tuple[str, int], event: Stored, start: int) -> None:
     """One slice of a BlockStored event: blocks start..start+SLICE_BLOCKS, chained on the slice before."""
+    if event.adapter is None:
+        return  # an adapter's blocks we cannot scope: keyed as the base model's they would be a false prefix
     hashes = event.hashes[start:start + SLICE_BLOCKS]
     size = event.block_size
     parent = event.parent if start == 0 else event.hashes[start - 1]
@@ -344,7 +358,7 @@ def _stored(index: KvIndex, where: tuple[str, int], event: Stored, start: int) -
         else event.token_ids
     mm = event.mm_keys[start:start + SLICE_BLOCKS] if event.mm_keys is not None else None
     try:
-        index.stored_engine(where, hashes, parent, tokens, size, mm)
+        index.stored_engine(where, hashes, parent, tokens, size, mm, event.adapter)
     except EventBlockError as exc:
         raise KvStreamBroken(f"a BlockStored event cannot be keyed: {exc}", "malformed") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # token ids or image keys of the wrong kind

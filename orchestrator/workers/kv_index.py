@@ -16,6 +16,11 @@ is turned into an int with sha256 first). Keys never leave the process: every or
 both sides itself, so replicas fed by the same events agree. A 64-bit collision costs a wrong routing
 guess, never a wrong answer (the engine checks its own keys).
 
+LoRA adapters: a block computed with an adapter is cached in that adapter's reuse scope (TensorRT-LLM's
+ReuseScope(lora_id, salt)), so its chain starts at the adapter's own root (`adapter_root`) instead of ROOT_KEY,
+on both sides: a prompt routed with an adapter, and a BlockStored event whose lora_name names one. An adapter's
+prefix is then found on the workers that cached it with that adapter, and never for another adapter or the base.
+
 The lowest bit of a key says "this block or an earlier one in its chain covers an image": a worker whose
 events carry no image keys (revision 3 fails closed on image blocks, see sim/kv_events.py) is answered
 from the approximate entries from its first image block on.
@@ -83,6 +88,14 @@ def image_digest(identity: str) -> bytes:
     return hashlib.sha256(identity.encode()).digest()
 
 
+def adapter_root(adapter: str) -> int:
+    """The root an adapter's chains start from ("": the base model's, ROOT_KEY). From the name's sha256, not
+    Python's str hash, which differs per process."""
+    if not adapter:
+        return ROOT_KEY
+    return int.from_bytes(hashlib.sha256(b"lora\x00" + adapter.encode()).digest()[:8], "big", signed=True) & _TEXT
+
+
 def _digest_int(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
@@ -94,9 +107,10 @@ def _chain(parent: int, block: tuple, segments: tuple | None) -> int:
 
 
 def prompt_block_keys(token_ids: Sequence[int], block_size: int,
-                      images: Sequence[PromptImage] = ()) -> list[int]:
+                      images: Sequence[PromptImage] = (), root: int = ROOT_KEY) -> list[int]:
     """Chained keys of the prompt's FULL blocks: key(block i) = H(key(block i-1), token ids of block i,
-    identities of images covering block i). Our own hash, not the engine's.
+    identities of images covering block i), block 0 chained on `root` (an adapter's: adapter_root). Our own
+    hash, not the engine's.
 
     `token_ids` is the sequence as the engine caches it (images already expanded to their positions);
     the ids at image positions do not matter. A trailing partial block has no key (engines cache only full
@@ -105,10 +119,10 @@ def prompt_block_keys(token_ids: Sequence[int], block_size: int,
         raise ValueError("block_size must be >= 1")
     blocks = zip(*[iter(token_ids)] * block_size)  # every full block's ids as a tuple, in order (cut in C)
     if not images:
-        return _chained_blocks(blocks, ROOT_KEY)
+        return _chained_blocks(blocks, root)
     full = len(token_ids) // block_size
     keys: list[int] = []
-    parent = ROOT_KEY
+    parent = root
     spans = _image_spans(images, len(token_ids))
     low = 0  # where the next block of `blocks` starts
     for start, end, value in spans:
@@ -444,13 +458,14 @@ class KvIndex:
 
     def stored_engine(self, where: WorkerRank, engine_hashes: Sequence[int], parent_hash: int | None,
                       token_ids: Sequence[int | str], block_size: int,
-                      mm_keys: Sequence[Sequence[MmSegment]] | None = None) -> bool:
-        """A BlockStored event: keys its blocks chained on the parent's (None: a root block). Returns False,
-        storing nothing, when the parent is unknown here (stored before we listened, or cleared since):
-        its descendants cannot be keyed until the engine stores the chain again."""
+                      mm_keys: Sequence[Sequence[MmSegment]] | None = None, adapter: str = "") -> bool:
+        """A BlockStored event: keys its blocks chained on the parent's (None: a root block, chained on the root
+        of its `adapter`, the event's lora_name). Returns False, storing nothing, when the parent is unknown
+        here (stored before we listened, or cleared since): its descendants cannot be keyed until the engine
+        stores the chain again."""
         state = self._state(where)
         if parent_hash is None:
-            parent = ROOT_KEY
+            parent = adapter_root(adapter)
         else:
             known = state.by_engine.get(parent_hash)
             if known is None:

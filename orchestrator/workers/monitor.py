@@ -20,10 +20,11 @@ from collections.abc import Callable
 import grpc
 import trio
 
-from orchestrator.engine import EngineClient, EngineError, WorkerUnavailable
+from orchestrator.engine import EngineClient, EngineError, NoLoraSurface, WorkerUnavailable
 from orchestrator.engine.numbering import Health
 from orchestrator.log import cause_chain
 from orchestrator.metrics import KV_INDEX_MODES, Metrics
+from orchestrator.workers.adapters import WorkerAdapters, listed
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.routing import LoadSample
 from orchestrator.workers.states import WorkerEvent, WorkerState, next_state, rereads_capabilities
@@ -136,6 +137,9 @@ class WorkerMonitor:
             self.transition(worker, WorkerEvent.HEALTHY, f"capability discovery failing: {exc}")
             return
         worker.instance.saw(caps.instance_id)
+        if worker.adapters_read and caps.instance_id != worker.adapters_instance:
+            # Restarted: the new process holds none of the old one's adapters until its ListLoras says so
+            worker.adapters, worker.adapters_read = WorkerAdapters(), False
         if not caps.serves_role(worker.role):
             self.transition(worker, WorkerEvent.IDENTITY_MISMATCH,
                      f"registered as {worker.role} but ServerInfo.engine_role is {caps.role}")
@@ -156,6 +160,29 @@ class WorkerMonitor:
             elif detail:
                 worker.log("worker %s %s still %s: %s", worker.role, worker.address, state, detail)
         worker.state, worker.detail = state, detail
+
+    async def watch_adapters(self, worker: Worker, client: EngineClient) -> None:
+        """Keep `worker.adapters` as the worker's ListLoras says: once it is ready, then at the identity checks'
+        pace (never faster than its health checks; the pool's own LoadLora updates it at once). A worker without
+        the LoRA surface is asked again only at that pace too: it may be restarted with a LoRA config."""
+        while True:
+            while not worker.routable:
+                await trio.sleep(self._health_interval)
+            await self.read_adapters(worker, client)
+            await trio.sleep(self.identity_interval)
+
+    async def read_adapters(self, worker: Worker, client: EngineClient) -> None:
+        caps = client.cached_capabilities
+        try:
+            answer = await client.list_loras(timeout=self._health_interval + 1.0)
+            worker.adapters = listed([adapter.lora_name for adapter in answer])
+        except NoLoraSurface:
+            worker.adapters = WorkerAdapters()
+        except EngineError as exc:
+            # A failed read: what it last said stands (the health monitor judges the worker itself)
+            worker.log("worker %s: ListLoras failed: %s", worker.address, cause_chain(exc))
+            return
+        worker.adapters_read, worker.adapters_instance = True, caps.instance_id if caps is not None else ""
 
     def _index_metrics(self, worker: Worker, index: KvIndex) -> None:
         metrics = self._metrics

@@ -16,10 +16,12 @@ from contextlib import contextmanager
 import trio
 
 from orchestrator.discovery.snapshots import Snapshot, WorkerRegistry, WorkerSpec
-from orchestrator.engine import EngineClient, EngineError, LoopThread
+from orchestrator.engine import EngineClient, EngineError, LoopThread, NoLoraSurface
+from orchestrator.errors import NoWorkerAvailable
 from orchestrator.log import cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.roles import ROLES
+from orchestrator.workers.adapters import AdapterSpec, WorkerAdapters, no_worker_message, room
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.kv_routing import KvRouting
 from orchestrator.workers.monitor import WorkerMonitor
@@ -55,6 +57,8 @@ class WorkerPool:
         self.registry_healthy = True
         self.registry_detail = ""
         self.changed = trio.Event()  # set on every pool change; replaced after
+        # An adapter being loaded for a role (place_adapter): later requests for it wait for that load
+        self._placing: dict[tuple[str, str], trio.Event] = {}
         staleness_s = routing.load_staleness_ms / 1000.0
         self.picker = WorkerPicker(self.workers, metrics=metrics, routing=routing, staleness_s=staleness_s,
                                    kv_index=self.kv_index, kv_roles=kv.roles if kv is not None else ())
@@ -123,6 +127,7 @@ class WorkerPool:
                         kv = self.kv
                         if kv is not None and kv.feed is not None and worker.role in kv.follow_roles:
                             nursery.start_soon(kv.feed.follow, worker.address, client, worker.instance)
+                        nursery.start_soon(self.monitor.watch_adapters, worker, client)
                         await self.monitor.run(worker, client)
         finally:
             self.retiring.discard(worker)
@@ -143,6 +148,68 @@ class WorkerPool:
         windows = [w.client.cached_capabilities.max_context_length for w in self.workers.values()
                    if w.client is not None and w.client.cached_capabilities is not None]
         return max((window for window in windows if window), default=None)
+
+    # ---- LoRA adapters (adapters.py) ------------------------------------------------------------------
+    def has_adapter(self, name: str) -> bool:
+        """Whether a routable worker holds the adapter now."""
+        return any(w.routable and w.adapters.holds(name) for w in self.workers.values())
+
+    def adapter_holders(self, name: str) -> list[str]:
+        """The addresses of the routable workers holding the adapter (/v1/models shows an adapter's state)."""
+        return sorted(w.address for w in self.workers.values() if w.routable and w.adapters.holds(name))
+
+    async def place_adapter(self, role: str, name: str, spec: AdapterSpec | None) -> None:
+        """Make sure a routable worker of `role` holds the adapter `name`: one already does, or it is loaded
+        (LoadLora of `spec`) on the one with the most room among those that support LoRA. Concurrent requests
+        for an adapter being loaded wait for that load instead of loading it elsewhere too. NoWorkerAvailable
+        names the adapter when no worker can have it (none supports LoRA, none has room, every load failed, or
+        it is not configured: `spec` None)."""
+        unread = [w for w in self.workers.values() if w.role == role and w.routable and not w.adapters_read]
+        for worker in unread:  # (just connected: its watch has not read them yet)
+            if worker.client is not None:
+                await self.monitor.read_adapters(worker, worker.client)
+        while True:
+            if any(w.role == role and w.routable and w.adapters.holds(name) for w in self.workers.values()):
+                return
+            placing = self._placing.get((role, name))
+            if placing is None:
+                break
+            await placing.wait()
+        loaders = sorted((w for w in self.workers.values() if w.role == role and w.routable
+                          and w.client is not None and self._room(w) > 0),
+                         key=lambda w: (-self._room(w), w.inflight))
+        if spec is None or not loaders:
+            message = no_worker_message(name, role, loadable=len(loaders))
+            if spec is None and loaders:
+                message += " (it is not among the model's configured adapters, so it is not loaded anywhere)"
+            raise NoWorkerAvailable(message, code="adapter_unavailable", retry_after=1)
+        done = self._placing[(role, name)] = trio.Event()
+        try:
+            for worker in loaders:
+                client = worker.client
+                if client is None:
+                    continue
+                try:
+                    await client.load_lora(spec.name, spec.source_path, spec.lora_id)
+                except EngineError as exc:
+                    if isinstance(exc, NoLoraSurface):
+                        worker.adapters = WorkerAdapters()
+                    log.warning("loading LoRA adapter %r on %s failed: %s", name, worker.address, cause_chain(exc))
+                    continue
+                worker.adapters = worker.adapters.with_loaded(name)
+                log.info("loaded LoRA adapter %r on %s %s", name, worker.role, worker.address)
+                self._notify()
+                return
+            raise NoWorkerAvailable(f"no {role} worker could load the LoRA adapter {name!r} (see the log)",
+                                    code="adapter_unavailable", retry_after=1)
+        finally:
+            del self._placing[(role, name)]
+            done.set()
+
+    @staticmethod
+    def _room(worker: Worker) -> int:
+        caps = worker.client.cached_capabilities if worker.client is not None else None
+        return 0 if caps is None else room(worker.adapters, caps.supports_lora, caps.max_loras)
 
     def ready_count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and w.routable)

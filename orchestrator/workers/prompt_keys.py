@@ -6,6 +6,8 @@ caches it: each image placeholder token is followed by the positions the engine 
 the KV events showed for that image (KvIndex.image_length), else routing.kv_aware.image_tokens (a per-model
 figure), else one position, so that blocks after an image match only our own routing history.
 An image is keyed by its identity: the caller's uuid, else the sha256 of its data-URI bytes, else of its URL.
+A request with a LoRA adapter chains its keys on the adapter's root (kv_index.adapter_root), as the index keys the
+blocks the engines report under that adapter's lora_name: the engine caches them in the adapter's reuse scope.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import binascii
 import hashlib
 from collections.abc import Callable, Sequence
 
-from orchestrator.workers.kv_index import IMAGE_BIT, engine_layout, image_identity, prompt_block_keys
+from orchestrator.workers.kv_index import IMAGE_BIT, adapter_root, engine_layout, image_identity, prompt_block_keys
 
 
 def identity_of(image) -> str:
@@ -47,18 +49,20 @@ def salted(keys: list[int], cache_salt: str | None) -> list[int]:
 
 def request_block_keys(prompt_ids: Sequence[int], block_size: int, images: Sequence = (),
                        image_token_id: int | None = None, image_tokens: int = 0,
-                       learned: Callable[[str], int | None] | None = None) -> list[int]:
-    """The prompt's full-block keys. `images` in prompt order; each expands right after the next placeholder
-    (`image_token_id`), which stays, as the engine caches it (kv_index.engine_layout); a model without a
-    placeholder gets its images ahead of the text. An image's length is what the KV events showed for it
+                       learned: Callable[[str], int | None] | None = None, adapter: str | None = None) -> list[int]:
+    """The prompt's full-block keys, in the reuse scope of its LoRA `adapter` (None: the base model's).
+    `images` in prompt order; each expands right after the next placeholder (`image_token_id`), which stays,
+    as the engine caches it (kv_index.engine_layout); a model without a placeholder gets its images ahead of the
+    text. An image's length is what the KV events showed for it
     (`learned(identity)`, KvIndex.image_length), else `image_tokens`, else one position (so that its
     identity still counts in the keys)."""
+    root = adapter_root(adapter or "")
     if not images:
-        return prompt_block_keys(prompt_ids, block_size)
+        return prompt_block_keys(prompt_ids, block_size, root=root)
     layout = []
     for image in images:
         identity = identity_of(image)
         length = (learned(identity) if learned is not None else None) or image_tokens or 1
         layout.append((identity, length))
     tokens, placed = engine_layout(prompt_ids, layout, image_token_id)
-    return prompt_block_keys(tokens, block_size, placed)
+    return prompt_block_keys(tokens, block_size, placed, root)

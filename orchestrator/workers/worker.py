@@ -3,7 +3,8 @@
 A `Worker` is the pool's mutable record of one registered worker. Who writes what:
 - the pool (workers/pool.py): `client` (while connected), `scope`, and the lease counters (`inflight`, `idle`);
 - the monitor (workers/monitor.py): `state` and `detail` (through the transition table, workers/states.py),
-  `load_sample`, `health_misses`, `unresponsive`, `identity_checked_at`, `instance`;
+  `load_sample`, `health_misses`, `unresponsive`, `identity_checked_at`, `instance`, and `adapters` as its
+  ListLoras says (the pool too, after its own LoadLora);
 - the picker (workers/picker.py): `sent_since_load`, counted at the pick; the lease and the load sample take
   their share back (`finished_since_load`).
 `describe()` is its view in /health.
@@ -19,6 +20,7 @@ import trio
 from orchestrator.discovery.snapshots import WorkerSpec
 from orchestrator.engine import EngineClient
 from orchestrator.log import RateLimitedLog, bounded
+from orchestrator.workers.adapters import WorkerAdapters
 from orchestrator.workers.instance_watch import InstanceWatch
 from orchestrator.workers.kv_index import KvIndex
 from orchestrator.workers.routing import LoadSample
@@ -57,6 +59,9 @@ class Worker:
         self.unresponsive = False
         self.health_misses = 0  # health checks in a row that timed out while nothing arrived from the worker
         self._dp_targeting: tuple[object, bool] = (None, False)  # (the capabilities it was read from, answer)
+        self.adapters = WorkerAdapters()  # its LoRA adapters, as its last ListLoras (or our LoadLora) said
+        self.adapters_read = False  # whether ListLoras answered since it connected (or since it restarted)
+        self.adapters_instance = ""  # the ServerInfo.instance_id those adapters were read from
 
     @property
     def dp_size(self) -> int:
@@ -103,6 +108,10 @@ def describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> d
     view: dict = {"address": worker.address, "role": worker.role, "state": worker.state,
                   "detail": bounded(worker.detail),
                   "inflight": worker.inflight}
+    if worker.adapters.surface:  # its LoRA adapters (a worker without the LoRA RPCs shows none)
+        view["lora_adapters"] = sorted(worker.adapters.names)
+        if worker.adapters.detail:
+            view["lora_detail"] = bounded(worker.adapters.detail)
     if kv_index is not None:
         # How KV-aware routing knows this worker's cache: from its KV events, or approximately (what we sent it).
         view["kv_index"] = {"mode": kv_index.mode(worker.address), "image_keys": kv_index.image_keys(worker.address),
@@ -118,6 +127,7 @@ def describe(worker: Worker, kv_index: KvIndex | None = None, kv_feed=None) -> d
                           "guided_decoding": caps.guided_decoding.supported,
                           # advertised abort by session (never relied on: orchestrator/kv/lease.py)
                           "supports_abort_cleanup": caps.supports_abort_cleanup,
+                          "supports_lora": caps.supports_lora, "max_loras": caps.max_loras,
                           # e.g. trtllm_supports_dp_rank_targeting, trtllm_kv_event_hash_algo, trtllm_node
                           "extra": {key: json.loads(value) for key, value in caps.extra}}
     sample = worker.load_sample

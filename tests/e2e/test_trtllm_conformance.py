@@ -216,6 +216,35 @@ UPSTREAM = {
                      "fence, V3.1 N<tool_sep>JSON (fullwidth markers); GLM-4.5 <tool_call>N\\n<arg_key>K"
                      "</arg_key><arg_value>V</arg_value>. llama3_json and mistral are vLLM's names (no "
                      "TensorRT-LLM parser)"),
+    "lora-r1": ("R1 control.py @ 06cb2191b0be LoadLora / UnloadLora / ListLoras / GetModelInfo / GetServerInfo; "
+                "servicer.py @ 06cb2191b0be Generate",
+                "the three LoRA RPCs answer UNIMPLEMENTED ('the LLM API has no runtime adapter load/unload'); "
+                "supports_lora = false even on an enable_lora build and max_loras is never set; a GenerateRequest "
+                "with lora_name is UNIMPLEMENTED 'LoRA selection is not supported'"),
+    "lora-registry": ("R3 lora_registry.py @ 72f828a4d082 LoraRegistry",
+                      "logical and lazy: LoadLora takes the client's lora_id (>= 0; 0 is allowed), checks the "
+                      "source_path is a directory with adapter_config.json (a JSON object) and adapter_model."
+                      "safetensors or .bin (else INVALID_ARGUMENT), binds the name to its id and path and the id "
+                      "and path to the name for the life of the process; the same adapter again: already_loaded; "
+                      "after an unload it registers again; not bounded by max_loras (TensorRT-LLM loads the "
+                      "weights on first use); ListLoras sorted by name"),
+    "lora-rpcs": ("R3 servicer.py @ 3a8b4f203346 LoadLora / UnloadLora / ListLoras / _supports_lora / "
+                  "GetServerInfo / GetModelInfo",
+                  "without lora_config, enable_lora or the lora_plugin every LoRA RPC is FAILED_PRECONDITION 'not "
+                  "configured with LoRA support'; UnloadLora of a name not loaded is NOT_FOUND, of one in use it "
+                  "just drops it (running requests keep their LoRARequest); supports_lora as _supports_lora; "
+                  "DeploymentCapacity.max_loras = lora_config.max_loras"),
+    "lora-generate": ("R3 servicer.py @ 3a8b4f203346 Generate",
+                      "a lora_name the registry does not hold: FAILED_PRECONDITION 'LoRA is not loaded: NAME', "
+                      "before the request is admitted"),
+    "lora-kv-events": ("R3 servicer.py @ 3a8b4f203346 _kv_batch",
+                       "BlockStored.lora_id is the blocks' lora_id (0: none) and lora_name theirs or the registered "
+                       "name of that id; a batch mixing LoRA identities fails closed (AllBlocksCleared)"),
+    "lora-reuse-scope": ("NVIDIA/TensorRT-LLM tensorrt_llm/runtime/kv_cache_manager_v2/_cache_key.py @ fa202e2a0fc2 "
+                         "reuse_scope_to_bytes; _block_radix_tree.py ReuseScope",
+                         "every block key chains on ReuseScope(lora_id, salt): a mask byte (bit 0 an adapter, bit 1 "
+                         "a salt) then each as 8 little-endian bytes; a prefix cached under one adapter is reused "
+                         "by no other adapter and not by the base model"),
 }
 
 
@@ -951,3 +980,53 @@ async def test_a_prefill_cancelled_while_its_context_phase_runs_sends_no_generat
     legs = [r for r in await recent_requests(engine_client, decode) if r["kind"] == "generation_only"]
     assert len(prefills) == 3 and legs == []
     assert 'orchestrator_kv_cleanups_total{way="decode_pull"} 0.0' in metrics
+
+
+async def test_the_lora_surface_is_what_each_server_offers(tmp_path, sim_workers, engine_client):
+    """UPSTREAM lora-r1, lora-rpcs: our client reads UNIMPLEMENTED (revision 1) and FAILED_PRECONDITION (the
+    sibling without a LoRA config) as 'no LoRA surface', never as a failing worker."""
+    from orchestrator.engine import NoLoraSurface
+
+    for flags in ((*FAST,), (*FAST, *REVISION_3, "--max-loras", "0")):
+        worker = sim_workers.start("aggregated", *flags)
+        async with engine_client(worker.address) as client:
+            caps = await client.wait_until_ready(deadline=10)
+            assert not caps.supports_lora and caps.max_loras is None
+            with pytest.raises(NoLoraSurface):
+                await client.list_loras()
+            with pytest.raises(NoLoraSurface):
+                await client.load_lora("sql", str(tmp_path), 1)
+
+
+async def test_the_sibling_servers_lora_registry_and_a_request_naming_an_adapter_it_does_not_hold(
+        tmp_path, sim_workers, engine_client):
+    """UPSTREAM lora-registry, lora-rpcs, lora-generate, against the sibling persona."""
+    from sim_helpers import collect, full_request, refusal
+
+    good = tmp_path / "sql"
+    good.mkdir()
+    (good / "adapter_config.json").write_text("{}")
+    (good / "adapter_model.bin").write_bytes(b"\0")
+    worker = sim_workers.start("aggregated", *FAST, *REVISION_3, "--max-loras", "2")
+    async with engine_client(worker.address) as client:
+        caps = await client.wait_until_ready(deadline=10)
+        assert caps.supports_lora and caps.max_loras == 2
+        with pytest.raises(EngineError) as bad:
+            await client.load_lora("sql", str(tmp_path / "absent"), 5)
+        assert bad.value.grpc_status is grpc.StatusCode.INVALID_ARGUMENT and "not a directory" in bad.value.message
+        assert not (await client.load_lora("sql", str(good), 5)).already_loaded
+        assert (await client.load_lora("sql", str(good), 5)).already_loaded
+        with pytest.raises(EngineError, match="permanently bound"):
+            await client.load_lora("sql", str(good), 6)
+        assert [a.lora_name for a in await client.list_loras()] == ["sql"]
+        request = full_request("with-sql")
+        request.lora_name = "sql"
+        assert isinstance(terminal := (await collect(client, request))[-1], Finished), terminal
+        await client.unload_lora("sql")
+        with pytest.raises(EngineError) as gone:
+            await client.unload_lora("sql")
+        assert gone.value.grpc_status is grpc.StatusCode.NOT_FOUND
+        request.request_id = "after-unload"
+        refused = await refusal(client, request)
+        assert refused.grpc_status is grpc.StatusCode.FAILED_PRECONDITION and "LoRA is not loaded: sql" in str(refused)
+        assert to_api_error(refused).status == 400

@@ -274,9 +274,9 @@ async def test_a_short_prompt_in_conditional_mode_computes_no_block_keys(tmp_pat
 
     cut: list[int] = []
 
-    def counting(prompt_ids, block_size, *args):
+    def counting(prompt_ids, block_size, *args, **kwargs):
         cut.append(block_size)
-        return request_block_keys(prompt_ids, block_size, *args)
+        return request_block_keys(prompt_ids, block_size, *args, **kwargs)
     request_block_keys = coordinator_module.request_block_keys
     monkeypatch.setattr(coordinator_module, "request_block_keys", counting)
     async with conditional_deployment(tmp_path, prefill_block=32, decode_block=16) as (_, coordinator):
