@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import attrs
 import msgpack
 
+from orchestrator.sim import gpu_sleep
+
 if TYPE_CHECKING:
     from orchestrator.sim.prefix_cache import PrefixLease
 
@@ -132,7 +134,7 @@ async def pull(host: str, port: int, request: dict, transfer_seconds: Callable[[
         if not answer.get("ok"):
             raise KvTransferError(answer.get("code", "KV_TRANSFER_FAILED"), answer.get("message", "pull refused"))
         started = time.monotonic()
-        await asyncio.sleep(transfer_seconds(answer["tokens"]))
+        await gpu_sleep.sleep(transfer_seconds(answer["tokens"]))  # 0.13 ms at time scale 0.1: not the loop's timer
         await write_frame(writer, {"op": "done", "seconds": time.monotonic() - started})
         await read_frame(reader)
         return answer["tokens"]
