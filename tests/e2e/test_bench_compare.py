@@ -63,8 +63,8 @@ def test_compare_refuses_a_spec_without_topologies(tmp_path):
 
 def test_compare_refuses_a_baseline_time_scale_not_below_the_time_scale(tmp_path):
     spec = tmp_path / "twin.yaml"
-    spec.write_text("time_scale: 0.1\nbaseline_time_scale: 0.1\n"
-                    "topologies: [{name: a, mode: aggregated, workers: {aggregated: 1}}]\nworkload: {concurrency: [1]}\n")
+    spec.write_text("time_scale: 0.1\nbaseline_time_scale: 0.1\nworkload: {concurrency: [1]}\n"
+                    "topologies: [{name: a, mode: aggregated, workers: {aggregated: 1}}]\n")
     result = subprocess.run(orchestrator_command("bench", "compare", str(spec), "--out", str(tmp_path / "o")),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "baseline_time_scale: expected at least 0 and below time_scale" in result.stderr
