@@ -39,10 +39,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--baseline-url", default=None, metavar="URL", help="the same topology on workers at time "
                      "scale 0: the workload runs there first, one request at a time, to measure the time that "
                      "--time-scale leaves unscaled (the orchestrator's and the client's own)")
-    run.add_argument("--baseline-time-scale", type=float, default=0.0, metavar="SCALE", help="the time scale of "
-                     "the --baseline-url deployment's workers, below --time-scale; above 0 they send their tokens "
-                     "paced as the measured run's are (at 0 a whole answer arrives at once, and its time to first "
-                     "token includes reading that burst), and their own GPU time is accounted for exactly")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     run.add_argument("--label", default="", help="names the results in the output (default: the URL)")
     run.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -108,15 +104,10 @@ def run_command(args: argparse.Namespace) -> int:
                         output_len=Range.parse(args.output_len),
                         requests=args.requests, warmup=args.warmup, image_share=args.image_share, seed=args.seed,
                         timeout_s=args.timeout)
-    if args.baseline_url is not None and not 0 <= args.baseline_time_scale < args.time_scale:
-        print(f"error: --baseline-time-scale must be at least 0 and below --time-scale ({args.time_scale:g}), "
-              f"got {args.baseline_time_scale:g}", file=sys.stderr)
-        return 2
     tokenizer = load_tokenizer(args.model_dir)
     points = trio.run(partial(sweep, args.url, workload, tokenizer, concurrency=args.concurrency, rates=args.rate,
                               gpus=args.gpus, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                              time_scale=args.time_scale, label=args.label, baseline_url=args.baseline_url,
-                              baseline_time_scale=args.baseline_time_scale))
+                              time_scale=args.time_scale, label=args.label, baseline_url=args.baseline_url))
     for p in points:
         head = f"{args.label or args.url} {p['load_kind']}={p['load']:g}"
         if p["completed"] == 0:  # no figure means anything: say what the server said instead

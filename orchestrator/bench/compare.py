@@ -57,7 +57,6 @@ class SloSpec:
 class CompareSpec:
     profile: str = "llama3-8b-h100"
     time_scale: float = 0.5
-    baseline_time_scale: float = 0.0  # the twin that measures the deployment's own time (bench run --baseline-url)
     schema_revision: int = 3  # the simulated TensorRT-LLM that serves images (orchestrator/sim/persona.py)
     model: str = "tiny-chat"
     topologies: tuple[TopologySpec, ...] = ()
@@ -75,9 +74,6 @@ def load_spec(path: Path) -> tuple[CompareSpec, list[TopologySpec]]:
         if not topology.workers or not all(role in ROLES and n > 0 for role, n in topology.workers.items()):
             raise ConfigError(str(path), f"topologies[{i}].workers", "role: count pairs with counts > 0",
                               topology.workers)
-    if not 0 <= spec.baseline_time_scale < spec.time_scale:
-        raise ConfigError(str(path), "baseline_time_scale", f"at least 0 and below time_scale ({spec.time_scale:g})",
-                          spec.baseline_time_scale)
     if not spec.workload.concurrency and not spec.workload.rates:
         raise ConfigError(str(path), "workload", "concurrency or rates to sweep")
     return spec, list(spec.topologies)
@@ -107,8 +103,7 @@ def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> di
     try:
         # Below time scale 1 a twin on zero-cost workers measures the orchestrator's own time per request, which
         # the conversion to GPU time must not scale (bench run --baseline-url).
-        twin = [("-baseline", spec.baseline_time_scale)] if spec.time_scale != 1.0 else []
-        for suffix, time_scale in [("", spec.time_scale)] + twin:
+        for suffix, time_scale in [("", spec.time_scale)] + ([("-baseline", 0.0)] if spec.time_scale != 1.0 else []):
             config_path = workdir / f"{_slug(topology.name)}{suffix}.yaml"
             config_path.write_text(yaml.safe_dump(launch_config(spec, topology, time_scale), sort_keys=False))
             launchers.append(ManagedProcess(f"launch-{_slug(topology.name)}{suffix}",
@@ -123,7 +118,7 @@ def run_topology(spec: CompareSpec, topology: TopologySpec, workdir: Path) -> di
                                     "--gpus", str(topology.gpus), "--time-scale", repr(spec.time_scale),
                                     "--label", topology.name, "--out", str(out))
         if baseline:
-            argv += ["--baseline-url", baseline[0], "--baseline-time-scale", repr(spec.baseline_time_scale)]
+            argv += ["--baseline-url", baseline[0]]
         if w.concurrency:
             argv += ["--concurrency", *map(str, w.concurrency)]
         if w.rates:

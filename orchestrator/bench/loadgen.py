@@ -231,21 +231,20 @@ async def run_rate(url: str, workload: Workload, tokenizer: ModelTokenizer, rate
 async def sweep(url: str, workload: Workload, tokenizer: ModelTokenizer, *, concurrency: list[int] | None = None,
                 rates: list[float] | None = None, gpus: int = 1, slo_ttft: float | None = None,
                 slo_tpot: float | None = None, time_scale: float = 1.0, label: str = "",
-                baseline_url: str | None = None, baseline_time_scale: float = 0.0) -> list[dict]:
+                baseline_url: str | None = None) -> list[dict]:
     """One result dict per load point, in GPU time for a simulated run at `time_scale`.
 
-    `baseline_url`: the same topology on workers at `baseline_time_scale` (below `time_scale`; 0: zero cost). The
-    workload runs there first, one request at a time: its latencies are the deployment's own time per request plus
-    baseline_time_scale x its GPU time (Overhead), from which the conversion tells the two apart. One user,
-    because at higher loads fast workers crowd the CPU as no paced run does. Without it, all of a request's time
-    is taken for GPU time.
+    `baseline_url`: the same topology on workers at time scale 0. The workload runs there first, one request at
+    a time: its latencies are the deployment's own time per request (Overhead), which the conversion then leaves
+    unscaled. One user, because at higher loads zero-cost workers crowd the CPU as no paced run does. Without
+    it, all of a request's time is taken for GPU time.
     """
     points = []
     loads = [("concurrency", c) for c in (concurrency or [])] + [("rate", r) for r in (rates or [])]
     overhead = None
     if baseline_url is not None and loads:
         overhead = Overhead.measure(await run_concurrency(baseline_url, workload, tokenizer, 1,
-                                                          f"{label} baseline".strip()), baseline_time_scale)
+                                                          f"{label} baseline".strip()))
     for kind, load in loads:
         tag = f"{label} {kind} {load:g}".strip()
         if kind == "concurrency":

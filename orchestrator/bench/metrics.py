@@ -60,43 +60,33 @@ class RequestRecord:
 @attrs.frozen
 class Overhead:
     """The time of a request that is not the workers' simulated GPU time: the client's, the orchestrator's and
-    the workers' own CPU. Measured on the same topology with its workers at a smaller time scale, the baseline's
-    `time_scale`: each of its intervals is that own time plus `time_scale` x the interval's GPU time, so the
-    conversion can tell the two apart instead of multiplying the own time by 1/time_scale.
-
-    At baseline time scale 0 the intervals are own time only, but the simulated workers then send a whole answer at
-    once, faster than the orchestrator reads it: the first streamed chunk arrives with many tokens (a median of 17
-    of 64 with the demo's thinking persona, all 64 in a third of the requests), so the baseline's time to first
-    token includes the processing of that burst, which a paced run does not wait for. A small time scale above 0
-    (0.02) paces the baseline's tokens as the measured run's are, and its GPU share is accounted for exactly."""
+    the workers' own CPU. Measured on the same topology with workers at time scale 0 (zero GPU time), so a
+    conversion to GPU time leaves it as it is instead of multiplying it by 1/time_scale."""
 
     ttft_s: float = 0.0  # request start to its first token
     per_token_s: float = 0.0  # from one token to the next
     tail_s: float = 0.0  # last token to the end of the response
-    time_scale: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  # the baseline's workers'
 
     @classmethod
-    def measure(cls, records: Sequence[RequestRecord], time_scale: float = 0.0) -> Overhead:
-        """Medians over the completed requests of a baseline run at `time_scale` (zeros if none completed): a host's
-        hiccups skew a mean, and the conversion multiplies every error in these by about 1/time_scale."""
+    def measure(cls, records: Sequence[RequestRecord]) -> Overhead:
+        """Medians over the completed requests of a zero-cost run (zeros if none completed): a host's hiccups
+        skew a mean, and the conversion multiplies every error in these by 1/time_scale - 1."""
         ok = [r for r in records if r.ok]
         if not ok:
-            return cls(time_scale=time_scale)
+            return cls()
         per_token = [(r.chunks[-1][0] - r.chunks[0][0]) / (r.output_tokens - 1) for r in ok if r.output_tokens >= 2]
         return cls(ttft_s=percentile([r.chunks[0][0] - r.start for r in ok], 50),
                    per_token_s=percentile(per_token, 50) if per_token else 0.0,
-                   tail_s=percentile([r.end - r.chunks[-1][0] for r in ok], 50), time_scale=time_scale)
+                   tail_s=percentile([r.end - r.chunks[-1][0] for r in ok], 50))
 
 
 def to_gpu_time(records: Sequence[RequestRecord], time_scale: float, overhead: Overhead | None = None, *,
                 closed_loop: bool = False) -> list[RequestRecord]:
     """A run against simulated workers at `time_scale`, converted to GPU time.
 
-    Within a request, each interval (start to first token, token to token, last token to end) is split by its
-    baseline twin in `overhead`: measured x = own + time_scale * gpu, baseline b = own + overhead.time_scale * gpu,
-    so the interval in GPU time, own + gpu, is b + (x - b) * (1 - overhead.time_scale) / (time_scale -
-    overhead.time_scale) (b + (x - b) / time_scale for a zero-cost baseline). No overhead given: all of it is
-    divided by `time_scale` (which overstates the orchestrator's time by 1/time_scale).
+    Within a request, each interval (start to first token, token to token, last token to end) keeps its share of
+    `overhead` and has the rest, the simulated GPU time, divided by `time_scale`; no overhead given: all of it
+    is divided (which overstates the orchestrator's time by 1/time_scale).
 
     Between requests, every start is stretched around one origin (the first start), so that the gaps between
     requests scale with their durations and rates stay consistent with latencies: by 1/time_scale for scheduled
@@ -107,14 +97,11 @@ def to_gpu_time(records: Sequence[RequestRecord], time_scale: float, overhead: O
     if (time_scale == 1.0 and overhead is None) or not records:
         return list(records)
     cost = overhead or Overhead()
-    if time_scale > 0 and cost.time_scale >= time_scale:
-        raise ValueError(f"the baseline's time scale ({cost.time_scale:g}) must be below the run's ({time_scale:g})")
-    paced = cost.time_scale
 
-    def gpu(interval: float, base: float) -> float:
-        """An interval whose baseline twin lasted `base` s (taken as never more than the interval itself)."""
-        base = min(base, max(interval, 0.0))
-        return base + (interval - base) * (1.0 - paced) / (time_scale - paced) if time_scale > 0 else interval
+    def gpu(interval: float, own: float) -> float:
+        """An interval of which `own` s are not GPU time (never more than the interval itself)."""
+        own = min(own, max(interval, 0.0))
+        return own + (interval - own) / time_scale if time_scale > 0 else interval
 
     converted = []
     for r in records:

@@ -111,28 +111,6 @@ def test_gpu_time_conversion_scales_only_the_simulated_gpu_time_not_the_deployme
     assert unmeasured == pytest.approx(0.008 / time_scale + 0.015)
 
 
-@pytest.mark.parametrize("time_scale, baseline_scale", [(0.1, 0.02), (0.1, 0.05), (0.5, 0.1), (0.1, 0.0)])
-def test_a_paced_baseline_holds_gpu_time_too_and_the_conversion_takes_exactly_that_share_out(time_scale,
-                                                                                             baseline_scale):
-    # The baseline's workers at a small time scale above 0 pace their tokens as the measured run's do; each of its
-    # intervals is the deployment's own time plus baseline_scale x the same GPU time, which must not count as own.
-    own = Overhead(ttft_s=0.008, per_token_s=0.0005, tail_s=0.001)
-    baseline = Overhead.measure([timeline(i * 0.5, 0.015, [0.007] * 9, baseline_scale, own) for i in range(3)],
-                                baseline_scale)
-    assert baseline.ttft_s == pytest.approx(0.008 + 0.015 * baseline_scale)
-    records = [timeline(i * 0.5, 0.015, [0.007] * 9, time_scale, own) for i in range(4)]
-    m = aggregate(to_gpu_time(records, time_scale, baseline))
-    assert m["ttft_s"]["p50"] == pytest.approx(0.008 + 0.015)
-    assert m["tpot_s"]["p50"] == pytest.approx(0.0005 + 0.007)
-    assert m["e2e_s"]["p50"] == pytest.approx(0.008 + 0.015 + 9 * 0.0075 + 0.001)
-
-
-def test_a_baseline_at_or_above_the_runs_time_scale_is_refused():
-    records = [timeline(0.0, 0.015, [0.007], 0.1, Overhead())]
-    with pytest.raises(ValueError, match="below the run's"):
-        to_gpu_time(records, 0.1, Overhead(ttft_s=0.001, time_scale=0.1))
-
-
 def test_the_overhead_is_measured_as_the_medians_of_a_zero_cost_run_so_a_hiccup_does_not_move_it():
     own, hiccup = Overhead(ttft_s=0.004, per_token_s=0.001, tail_s=0.002), Overhead(ttft_s=0.2, tail_s=0.002)
     measured = Overhead.measure([timeline(0.0, 0.0, [0.0] * 4, 0.0, own), timeline(1.0, 0.0, [0.0] * 4, 0.0, own),
