@@ -9,7 +9,7 @@ multiplies every such error by 10. (asyncio's own loop is no better: epoll round
 So on Linux the worker's GPU time is slept on a timerfd: the kernel wakes the loop at an absolute CLOCK_MONOTONIC
 deadline (time.monotonic's clock) with nanosecond resolution, never before it. One timerfd per event loop, armed for
 the earliest of the pending deadlines (a heap), serves every sleeper: the step loop and any number of KV transfers.
-Elsewhere the loop's own timer is used. Either way each sleep asks for the host's average lateness less, measured on
+Elsewhere the loop's own timer is used. Either way each kind of wait asks for its average lateness less, measured on
 time.monotonic() (uvloop's loop.time() counts whole milliseconds too).
 """
 
@@ -51,12 +51,11 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
-class GpuClock:
-    """The simulated GPU's sleeps on one event loop: a timerfd armed for the earliest pending deadline (a heap), or the
-    loop's own timer where there is none, and how late this host wakes us."""
+class DeadlineTimer:
+    """The pending deadlines of one event loop: a timerfd armed for the earliest of them (a heap), or the loop's own
+    timer where there is none."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.late = 0.0  # how late a sleep returns on this host (moving average, s); asked for that much less
         self._fd: int | None = None
         self._pending: list[tuple[float, int, asyncio.Future]] = []
         self._order = itertools.count()  # equal deadlines wake in the order they were asked for
@@ -75,21 +74,17 @@ class GpuClock:
         # The loop holds us (our reader) and we hold no reference to it: the fd closes when the loop is collected.
         weakref.finalize(loop, os.close, fd)
 
-    async def sleep(self, seconds: float) -> None:
-        """Sleep `seconds`, on average: a late wake-up (timer slack, a loaded host) would otherwise add to every
-        sleep, and a small time scale multiply it into GPU time. Each sleep asks for the average lateness less.
-        (Not caught up by shortening the next sleeps: that would send their tokens in bursts.)"""
-        started = time.monotonic()
-        deadline = started + max(0.0, seconds - self.late)
-        if self._fd is None or deadline <= started:
-            await asyncio.sleep(deadline - started)
-        else:
-            waiter = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._pending, (deadline, next(self._order), waiter))
-            if self._armed is None or deadline < self._armed:
-                self._arm(deadline)
-            await waiter  # a cancelled sleeper's entry stays in the heap until its deadline, then is skipped
-        self.late += 0.1 * ((time.monotonic() - deadline) - self.late)
+    async def sleep_until(self, deadline: float) -> None:
+        """Return at `deadline` (time.monotonic()) or after it; on a timerfd, never before it."""
+        now = time.monotonic()
+        if self._fd is None or deadline <= now:
+            await asyncio.sleep(deadline - now)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._pending, (deadline, next(self._order), waiter))
+        if self._armed is None or deadline < self._armed:
+            self._arm(deadline)
+        await waiter  # a cancelled sleeper's entry stays in the heap until its deadline, then is skipped
 
     def _arm(self, deadline: float) -> None:
         seconds, fraction = divmod(deadline, 1.0)
@@ -114,19 +109,31 @@ class GpuClock:
             self._arm(self._pending[0][0])
 
 
-_CLOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, GpuClock] = weakref.WeakKeyDictionary()
+_TIMERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DeadlineTimer] = weakref.WeakKeyDictionary()
 
 
-def clock() -> GpuClock:
-    """The running loop's GpuClock."""
+def timer() -> DeadlineTimer:
+    """The running loop's DeadlineTimer."""
     loop = asyncio.get_running_loop()
-    found = _CLOCKS.get(loop)
+    found = _TIMERS.get(loop)
     if found is None:
-        found = _CLOCKS[loop] = GpuClock(loop)
+        found = _TIMERS[loop] = DeadlineTimer(loop)
     return found
 
 
-async def sleep(seconds: float) -> None:
-    """Sleep `seconds` of simulated GPU time (already scaled): to the microsecond where the platform allows, and on
-    average however late this host wakes us."""
-    await clock().sleep(seconds)
+class GpuSleep:
+    """One kind of GPU wait (the step loop's steps, a worker's KV transfers): each lasts the time asked on average,
+    however late this host wakes that kind of wait. A late wake-up (timer slack, a loaded host, the loop busy with
+    the previous step's responses) would otherwise add to every wait, and a small time scale multiply it into GPU
+    time; so each asks for the average lateness less. Its own average, as a step's lateness (the loop is busy
+    sending tokens then) is not a KV transfer's. (Not caught up by shortening the next waits: that would send their
+    tokens in bursts.)"""
+
+    def __init__(self) -> None:
+        self.late = 0.0  # how late this kind of wait returns (moving average, s)
+
+    async def __call__(self, seconds: float) -> None:
+        """Sleep `seconds` of simulated GPU time (already scaled)."""
+        deadline = time.monotonic() + max(0.0, seconds - self.late)
+        await timer().sleep_until(deadline)
+        self.late += 0.1 * ((time.monotonic() - deadline) - self.late)

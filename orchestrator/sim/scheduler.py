@@ -109,9 +109,9 @@ class Scheduler:
     def __init__(self, profile: Profile, role: str, vocab: Vocabulary, *, time_scale: float = 1.0,
                  faults: Faults | None = None, total_kv_blocks: int | None = None, context_stops: bool = False,
                  attention_dp_size: int = 1, prefix_caching: bool = True, mm_keys: bool = False,
-                 id_offset: int = 0, sleep: Callable[[float], Awaitable[None]] = gpu_sleep.sleep):
+                 id_offset: int = 0, sleep: Callable[[float], Awaitable[None]] | None = None):
         self.profile = profile
-        self.sleep = sleep  # how the step loop spends a step's (scaled) GPU time
+        self.sleep = sleep or gpu_sleep.GpuSleep()  # how the step loop spends a step's (scaled) GPU time
         self.context_stops = context_stops
         self.role = role
         self.vocab = vocab

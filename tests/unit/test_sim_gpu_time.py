@@ -95,9 +95,8 @@ def test_a_whole_request_is_charged_its_prefill_step_then_its_decode_steps():
                            *(PROFILE.decode_ms([100 + n]) * 0.5 / 1000.0 for n in (1, 2))]
 
 
-def test_a_kv_transfer_is_slept_as_gpu_time(monkeypatch):
+def test_a_kv_transfer_is_slept_as_gpu_time():
     sleep = RecordingSleep()
-    monkeypatch.setattr(gpu_sleep, "sleep", sleep)
     released: list[int] = []
 
     async def main() -> int:
@@ -109,7 +108,7 @@ def test_a_kv_transfer_is_slept_as_gpu_time(monkeypatch):
         try:
             return await kv_transfer.pull("127.0.0.1", port, {"session_id": "s", "prompt": "p", "media": "m",
                                                               "first_gen_tokens": [7]},
-                                          lambda tokens: PROFILE.kv_transfer_ms(tokens) * 0.1 / 1000.0)
+                                          lambda tokens: PROFILE.kv_transfer_ms(tokens) * 0.1 / 1000.0, sleep)
         finally:
             server.close()
 
@@ -119,17 +118,39 @@ def test_a_kv_transfer_is_slept_as_gpu_time(monkeypatch):
 
 def test_a_sub_millisecond_gpu_sleep_on_uvloop_is_not_rounded_away():
     # uvloop rounds a timer to whole milliseconds: asyncio.sleep(0.0003) there returns in microseconds. A GPU sleep
-    # lasts its time on average (it asks for the host's average lateness less, never below 0), so 40 of them take
-    # about 12 ms; half of that is a bound only a rounded timer misses.
+    # lasts its time on average (it asks for its average lateness less, never below 0), so 40 of them take about
+    # 12 ms; half of that is a bound only a rounded timer misses.
     async def main() -> tuple[float, float]:
+        sleep = gpu_sleep.GpuSleep()
         first_started = time.monotonic()
-        await gpu_sleep.sleep(0.0002)  # a fresh clock knows no lateness yet: the first sleep is never short
+        await sleep(0.0002)  # it knows no lateness yet: the first sleep is never short
         first = time.monotonic() - first_started
         started = time.monotonic()
         for _ in range(40):
-            await gpu_sleep.sleep(0.0003)
+            await sleep(0.0003)
         return first, time.monotonic() - started
 
     first, total = uvloop.run(main())
     assert first >= 0.0002
     assert total >= 0.5 * 40 * 0.0003
+
+
+def test_one_timer_wakes_concurrent_sleepers_in_deadline_order_and_none_before_its_deadline():
+    woke: list[tuple[str, float, float]] = []
+
+    async def sleeper(name: str, deadline: float) -> None:
+        await gpu_sleep.timer().sleep_until(deadline)
+        woke.append((name, deadline, time.monotonic()))
+
+    async def main() -> None:
+        now = time.monotonic()
+        cancelled = asyncio.create_task(sleeper("cancelled", now + 0.0002))
+        tasks = [asyncio.create_task(sleeper(name, now + delay))
+                 for name, delay in (("c", 0.0009), ("a", 0.0003), ("b", 0.0006))]
+        await asyncio.sleep(0)
+        cancelled.cancel()  # its entry stays in the heap and must not disturb the others
+        await asyncio.gather(*tasks)
+
+    uvloop.run(main())
+    assert [name for name, _, _ in woke] == ["a", "b", "c"]
+    assert all(at >= deadline for _, deadline, at in woke)
