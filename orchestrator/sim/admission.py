@@ -435,7 +435,7 @@ class AdmissionService(SimWorkerState):
                 {"session_id": session.session_key, "prompt": output.prompt_digest(prompt_ids),
                  "media": output.media_digest(media_ids), "opaque_state": session.opaque_state,
                  "first_gen_tokens": list(session.first_gen_tokens)},
-                lambda tokens: profile.kv_transfer_ms(tokens) * self.config.time_scale / 1000.0)
+                lambda tokens: profile.kv_transfer_ms(tokens) * self.config.time_scale / 1000.0, self.kv_sleep)
         except kv_transfer.KvTransferError as exc:
             raise EngineFailure(E.Value("ERROR_CODE_" + exc.code), str(exc),
                                 retryable=exc.code == "KV_TRANSFER_FAILED", in_stream=True) from exc

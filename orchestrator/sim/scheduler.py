@@ -20,10 +20,11 @@ import asyncio
 import collections
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import attrs
 
+from orchestrator.sim import gpu_sleep
 from orchestrator.sim.output import Vocabulary, advance
 from orchestrator.sim.prefix_cache import Event, PrefixCache, PrefixLease, Token
 from orchestrator.sim.profiles import Profile
@@ -109,8 +110,9 @@ class Scheduler:
     def __init__(self, profile: Profile, role: str, vocab: Vocabulary, *, time_scale: float = 1.0,
                  faults: Faults | None = None, total_kv_blocks: int | None = None, context_stops: bool = False,
                  attention_dp_size: int = 1, prefix_caching: bool = True, mm_keys: bool = False,
-                 id_offset: int = 0):
+                 id_offset: int = 0, sleep: Callable[[float], Awaitable[None]] | None = None):
         self.profile = profile
+        self.sleep = sleep or gpu_sleep.GpuSleep()  # how the step loop spends a step's (scaled) GPU time
         self.context_stops = context_stops
         self.role = role
         self.vocab = vocab
@@ -292,23 +294,18 @@ class Scheduler:
     async def run(self) -> None:
         """The worker's step loop in real time (scaled); orchestrator.bench.plan drives the same steps on a
         virtual clock."""
-        loop = asyncio.get_running_loop()
-        late = 0.0  # how late a sleep wakes us on this host (moving average), asked for that much less
         while True:
             step = self.plan_step()
             if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # A step lasts step.ms on average however late this host wakes us: a late wake-up (timer slack, a
-            # loaded host) would otherwise add to every step, and a small time_scale multiply it into GPU time.
-            # (Not caught up by shortening the next steps: that would send their tokens in bursts.)
+            # The step's GPU time, to the microsecond and on average however late this host wakes us (gpu_sleep:
+            # the loop's own timers count whole milliseconds). The first step after idle starts here: no wait for a
+            # step boundary, no batching window.
             wanted = step.ms * self.time_scale / 1000.0
             if wanted > 0:
-                asked = max(0.0, wanted - late)
-                slept_from = loop.time()
-                await asyncio.sleep(asked)
-                late += 0.1 * ((loop.time() - slept_from - asked) - late)
+                await self.sleep(wanted)
             else:
                 await asyncio.sleep(0)  # zero cost: still let the server's other tasks run between steps
             self.finish_step(step)

@@ -26,7 +26,7 @@ import httpx
 from tokenizers import Tokenizer
 
 from orchestrator.openengine.v1 import openengine_pb2_grpc
-from orchestrator.sim import kv_events, kv_transfer, output
+from orchestrator.sim import gpu_sleep, kv_events, kv_transfer, output
 from orchestrator.sim.admission import AdmissionService
 from orchestrator.sim.config import SimConfig
 from orchestrator.sim.control import ControlService
@@ -59,6 +59,7 @@ class SimWorker(ControlService, AdmissionService, ResponseCallbacks, openengine_
         self.kv_fanout: kv_events.GrpcFanout | None = None  # revision 3 and strict, when events are on
         self.grpc_port = 0
         self.sessions = kv_transfer.SessionStore(self.scheduler.release_blocks, config.session_ttl_s)
+        self.kv_sleep = gpu_sleep.GpuSleep()
         self.image_token_id = _image_token_id(config.model_dir, self.tokenizer)
         # TensorRT-LLM's context request ids are integers; KvSessionRef.session_id carries one.
         self.context_ids = itertools.count(random.Random().randrange(1 << 20, 1 << 40))

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from orchestrator.openengine.v1 import lifecycle_pb2
-    from orchestrator.sim import kv_events, kv_transfer, output
+    from orchestrator.sim import gpu_sleep, kv_events, kv_transfer, output
     from orchestrator.sim.config import SimConfig
     from orchestrator.sim.lora import LoraRegistry
     from orchestrator.sim.outbox import Outbox
@@ -37,6 +37,7 @@ class SimWorkerState:
     kv_fanout: kv_events.GrpcFanout | None
     grpc_port: int
     sessions: kv_transfer.SessionStore
+    kv_sleep: gpu_sleep.GpuSleep  # how a pull spends its KV transfer's (scaled) time
     image_token_id: int | None
     context_ids: Iterator[int]
     kv_port: int

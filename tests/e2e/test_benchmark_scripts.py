@@ -91,3 +91,15 @@ def test_kv_event_flood_over_http_prints_request_latency_quiet_and_flooded():
     assert found is not None, out
     assert int(found.group(1).replace(",", "")) <= int(found.group(2).replace(",", "")), out
     assert "request latency quiet:" in out and "request latency flooded:" in out and "p99 flooded / quiet" in out
+
+
+def test_time_scale_agreement_prints_ttft_and_tpot_at_both_time_scales_round_by_round(tmp_path):
+    out = run("time_scale_agreement.py", "--rounds", "1", "--requests", "2", "--warmup", "0", "--input-len", "64",
+              "--output-len", "12", scratch=tmp_path)
+    assert re.search(r"^round 0 \(loadavg [\d. ]+\): time scale 1: TTFT p50 [\d.]+ ms, TPOT p50 [\d.]+ ms; 0\.1: wall "
+                     r"TTFT [\d.]+ ms, without a baseline [\d.]+ ms; with the baseline \(its TTFT [\d.]+ ms\): TTFT "
+                     r"[\d.]+ ms, TPOT [\d.]+ ms$", out, re.M), out
+    for line in ("TTFT p50 ms, time scale 1:", "TTFT p50 ms, time scale 0.1, wall clock:",
+                 "TTFT p50 ms, baseline at 0, wall clock:", "TTFT p50 ms, time scale 0.1 with the baseline:",
+                 "TPOT p50 ms, time scale 1:", "TPOT p50 ms, time scale 0.1 with the baseline:"):
+        assert line in out, out
