@@ -229,7 +229,7 @@ def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
     leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
     api = plan.api
-    needs_features = api.guided is not None or bool(api.logprobs)
+    needs_features = api.guided is not None or bool(api.logprobs) or api.cache_salt is not None
     runs_whole = plan.path is LOCAL
     if not needs_features and not runs_whole:
         return None
@@ -240,8 +240,9 @@ def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
             # Not discovered yet (discovery runs before a worker is READY, and may fail after). Features: the
             # benefit of the doubt, its engine refuses what it cannot do (but for a guide the sibling server
             # would ignore). A whole request: no, the sibling server's refusal is not retryable and would end
-            # the request with that error instead of the one it migrated from.
-            return not runs_whole
+            # the request with that error instead of the one it migrated from. A cache salt: no, an engine that
+            # ignored it would share the tenant's blocks.
+            return not runs_whole and api.cache_salt is None
         if runs_whole and not caps.runs_whole_requests_on_decode:
             return False
         return not needs_features or serves_features(api, caps)
