@@ -147,11 +147,12 @@ def summary(late: list[float]) -> str:
 async def main(args: argparse.Namespace) -> None:
     port = free_port()
     index = KvIndex()
-    feed = KvEventFeed(index)  # retry_s as serve runs it (1 s)
+    feed = KvEventFeed(index)  # as serve runs it (retry_s 1 s, a refused worker followed again after 60 s)
     sent = multiprocessing.get_context("spawn").Value("q", 0)
     start_at = time.time() + args.quiet_seconds + 3
     publisher = multiprocessing.get_context("spawn").Process(
-        target=publish, args=(free_port() if args.unfollowed else port, args.batch_blocks, args.seconds, start_at, sent, args.same_priority))
+        target=publish, args=(free_port() if args.unfollowed else port, args.batch_blocks, args.seconds, start_at, sent,
+                              args.same_priority))
     publisher.start()
     peaks = {"rss": 0.0, "blocks": 0}
     try:

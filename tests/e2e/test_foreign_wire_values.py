@@ -83,7 +83,8 @@ def test_a_finish_reason_we_do_not_know_is_a_502_naming_it_never_a_stop():
     # revision 1 sends FINISH_REASON_UNSPECIFIED for an engine finish_reason it does not map (formatting.py
     # _finish_event); a later schema may add reasons: neither says how the answer ended
     for reason, named in ((g.FINISH_REASON_UNSPECIFIED, "FINISH_REASON_UNSPECIFIED"), (9, "FinishReason 9")):
-        response = g.GenerateResponse(request_id="r", finished=g.GenerationFinished(reason=reason, message="x" * 5000))
+        response = g.GenerateResponse(request_id="r", finished=g.GenerationFinished(message="x" * 5000))
+        response.finished.reason = reason  # type: ignore[assignment]  # (9: a number the enum does not define)
         event = decode_bytes(response.SerializeToString(), worker="w")
         assert isinstance(event, Failed), event
         assert not event.error.retryable  # the worker said the generation is over: not run again elsewhere
