@@ -225,9 +225,9 @@ class RequestFlow:
 
 def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     """What a worker that takes over the request (a retry, a migration) must be able to do, which the planner
-    checked of the first workers only: serve the guide and the logprobs asked for, and on the local path run the
-    whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
-    leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
+    checked of the first workers only: serve the guide, the logprobs and the cache salt asked for, and on the local
+    path run the whole request on a decode worker (the planner split a request whose decode worker cannot; a
+    replacement leg is never split). None: nothing to check, any worker of the role will do (most requests)."""
     api = plan.api
     needs_features = api.guided is not None or bool(api.logprobs) or api.cache_salt is not None
     runs_whole = plan.path is LOCAL
