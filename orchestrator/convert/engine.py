@@ -102,8 +102,9 @@ def check_worker_media(req: ApiRequest, workers: list[tuple[str, WorkerCapabilit
 
 def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabilities]]) -> None:
     """Every generation feature the request needs, against what each worker it touches advertises
-    (ModelInfo.generation), before any leg starts. Both legs of a split request carry the guide and the
-    logprobs (the first token is sampled on the prefill worker), so every worker must take them."""
+    (ModelInfo.generation), before any leg starts. Both legs of a split request carry the guide, the
+    logprobs (the first token is sampled on the prefill worker) and the cache salt, so every worker must take
+    them."""
     for role, caps in workers:
         where = f"the {role} worker{f' ({caps.instance_id})' if caps.instance_id else ''}"
         if req.guided is not None and not caps.guided_decoding.takes(req.guided.kind):
@@ -123,6 +124,13 @@ def check_worker_features(req: ApiRequest, workers: list[tuple[str, WorkerCapabi
             if logprobs.max_top_n is not None and top_n > logprobs.max_top_n:
                 raise invalid(f"top_logprobs: {where} returns at most {logprobs.max_top_n} candidates, "
                               f"{top_n} were asked for", param="top_logprobs", code="logprobs_not_supported")
+        if req.cache_salt is not None and not caps.supports_cache_salt:
+            # The salt is this request's cache namespace (its own cache_salt, or its API key's): sent to a worker
+            # that may drop it, the request could reuse, and learn of, another tenant's blocks.
+            raise invalid(f"cache_salt: {where} does not isolate its prefix cache by salt "
+                          "(ModelInfo.generation.supports_cache_salt is not true), and this request's cache is "
+                          "namespaced (its cache_salt or its API key's)", param="cache_salt",
+                          code="cache_salt_not_supported")
 
 
 def serves_features(req: ApiRequest, caps: WorkerCapabilities) -> bool:

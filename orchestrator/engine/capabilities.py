@@ -122,6 +122,10 @@ class WorkerCapabilities:
     tokenizer_source: str = ""  # an addition: ModelInfo.tokenizer.source
     guided_decoding: FeatureSupport = FeatureSupport()
     output_logprobs: FeatureSupport = FeatureSupport()
+    # ModelInfo.generation.supports_cache_salt: Generate honours kv.cache_salt. What a server advertises is what its
+    # Generate accepts (revision 1 control.py sets it true and servicer.py passes the salt to generate_async); unset
+    # is not a promise, and a worker that dropped the salt would share one tenant's cached blocks with another.
+    supports_cache_salt: bool = False
     data_parallel_size: int = 1
     kv_block_size: int | None = None
     extra: tuple[tuple[str, str], ...] = ()  # ServerInfo.extra, each value as JSON (the operator's view)
@@ -189,6 +193,8 @@ class WorkerCapabilities:
             tokenizer_source=model.tokenizer.source if model.HasField("tokenizer") else "",
             guided_decoding=FeatureSupport.guided(model.generation.guided_decoding),
             output_logprobs=FeatureSupport.logprobs(model.generation.output_logprobs),
+            supports_cache_salt=(model.generation.supports_cache_salt
+                                 if model.generation.HasField("supports_cache_salt") else False),
             data_parallel_size=(server.parallelism.data_parallel_size
                                 if server.parallelism.HasField("data_parallel_size") else 1),
             kv_block_size=capacity.kv_block_size if capacity.HasField("kv_block_size") else None,

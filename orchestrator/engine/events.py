@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import attrs
 
-from orchestrator.engine.errors import EngineError, from_engine_error
+from orchestrator.engine.errors import EngineError, ErrorCode, from_engine_error
 from orchestrator.engine.token_message import event_token_ids, without_request_id
+from orchestrator.log import bounded
 from orchestrator.openengine.v1 import generation_pb2, kv_pb2
 
 FinishReason = generation_pb2.FinishReason
 # FINISH_REASON_CANCELLED has no name here: a cancel we did not ask for is a failure (engine/errors.py
 # EngineCancelled), one we asked for has no client left to tell; no OpenAI client knows a "cancelled" finish.
 _REASON_NAMES: dict[int, str] = {FinishReason.FINISH_REASON_LENGTH: "length"}
+# The finish reasons a generation can end with. Any other number (UNSPECIFIED, which revision 1 sends for an engine
+# finish_reason it does not map, formatting.py `_finish_event`, or one a later schema adds) says nothing about how
+# the answer ended: it is a failure of that worker (a 502 naming it), never guessed as "stop".
+_KNOWN_REASONS = frozenset({FinishReason.FINISH_REASON_STOP, FinishReason.FINISH_REASON_LENGTH,
+                            FinishReason.FINISH_REASON_CANCELLED})
 
 
 @attrs.frozen(slots=True)
@@ -112,6 +118,8 @@ def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event |
     usage = Usage.from_proto(response.usage) if response.HasField("usage") else None
     if kind == "finished":
         finished = response.finished
+        if finished.reason not in _KNOWN_REASONS:
+            return Failed(unknown_finish(finished.reason, finished.message, worker=worker))
         match = finished.stop_match.WhichOneof("match") if finished.HasField("stop_match") else None
         return Finished(
             reason=finished.reason,
@@ -126,6 +134,14 @@ def decode(response: generation_pb2.GenerateResponse, *, worker: str) -> Event |
     if kind == "error":
         return Failed(from_engine_error(response.error, worker=worker, rpc="Generate"))
     return None  # prompt logprobs and future event kinds: not used by the orchestrator
+
+
+def unknown_finish(reason: int, message: str, *, worker: str) -> EngineError:
+    """A Finished whose reason we do not know, as the worker's failure (not retried: the worker said it is done)."""
+    name = "FINISH_REASON_UNSPECIFIED" if reason == FinishReason.FINISH_REASON_UNSPECIFIED else f"FinishReason {reason}"
+    said = f" ({bounded(message, 200)})" if message else ""
+    return EngineError(f"the worker ended the generation with {name}, which says neither stop, length nor cancelled"
+                       f"{said}", worker=worker, rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL)
 
 
 _GENERATE_RESPONSE = generation_pb2.GenerateResponse.FromString

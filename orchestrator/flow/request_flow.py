@@ -225,12 +225,12 @@ class RequestFlow:
 
 def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
     """What a worker that takes over the request (a retry, a migration) must be able to do, which the planner
-    checked of the first workers only: serve the guide and the logprobs asked for, and on the local path run the
-    whole request on a decode worker (the planner split a request whose decode worker cannot; a replacement
-    leg is never split), and hold the request's LoRA adapter. None: nothing to check, any worker of the role will
-    do (most requests)."""
+    checked of the first workers only: serve the guide, the logprobs and the cache salt asked for, and on the local
+    path run the whole request on a decode worker (the planner split a request whose decode worker cannot; a
+    replacement leg is never split), and hold the request's LoRA adapter. None: nothing to check, any worker of
+    the role will do (most requests)."""
     api = plan.api
-    needs_features = api.guided is not None or bool(api.logprobs)
+    needs_features = api.guided is not None or bool(api.logprobs) or api.cache_salt is not None
     runs_whole = plan.path is LOCAL
     adapter = api.lora_adapter
     if not needs_features and not runs_whole and adapter is None:
@@ -244,8 +244,9 @@ def _replacement_check(plan: Plan) -> Callable[[object], bool] | None:
             # Not discovered yet (discovery runs before a worker is READY, and may fail after). Features: the
             # benefit of the doubt, its engine refuses what it cannot do (but for a guide the sibling server
             # would ignore). A whole request: no, the sibling server's refusal is not retryable and would end
-            # the request with that error instead of the one it migrated from.
-            return not runs_whole
+            # the request with that error instead of the one it migrated from. A cache salt: no, an engine that
+            # ignored it would share the tenant's blocks.
+            return not runs_whole and api.cache_salt is None
         if runs_whole and not caps.runs_whole_requests_on_decode:
             return False
         return not needs_features or serves_features(api, caps)

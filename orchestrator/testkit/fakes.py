@@ -68,7 +68,8 @@ def capabilities(role: str = "unspecified", *, abort_cleanup: bool = False, wind
                               models=("m",), model_id="m", max_context_length=window, max_output_tokens=None,
                               supports_multimodal=False, multimodal=None, supports_abort_cleanup=abort_cleanup,
                               total_kv_blocks=None, handoff_profile=handoff_profile,
-                              output_logprobs=FeatureSupport(True, frozenset({"top_n"}), max_top_n=20))
+                              output_logprobs=FeatureSupport(True, frozenset({"top_n"}), max_top_n=20),
+                              supports_cache_salt=True)  # as revision 1 advertises (control.py GetModelInfo)
 
 
 class _FakeStream:

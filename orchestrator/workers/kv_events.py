@@ -65,7 +65,14 @@ from orchestrator.workers.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 
-MAX_REFUSED_BACKOFF_S = 30.0
+# After we refuse what a worker sent, it is not followed again for REFUSED_BACKOFF_S, then twice as long after each
+# refusal that follows, up to MAX_REFUSED_BACKOFF_S, until it restarts. What we refuse (a message above 4 MiB, more
+# blocks than twice its cache, a batch of another rank, what no engine sends) is a lie or a bug that a second
+# does not fix; each new subscription to a flooding worker costs a burst (the rank filled to its bound, then
+# cleared), and a retry every 1-30 s made that burst every few seconds. Meanwhile the worker is routed
+# approximately, as one without events is.
+REFUSED_BACKOFF_S = 60.0
+MAX_REFUSED_BACKOFF_S = 3600.0
 
 def _permanent(exc: BaseException) -> bool:
     """A failure that trying again cannot fix: the call is not served (UNIMPLEMENTED, events off), or our
@@ -152,23 +159,28 @@ class _Follower:
     active: bool = True
     image_keys: bool = True  # its events key image blocks (revision 1 with mm_keys)
     bound: int = codec.DEFAULT_RANK_BOUND  # blocks one of its ranks may hold (kv_event_codec.rank_bound)
-    # After a refusal the worker is followed anew later each time (doubling, up to MAX_REFUSED_BACKOFF_S): a
-    # worker that floods us is not read as fast as it can send.
+    # After a refusal the worker is followed anew later each time (REFUSED_BACKOFF_S, doubling, up to
+    # MAX_REFUSED_BACKOFF_S; back to 0 when it restarts): a worker that floods us is not read as fast as it sends.
     refused_backoff: float = 0.0
+    instance_id: str = ""  # the instance its last subscription followed
 
 
 class KvEventFeed:
     """Follows the KV events of every worker the pool runs `follow` for, into `index`.
 
-    `retry_s`: wait before trying a failed worker again; `identity_check_s`: how often a feed followed without
-    the pool's InstanceWatch reads ServerInfo itself to notice a restart (a ZMQ subscriber cannot: it
-    reconnects silently); `replay_timeout_s`: how long a replay request may take."""
+    `retry_s`: wait before trying a failed worker again; `refused_backoff_s`: wait after the first refusal (then
+    doubling, up to `max_refused_backoff_s`); `identity_check_s`: how often a feed followed without the pool's
+    InstanceWatch reads ServerInfo itself to notice a restart (a ZMQ subscriber cannot: it reconnects silently);
+    `replay_timeout_s`: how long a replay request may take."""
 
-    def __init__(self, index: KvIndex, *, retry_s: float = 1.0, identity_check_s: float = 2.0,
+    def __init__(self, index: KvIndex, *, retry_s: float = 1.0, refused_backoff_s: float = REFUSED_BACKOFF_S,
+                 max_refused_backoff_s: float = MAX_REFUSED_BACKOFF_S, identity_check_s: float = 2.0,
                  replay_timeout_s: float = 2.0, zmq_context: zmq.Context | None = None, metrics=None):
         self.index = index
         self.metrics = metrics  # orchestrator.metrics.Metrics: kv_events_refused (None: not counted)
         self.retry_s = retry_s
+        self.refused_backoff_s = refused_backoff_s
+        self.max_refused_backoff_s = max_refused_backoff_s
         self.identity_check_s = identity_check_s
         self.replay_timeout_s = replay_timeout_s
         self._context = zmq_context or zmq.Context()
@@ -219,14 +231,26 @@ class KvEventFeed:
                     await instance.changed_from(wait_for_restart)
                     self.index.cleared_routed(worker)  # restarted: what we routed there is gone from its cache
                     follower.refused_backoff = 0.0
+                elif follower.refused_backoff > self.retry_s:
+                    await self._refused_wait(follower, instance)
                 else:
-                    await trio.sleep(max(self.retry_s, follower.refused_backoff))
+                    await trio.sleep(self.retry_s)
         finally:
             if self._followers.get(worker) is follower:  # (not forgotten, nor followed anew since)
                 # Nobody keeps its event entries from now on: they go, and what we route there counts instead.
                 self._followers.pop(worker)
                 self.index.cleared(worker)
                 self.index.set_mode(worker, "approximate")
+
+    async def _refused_wait(self, follower: _Follower, instance: InstanceWatch) -> None:
+        """The refusal backoff: over when it has passed, or sooner when the worker restarts (a new engine, which
+        starts with a fresh backoff)."""
+        with trio.move_on_after(follower.refused_backoff):
+            await instance.changed_from(follower.instance_id)
+            log.info("worker %s restarted: its KV events are followed again before their refusal backoff ended",
+                     follower.worker)
+            follower.refused_backoff = 0.0
+            self.index.cleared_routed(follower.worker)  # what we routed there is gone from its cache
 
     async def _follow_once(self, follower: _Follower, client, instance: InstanceWatch) -> str | None:
         """One subscription. Returns the worker's instance id when only a restart may change things (no
@@ -243,6 +267,7 @@ class KvEventFeed:
             return None
         if not follower.active:
             return None
+        follower.instance_id = info.instance_id
         try:
             valid = validate_sources(sources, max(1, info.data_parallel_size), info.kv_block_size)
         except InvalidKvSource as exc:
@@ -322,15 +347,17 @@ class KvEventFeed:
 
     def _refused(self, follower: _Follower, refusal: KvStreamBroken) -> None:
         """We refused what the worker sent: its entries are cleared (by the caller), and /health, the log and the
-        metric say so; it is followed anew after retry_s."""
+        metric say so; it is followed anew after its refusal backoff (REFUSED_BACKOFF_S, doubling)."""
         worker = follower.worker
         self.stats.refused += 1
-        follower.refused_backoff = min(MAX_REFUSED_BACKOFF_S, max(self.retry_s, 2 * follower.refused_backoff))
+        follower.refused_backoff = min(self.max_refused_backoff_s,
+                                       max(self.retry_s, self.refused_backoff_s, 2 * follower.refused_backoff))
         if self.metrics is not None:
             self.metrics.kv_events_refused.labels(worker, refusal.reason).inc()
-        self.detail[worker] = f"KV events refused ({refusal.reason}): {refusal}"
-        follower.log("worker %s: KV events refused (%s), its index is cleared until rebuilt: %s", worker,
-                     refusal.reason, refusal)
+        self.detail[worker] = (f"KV events refused ({refusal.reason}): {refusal}; routed approximately, its events "
+                               f"followed again in {follower.refused_backoff:g} s")
+        follower.log("worker %s: KV events refused (%s), its index is cleared and its events followed again in %g s "
+                     "(or when it restarts): %s", worker, refusal.reason, follower.refused_backoff, refusal)
 
     async def _clear_in_slices(self, follower: _Follower) -> None:
         self.stats.clears += 1

@@ -50,7 +50,13 @@ IMAGE_BIT = 1  # set on a block covering an image, and on every block after it i
 _TEXT = ~IMAGE_BIT
 _IMAGE_POSITION = -1  # what an image position contributes to the block's token tuple (segments say which)
 MODES = ("events", "approximate")
-_MAX_IMAGE_LENGTHS = 100_000
+# What the index learns of images from events is bounded, whatever a worker sends: at most MAX_IMAGE_LENGTHS
+# images (the oldest learned go first), each of at most MAX_IMAGE_POSITIONS positions. A prompt is laid out with
+# that length (one position per slot), so a worker's mm_keys claiming an image of 2**62 positions made the next
+# request with that image allocate them. The largest default expansion we know (Qwen2-VL's max_pixels: 16,384
+# positions) is half the bound.
+MAX_IMAGE_LENGTHS = 100_000
+MAX_IMAGE_POSITIONS = 1 << 15
 
 
 # ---- keys -----------------------------------------------------------------------------------------------
@@ -272,12 +278,17 @@ def _learn_lengths(found: tuple, block_size: int, following: Sequence[MmSegment]
     continuing it, has its length shown: its start offset here plus the positions it covers here."""
     for first, count, value, offset in found:
         end = offset + count
+        if not 0 < end <= MAX_IMAGE_POSITIONS:
+            continue  # no engine expands an image into that: not learned
         if first + count < block_size:
             lengths[value] = end
         elif following is not None and not any(s.start_offset == end for s in following):
             lengths[value] = end
-    while len(lengths) > _MAX_IMAGE_LENGTHS:  # bounded: the oldest learned go first
-        del lengths[next(iter(lengths))]
+    if len(lengths) > MAX_IMAGE_LENGTHS:
+        # The oldest half goes at once: one at a time, each `next(iter(...))` walked past the slots already freed
+        # at the front of the dict (quadratic under a stream of new images).
+        for key in list(islice(lengths, len(lengths) - MAX_IMAGE_LENGTHS // 2)):
+            del lengths[key]
 
 
 def learn_id_offset(token_ids: Sequence[int | str], block_size: int,

@@ -8,6 +8,7 @@ from orchestrator.discovery.snapshots import Snapshot, WorkerSpec
 from orchestrator.engine import EngineError, LoopThread
 from orchestrator.engine.capabilities import WorkerCapabilities
 from orchestrator.engine.errors import ERROR_CODE_DRAINING, ErrorCode
+from orchestrator.engine.events import Failed, Finished, decode_bytes
 from orchestrator.engine.numbering import (
     Health,
     Numbering,
@@ -17,6 +18,7 @@ from orchestrator.engine.numbering import (
 )
 from orchestrator.frontend.errors import from_engine_error
 from orchestrator.metrics import Metrics
+from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import kv_pb2, model_pb2, server_pb2
 from orchestrator.workers.pool import WorkerPool
 from orchestrator.workers.states import WorkerState
@@ -75,6 +77,23 @@ def test_an_engine_failure_with_a_code_we_do_not_know_is_a_502_naming_it():
     assert internal.status == 502 and "ERROR_CODE_INTERNAL" in internal.message
     draining = from_engine_error(EngineError("stopping", worker="w", rpc="Generate", code=ERROR_CODE_DRAINING))
     assert draining.status == 503 and draining.code == "draining" and draining.retry_after == 1
+
+
+def test_a_finish_reason_we_do_not_know_is_a_502_naming_it_never_a_stop():
+    # revision 1 sends FINISH_REASON_UNSPECIFIED for an engine finish_reason it does not map (formatting.py
+    # _finish_event); a later schema may add reasons: neither says how the answer ended
+    for reason, named in ((g.FINISH_REASON_UNSPECIFIED, "FINISH_REASON_UNSPECIFIED"), (9, "FinishReason 9")):
+        response = g.GenerateResponse(request_id="r", finished=g.GenerationFinished(message="x" * 5000))
+        response.finished.reason = reason  # type: ignore[assignment]  # (9: a number the enum does not define)
+        event = decode_bytes(response.SerializeToString(), worker="w")
+        assert isinstance(event, Failed), event
+        assert not event.error.retryable  # the worker said the generation is over: not run again elsewhere
+        error = from_engine_error(event.error)
+        assert error.status == 502 and named in error.message and len(error.message) < 1000
+    for reason in (g.FINISH_REASON_STOP, g.FINISH_REASON_LENGTH, g.FINISH_REASON_CANCELLED):  # the known ones
+        finished = decode_bytes(g.GenerateResponse(finished=g.GenerationFinished(reason=reason)).SerializeToString(),
+                                worker="w")
+        assert isinstance(finished, Finished) and finished.reason == reason
 
 
 def test_an_engine_role_we_do_not_know_serves_no_role():

@@ -36,11 +36,13 @@ class ScriptedWorker:
         self.ports = ports
         self.caps = _Caps()
         self.caps.data_parallel_size = data_parallel_size
+        self.subscriptions: list[float] = []  # when the feed asked for its sources (each subscription), trio time
 
     async def capabilities(self):
         return self.caps
 
     async def kv_event_sources(self, ranks=(), *, timeout=10.0):
+        self.subscriptions.append(trio.current_time())
         return [kv_pb2.KvEventSource(transport="zmq", endpoint_addr=kv_pb2.KvEndpoint(
                     host="127.0.0.1", port=port, protocol="tcp"), topic="kv", data_parallel_rank=rank,
                     encoding="msgpack", schema_version=1, hwm=10_000_000)
@@ -168,3 +170,54 @@ async def test_a_huge_malformed_payload_becomes_a_bounded_health_detail_and_log_
     lines = [BoundedFormatter("%(message)s").format(r) for r in caplog.records if "refused" in r.getMessage()]
     assert lines and all(len(line) <= 4 * MAX_CAUSE_CHARS for line in lines)
     assert all(len(r.getMessage()) < 10_000 for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+async def test_a_refused_worker_is_followed_again_only_after_a_long_growing_wait_or_when_it_restarts():
+    """Each new subscription to a flooding worker costs a burst (its rank filled to the bound, then cleared); it was
+    tried again after 1, 2, 4 ... 30 s. Now after refused_backoff_s (60 s in serve), doubling, and at once when the
+    worker restarts (a new engine). /health says when."""
+    port = free_port()
+    context = zmq.Context()
+    index = KvIndex()
+    feed = KvEventFeed(index, retry_s=0.05, refused_backoff_s=0.4, zmq_context=context)
+    publisher = Publisher(context, port)
+    worker = ScriptedWorker([port])
+    instance = InstanceWatch()
+    instance.saw("i1")
+    refused_at: list[float] = []
+
+    async def refuse_subscription(n: int) -> None:
+        await until(lambda: len(worker.subscriptions) == n and index.mode(WORKER) == "events")
+        await trio.sleep(0.3)  # the subscription takes (ZMQ's late joiner)
+        publisher.send([stored(1, 3)], rank=99)
+        await until(lambda: feed.stats.refused == n)
+        refused_at.append(trio.current_time())
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed.follow, WORKER, worker, instance)
+            await refuse_subscription(1)
+            assert feed.detail[WORKER].endswith("followed again in 0.4 s")
+            await refuse_subscription(2)
+            assert feed.detail[WORKER].endswith("followed again in 0.8 s")
+            await until(lambda: len(worker.subscriptions) == 3)
+            await trio.sleep(0.3)
+            publisher.send([stored(1, 3)], rank=99)
+            await until(lambda: feed.stats.refused == 3)
+            assert feed.detail[WORKER].endswith("followed again in 1.6 s")
+            restarted = trio.current_time()
+            worker.caps.instance_id = "i2"
+            instance.saw("i2")  # a new engine: followed at once, its backoff starts afresh
+            await until(lambda: len(worker.subscriptions) == 4)
+            assert worker.subscriptions[3] - restarted < 1.0
+            await refuse_subscription(4)
+            assert feed.detail[WORKER].endswith("followed again in 0.4 s")
+            nursery.cancel_scope.cancel()
+    finally:
+        publisher.socket.close(linger=0)
+        feed.close()
+        context.term()
+    # never sooner than its backoff (retry_s is 0.05 s): 0.4 s, then 0.8 s (refused_at is read by polling, up to
+    # 0.01 s after the refusal)
+    assert worker.subscriptions[1] - refused_at[0] >= 0.4 - 0.02
+    assert worker.subscriptions[2] - refused_at[1] >= 0.8 - 0.02

@@ -137,6 +137,12 @@ UPSTREAM = {
                            "'conversation_id' (lower-cased, ASCII), on its prefill role; never from extra"),
     "cache-salt": ("R3 servicer.py @ 58132ce1 Generate (generate_async(cache_salt=kv.cache_salt))",
                    "kv.cache_salt is forwarded to the engine, which keys its reusable blocks by it"),
+    "cache-salt-advertised": ("R1 control.py @ 06cb2191b0be GetModelInfo (supports_cache_salt = True; the module "
+                              "docstring: reported capabilities describe what Generate accepts); R1 servicer.py "
+                              "@ 06cb2191b0be Generate (an unsupported feature is UNIMPLEMENTED, kv.cache_salt goes "
+                              "to generate_async)",
+                              "a server advertises supports_cache_salt exactly when Generate honours kv.cache_salt; "
+                              "we send a salt only to a worker that says it is true"),
     "engine-cancel": ("R1 formatting.py @ 385d11ab2dfc _finish_event; R3 servicer.py @ 58132ce1 _finished",
                       "both servers map the engine's finish_reason 'cancelled' and 'timeout' to "
                       "FINISH_REASON_CANCELLED; revision 1 adds the message 'generation timed out' to a timeout"),

@@ -12,8 +12,9 @@ from orchestrator.convert import (
     full_leg,
     parse_chat,
     resolve_limits,
+    serves_features,
 )
-from orchestrator.engine.capabilities import FeatureSupport
+from orchestrator.engine.capabilities import FeatureSupport, WorkerCapabilities
 from orchestrator.errors import InvalidRequest
 from orchestrator.kv import first_gen_tokens, generation_leg, release_leg
 from orchestrator.openengine.v1 import generation_pb2 as g
@@ -240,6 +241,32 @@ def test_logprobs_go_only_to_workers_that_return_them_within_their_candidate_lim
     for unsupported in (FeatureSupport(), FeatureSupport(True, frozenset({"token_ids"}))):
         with pytest.raises(InvalidRequest, match="does not return output logprobs by top-n candidates"):
             check_worker_features(text_request(logprobs=True), [("decode", _caps(output_logprobs=unsupported))])
+
+
+def test_a_cache_salt_goes_only_to_workers_that_advertise_supports_cache_salt():
+    """UPSTREAM cache-salt-advertised: what a server advertises is what its Generate accepts; a worker that dropped
+    the salt would let one tenant's request reuse (and learn of, through cached_tokens) another tenant's blocks."""
+    salted = attrs.evolve(text_request(), cache_salt="key:tenant")
+    check_worker_features(salted, [("prefill", _caps()), ("decode", _caps())])  # both advertise it
+    check_worker_features(text_request(), [("decode", _caps(supports_cache_salt=False))])  # no salt, nothing asked
+    with pytest.raises(InvalidRequest) as info:
+        check_worker_features(salted, [("prefill", _caps()), ("decode", _caps(supports_cache_salt=False))])
+    assert info.value.message.startswith("cache_salt: the decode worker (trtllm-d0) does not isolate its prefix "
+                                         "cache by salt")
+    assert info.value.param == "cache_salt" and info.value.code == "cache_salt_not_supported"
+    assert not serves_features(salted, _caps(supports_cache_salt=False))  # nor is it moved to one
+    assert serves_features(salted, _caps())
+
+
+def test_supports_cache_salt_is_read_from_model_info_and_unset_is_no():
+    from orchestrator.openengine.v1 import model_pb2, server_pb2
+
+    def caps(generation: model_pb2.GenerationCapabilities) -> WorkerCapabilities:
+        return WorkerCapabilities.from_protos(server_pb2.ServerInfo(), model_pb2.ModelInfo(generation=generation))
+
+    assert caps(model_pb2.GenerationCapabilities(supports_cache_salt=True)).supports_cache_salt
+    assert not caps(model_pb2.GenerationCapabilities(supports_cache_salt=False)).supports_cache_salt
+    assert not caps(model_pb2.GenerationCapabilities()).supports_cache_salt
 
 
 def test_feature_support_is_read_from_model_info():

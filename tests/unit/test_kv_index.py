@@ -20,6 +20,8 @@ from orchestrator.sim.prefix_cache import PrefixCache, prompt_tokens
 from orchestrator.workers.kv_event_codec import apply_now, decode_wire_batch
 from orchestrator.workers.kv_index import (
     IMAGE_BIT,
+    MAX_IMAGE_LENGTHS,
+    MAX_IMAGE_POSITIONS,
     EventBlockError,
     KvIndex,
     MmSegment,
@@ -195,6 +197,43 @@ def test_the_index_learns_how_many_positions_an_image_expanded_into_and_lays_pro
     assert index.overlap(keys, 0.0) == {("w", 0): len(keys)}
     # no placeholder in the model: images go ahead of the text
     assert engine_layout([1, 2], [("u1", 2)], None) == ([0, 0, 1, 2], [PromptImage("u1", 0, 2)])
+
+
+def test_an_image_length_no_engine_expands_into_is_never_learned():
+    """A worker's mm_keys set the length a prompt's image is laid out with (for every worker: the lengths are
+    shared); a start_offset of 2**62 made the next prompt with that image allocate 2**62 positions."""
+    from orchestrator.workers.prompt_keys import request_block_keys
+
+    identity = image_identity(url="https://example.com/cat.png")
+    index = KvIndex()
+    for n, offset in enumerate((2**62, 10**9, MAX_IMAGE_POSITIONS)):
+        # a block that starts inside the image at `offset` and shows its end after one position (one worker each:
+        # a worker's first such block also teaches its id offset)
+        index.set_mode(f"w{n}", "events")
+        index.stored_engine((f"w{n}", 0), [1], None, [5000, 7, 8, 9], 4,
+                            [[MmSegment(image_digest(identity).hex(), offset)]])
+    assert index.image_length(identity) is None
+    index.set_mode("honest", "events")
+    index.stored_engine(("honest", 0), [1], None, [5000, 7, 8, 9], 4,
+                        [[MmSegment(image_digest(identity).hex(), MAX_IMAGE_POSITIONS - 1)]])
+    assert index.image_length(identity) == MAX_IMAGE_POSITIONS
+
+    class Image:
+        uuid, data_uri, url = None, None, "https://example.com/cat.png"
+
+    assert len(request_block_keys([1, 2, 999, 3], 4, [Image()], 999, learned=index.image_length)) < 10_000
+
+
+def test_learned_image_lengths_are_bounded_in_number_and_evicted_oldest_first():
+    index = KvIndex()
+    index.set_mode("w", "events")
+    identities = [image_identity(uuid=f"img-{n}") for n in range(MAX_IMAGE_LENGTHS + 10)]
+    for n, identity in enumerate(identities):
+        index.stored_engine(("w", 0), [n + 1], None, [5000, 7, 8, 9], 4, [[MmSegment(image_digest(identity).hex(),
+                                                                                     2)]])
+    learned = [index.image_length(identity) for identity in identities]
+    assert learned[-MAX_IMAGE_LENGTHS // 2:] == [3] * (MAX_IMAGE_LENGTHS // 2)  # the newest are kept
+    assert learned[0] is None and sum(length is not None for length in learned) <= MAX_IMAGE_LENGTHS
 
 
 def test_event_blocks_must_be_whole_and_their_mm_keys_must_fit():
