@@ -817,8 +817,8 @@ def _served_problems(config: Config, file: str) -> Iterator[ConfigError]:
                               f"{', '.join(v.model.name for v in config.models)} (required with several models)")
         elif worker.model is not None and worker.model not in served:
             yield ConfigError(file, f"launch.workers[{i}].model", f"one of {', '.join(sorted(served))}", worker.model)
-    for i, key in enumerate(config.auth.keys):
-        for k, name in enumerate(key.models or ()):
+    for i, api_key in enumerate(config.auth.keys):
+        for k, name in enumerate(api_key.models or ()):
             if name not in served:
                 yield ConfigError(file, f"auth.keys[{i}].models[{k}]", f"a served model: one of "
                                   f"{', '.join(sorted(served))}", name)

@@ -102,6 +102,7 @@ class ApiRequest:
     # kv.cache_salt on every leg: the client's (as vLLM takes it) under its key's, see `cache_namespace`
     cache_salt: str | None = None
     media_options: str | None = None  # media_io_kwargs as JSON; GenerateRequest.media_options (revision 3)
+    lora_adapter: str | None = None
 
 
 # ---- small typed getters ------------------------------------------------------------------------

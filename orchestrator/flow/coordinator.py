@@ -58,7 +58,7 @@ class Coordinator:
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
-        if api.model not in self.model_names:
+        if api.model not in self.model_names and api.lora_adapter is None:  # (the frontend resolved an adapter's name)
             raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)
