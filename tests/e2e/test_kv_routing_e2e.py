@@ -73,7 +73,8 @@ async def test_requests_sharing_a_prefix_land_on_one_worker_routed_approximately
     assert [w["kv_index"]["mode"] for w in health["workers"]] == ["approximate"] * 3
     assert 'orchestrator_routing_decisions_total{model="tiny-chat",reason="prefix",role="aggregated"} 9.0' in metrics
     for worker in workers:
-        assert f'orchestrator_kv_index_mode{{mode="approximate",model="tiny-chat",worker="{worker.address}"}} 1.0' in metrics
+        assert (f'orchestrator_kv_index_mode{{mode="approximate",model="tiny-chat",worker="{worker.address}"}} 1.0'
+                in metrics)
     # each family on one worker: nobody prefilled a family's system prompt twice
     counts = await served(engine_client, workers)
     assert sum(prompt - hit for prompt, hit in counts) < 3 * 1000 + 9 * 200, counts

@@ -201,8 +201,8 @@ def test_metrics_count_tokens_not_chunks_and_every_series_starts_at_zero(agg):
     token counters add up to the usage the client saw; labelled series exist before their first event."""
     with agg.http() as http:
         before = http.get("/metrics").text
-        assert _metric(
-            before, 'orchestrator_requests_total{mode="aggregated",model="tiny-chat",outcome="client_error",route="completions"}') == 0
+        assert _metric(before, 'orchestrator_requests_total{mode="aggregated",model="tiny-chat",outcome="client_error",'
+                               'route="completions"}') == 0
         assert _metric(before, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED",model="tiny-chat"}') == 0
         assert _metric(before, "process_cpu_seconds_total") > 0
         usage = http.post("/v1/chat/completions", json=chat_body(max_tokens=40, stream=True, ignore_eos=True,
@@ -343,7 +343,8 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
         metrics = (await http.get(retry.url + "/metrics")).text
         retries = _metric(metrics, 'orchestrator_retries_total{model="tiny-chat",role="prefill"}')
         assert 1 <= retries <= 4
-        assert _metric(metrics, 'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED",model="tiny-chat"}') == retries
+        assert _metric(metrics,
+                       'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED",model="tiny-chat"}') == retries
         # An in-stream OVERLOADED is TensorRT-LLM's stall watchdog, not load (tests/e2e/test_trtllm_conformance.py)
         refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
         assert refused.status_code == 502 and "retry-after" not in refused.headers
