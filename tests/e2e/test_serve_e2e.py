@@ -343,8 +343,8 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
         metrics = (await http.get(retry.url + "/metrics")).text
         retries = _metric(metrics, 'orchestrator_retries_total{model="tiny-chat",role="prefill"}')
         assert 1 <= retries <= 4
-        assert _metric(metrics,
-                       'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED",model="tiny-chat"}') == retries
+        transfer_failed = 'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED",model="tiny-chat"}'
+        assert _metric(metrics, transfer_failed) == retries
         # An in-stream OVERLOADED is TensorRT-LLM's stall watchdog, not load (tests/e2e/test_trtllm_conformance.py)
         refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
         assert refused.status_code == 502 and "retry-after" not in refused.headers
