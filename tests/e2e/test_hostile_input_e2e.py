@@ -31,7 +31,7 @@ def rss_mb(pid: int) -> float:
 
 def outcomes(metrics: str, route: str = "chat") -> dict[str, float]:
     """orchestrator_requests_total of `route` by outcome, summed over the models (a refused body names none)."""
-    found = {}
+    found: dict[str, float] = {}
     for line in metrics.splitlines():
         if line.startswith("orchestrator_requests_total{") and f'route="{route}"' in line:
             labels, value = line.rsplit(" ", 1)
