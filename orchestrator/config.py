@@ -761,8 +761,9 @@ def _several_models(data: dict, file: str, base_dir: Path, check_paths: bool) ->
 
 def _inherit(top: Any, own: Any, section: str) -> Any:
     """An entry's section over the top level's, key by key for mappings (`routing.prefill` keeps the other
-    routing keys). discovery's static and etcd are alternatives: an entry naming one drops the top level's other."""
-    if not isinstance(top, dict) or not isinstance(own, dict):
+    routing keys). discovery's static and etcd are alternatives: an entry naming one drops the top level's other;
+    and an entry's static lists are its own workers, whole (another model's workers are never inherited)."""
+    if not isinstance(top, dict) or not isinstance(own, dict) or section == "discovery.static":
         return own
     if section == "discovery":
         top = {key: value for key, value in top.items() if not ({"static", "etcd"} - {key}) & set(own)}

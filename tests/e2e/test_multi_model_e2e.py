@@ -80,7 +80,7 @@ async def test_each_model_is_served_by_its_own_workers_and_an_unknown_one_is_a_4
 
     with pytest.raises(openai.NotFoundError) as unknown:
         await trio.to_thread.run_sync(lambda: sdk.chat.completions.create(**chat("no-such-model")))
-    error = unknown.value.body
+    error: dict = unknown.value.body  # type: ignore[assignment]
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert f"serves {BIG}, {SMALL}, small" in error["message"]
     async with httpx.AsyncClient(base_url=server.url, headers={"authorization": "Bearer sk-all"}) as http:
@@ -108,7 +108,8 @@ async def test_an_api_key_limited_to_some_models_gets_a_403_for_the_others(two_m
     assert answer.choices[0].message.content
     with pytest.raises(openai.PermissionDeniedError) as denied:
         await trio.to_thread.run_sync(lambda: limited.chat.completions.create(**chat(BIG)))
-    assert denied.value.body["code"] == "model_not_allowed" and SMALL in denied.value.body["message"]
+    body: dict = denied.value.body  # type: ignore[assignment]
+    assert body["code"] == "model_not_allowed" and SMALL in body["message"]
     async with httpx.AsyncClient(base_url=server.url, headers={"x-api-key": "sk-small"}) as http:
         messages = await http.post("/v1/messages", json=chat(BIG))
     assert messages.status_code == 403 and messages.json()["error"]["type"] == "permission_error"
