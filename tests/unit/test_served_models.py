@@ -18,7 +18,7 @@ class FakePool:
 def deployment(name: str, mode: str = "aggregated", *, aliases=(), adapters=(), ready=1, healthy=True) -> Deployment:
     config = Config(mode=mode, model=ModelConfig(name=name, aliases=tuple(aliases), adapters=tuple(
         AdapterConfig(adapter, f"/adapters/{adapter}") for adapter in adapters)))
-    pool = FakePool({role: ready for role in config.needed_roles}, healthy)
+    pool = FakePool(dict.fromkeys(config.needed_roles, ready), healthy)
     return Deployment(config, coordinator=None, pool=pool, parsers=None, metrics=None)  # type: ignore[arg-type]
 
 
