@@ -117,7 +117,8 @@ def test_worker_overrides_name_the_model_when_there_are_several():
     with pytest.raises(ConfigError):
         apply_worker_overrides(config, ["other:aggregated=grpc://h:1"])
     single = from_dict({"mode": "aggregated", "discovery": {"static": {}}})
-    assert apply_worker_overrides(single, ["aggregated=grpc://h:1"]).discovery.static.aggregated == ("grpc://h:1",)
+    static = apply_worker_overrides(single, ["aggregated=grpc://h:1"]).discovery.static
+    assert static is not None and static.aggregated == ("grpc://h:1",)
 
 
 def test_etcd_endpoint_overrides_reach_every_model_with_etcd_discovery():
