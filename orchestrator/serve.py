@@ -176,8 +176,9 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                         await nursery.start(deployment.pool.run, make_registry(deployment.config, loop_thread,
                                                                                foreign))
                     url = await nursery.start(serve_http, app, config, host, port, shutdown, several)
-                    log.info("serving %s on %s%s", ", ".join(f"{v.model.name} ({v.mode})" for v in config.models),
-                             url, f", frontend process {frontend.index} of {frontend.count}" if several else "")
+                    for view in config.models:
+                        log.info("serving %s mode on %s (model %s)%s", view.mode, url, view.model.name,
+                                 f", frontend process {frontend.index} of {frontend.count}" if several else "")
                     if several and frontend.is_first and child_argv is not None:
                         from prometheus_client.multiprocess import mark_process_dead
 

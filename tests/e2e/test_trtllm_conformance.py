@@ -520,7 +520,7 @@ async def test_a_context_leg_that_finishes_the_request_is_the_answer(tmp_path, c
     assert '"finish_reason":"stop"' in streamed.text.replace(" ", "")
     kinds = [r["kind"] for r in await _recent(engine_client, decode)]
     assert kinds == (["generation_only"] if case == "stop-string" else [])  # only the probe reached decode
-    assert "orchestrator_prefill_answers_total 2.0" in metrics
+    assert 'orchestrator_prefill_answers_total{model="tiny-chat"} 2.0' in metrics
     async with engine_client(prefill.address) as client:
         assert (await client.load()).active_kv_sessions == 0
 
