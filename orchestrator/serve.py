@@ -152,7 +152,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     # One registry for the process; each model's series are its view of it. This view (model "") counts the
     # requests that named no served model.
     metrics = Metrics("", model="", multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
-    limits = config.limits  # (the first model's: the process-wide timeouts below are the same for every model)
+    limits = config.limits  # the process's timeouts (start-up, shutdown grace): the top level's, the first model's
     tracer = tracing.from_config(config)
     deployments: list = []
     async with LoopThread.open() as loop_thread, tracer.running():
@@ -162,7 +162,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
             served = ServedModels(deployments)
             api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
             app = App(config, served, metrics, api_keys, frontend=frontend, tracer=tracer)
-            foreign = ForeignModels({name for view in config.models for name in view.model.names})
+            foreign = ForeignModels({view.model.name for view in config.models})  # (keys name models, not aliases)
             shutdown = trio.Event()
             children = None
             # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.

@@ -142,10 +142,10 @@ class EtcdRegistry(WorkerRegistry):
 
     def _ours(self, key: str) -> bool:
         """Whether a key under the namespace is a worker of this registry's model (keys.py has the layout)."""
-        model = key[len(self.prefix):].split("/", 1)[0]
-        if model == self.model:
+        rest = key[len(self.prefix):]
+        if rest.startswith(self.model + "/"):
             return True
-        self.foreign.ignored(model, key)
+        self.foreign.ignored(rest.split("/", 1)[0], key)
         return False
 
     async def _probe(self, client, endpoint: str) -> None:
