@@ -477,7 +477,8 @@ class WorkerPool:
             states = collections.Counter(str(w.state) for w in self.workers.values() if w.role == role)
             known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
             # Which workers and why: the log and /health (operators); the client learns only the counts.
-            raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
+            of_model = f" of {self.model}" if self.model else ""  # which model's pool (an orchestrator serves several)
+            raise NoWorkerAvailable(f"no {role} worker{of_model} is available ({known or 'none registered'})",
                                     code="no_worker_available", retry_after=1)
         return candidates
 

@@ -142,7 +142,7 @@ async def test_a_model_whose_workers_are_all_gone_answers_503_alone_and_health_n
         assert health["models"][SMALL]["ready_workers"] == {"aggregated": 0}
     with pytest.raises(openai.APIStatusError) as gone:
         await trio.to_thread.run_sync(lambda: sdk.chat.completions.create(**chat(SMALL)))
-    assert gone.value.status_code == 503
+    assert gone.value.status_code == 503 and f"no aggregated worker of {SMALL} is available" in gone.value.message
     answer = await trio.to_thread.run_sync(lambda: sdk.chat.completions.create(**chat(BIG)))
     assert answer.choices[0].message.content
     listed = await trio.to_thread.run_sync(lambda: sdk.models.list().data)
