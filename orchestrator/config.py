@@ -806,7 +806,9 @@ def _served_problems(config: Config, file: str) -> Iterator[ConfigError]:
                  *((f"{prefix}.aliases[{k}]", alias) for k, alias in enumerate(view.model.aliases)),
                  *((f"{prefix}.adapters[{k}].name", a.name) for k, a in enumerate(view.model.adapters))]
         for key, name in named:
-            if name in owner:
+            if not name.strip():
+                yield ConfigError(file, key, "a non-empty name (what requests send as `model`)", name)
+            elif name in owner:
                 yield ConfigError(file, key, f"a name no other model, alias or adapter has ({owner[name]} has it)",
                                   name)
             else:

@@ -82,6 +82,14 @@ def test_names_aliases_and_adapters_are_unique_across_models_naming_both_entries
     assert "models[0].aliases[0] has it" in str(error.value) and "models[0].name has it" in str(error.value)
 
 
+def test_a_model_or_adapter_needs_a_name():
+    data = two_models()
+    data["models"][1]["adapters"] = [{"name": " ", "source_path": "x"}]
+    with pytest.raises(ConfigError) as error:
+        from_dict(data)
+    assert keys_of(error.value) == ["models[1].adapters[0].name"]
+
+
 def test_launched_workers_name_their_model_when_there_are_several():
     data = two_models(launch={"workers": [{"role": "decode", "sim": {}}, {"role": "aggregated", "model": "nope",
                                                                           "sim": {}}]})
