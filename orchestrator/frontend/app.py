@@ -400,7 +400,7 @@ class App:
         else:
             with request.body_limit(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
-        served = scope[SERVED] = self._served(scope, body)
+        served = self._served(scope, body)
         media_limits = self.media_limits[served.name]
         exchange: ResponsesExchange | MessagesExchange
         if kind == "messages":
@@ -414,21 +414,22 @@ class App:
         return exchange
 
     def _served(self, scope: Scope, body: Any) -> Deployment:
-        """The deployment the body's `model` names; ModelNotFound (404) for a name nothing serves, a 403 for a model
-        the request's API key may not use. A body without a string `model` is read with the first model's
-        parser, which refuses it in its API's own words."""
+        """The deployment the body's `model` names (kept in the scope: its metrics count the request); ModelNotFound
+        (404) for a name nothing serves, a 403 for a model the request's API key may not use. A body without a
+        model name is read with the first model's parser, which refuses it in its API's own words (counted
+        under no model)."""
         model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str):
+        if not isinstance(model, str) or not model:
             return self.models.first
         resolved = self.models.resolve(model)
         if resolved is None:
             raise self._unknown_model(model)
+        scope[SERVED], scope[_ADAPTER] = resolved.deployment, resolved.adapter
         allowed = self.key_models.get(scope.get(API_KEY, ""))
         if allowed is not None and resolved.deployment.name not in allowed:
             raise ApiError(403, f"this API key may not use the model {model!r}; it may use "
                            f"{', '.join(sorted(allowed))}", param="model", code="model_not_allowed",
                            type="permission_error")
-        scope[_ADAPTER] = resolved.adapter
         return resolved.deployment
 
     def _unknown_model(self, model: str) -> ModelNotFound:
