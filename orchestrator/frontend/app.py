@@ -32,7 +32,7 @@ import trio
 
 from orchestrator import tracing
 from orchestrator.config import Config
-from orchestrator.convert import ApiRequest, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert import ApiRequest, parse_chat, parse_completion
 from orchestrator.convert.api import cache_namespace
 from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
@@ -120,9 +120,8 @@ class App:
         self.in_flight = InFlight()  # the completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
         # Read before the request's model is known: the largest any model allows (each model's own limits apply
-        # to what is in the body: media_limits)
+        # to what is in the body: Deployment.media_limits)
         self.max_request_bytes = max(d.config.limits.max_request_bytes for d in models)
-        self.media_limits = {d.name: _media_limits(d.config) for d in models}
         self.routes: dict[tuple[str, str], Callable] = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
@@ -260,7 +259,7 @@ class App:
         try:
             body = await read_json(receive, self.max_request_bytes, on_size=self._body_read)
             served = self._served(scope, body)
-            api = parse_messages(body, self.media_limits[served.name], counting=True)
+            api = parse_messages(body, served.media_limits, counting=True)
             tokens = await prompt_token_ids(api, served.tokenizer, window=None)
         except (ApiError, RequestError) as error:
             api_error = to_api_error(error)
@@ -401,7 +400,7 @@ class App:
             with request.body_limit(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
         served = self._served(scope, body)
-        media_limits = self.media_limits[served.name]
+        media_limits = served.media_limits
         exchange: ResponsesExchange | MessagesExchange
         if kind == "messages":
             exchange = MessagesExchange(body, request_id, media_limits)
@@ -581,12 +580,6 @@ class App:
                                                                   prompt_tokens, completion_tokens, cached_tokens),
                             response.headers)
         return "ok"
-
-
-def _media_limits(config: Config) -> MediaLimits:
-    limits = config.limits
-    return MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
-                       max_image_bytes=limits.max_image_bytes, max_total_image_bytes=limits.max_total_image_bytes)
 
 
 def _first_failure(group: BaseExceptionGroup) -> BaseException:

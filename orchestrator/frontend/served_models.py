@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import attrs
 
 from orchestrator.config import Config
+from orchestrator.convert import MediaLimits
 from orchestrator.flow.coordinator import Coordinator
 from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.metrics import Metrics
@@ -24,23 +25,22 @@ READY, NOT_READY, DEGRADED = "ready", "not_ready", "degraded"
 OWNER = "orchestrator"
 
 
-@attrs.frozen(eq=False)
 class Deployment:
-    """One served model and everything that serves it."""
+    """One served model and everything that serves it. Plain attributes, read on every request's path."""
 
-    config: Config  # the model's single-model view
-    coordinator: Coordinator
-    pool: WorkerPool
-    parsers: OutputParsers
-    metrics: Metrics  # the model's view of the process's registry
+    __slots__ = ("config", "coordinator", "pool", "parsers", "metrics", "name", "tokenizer", "media_limits")
 
-    @property
-    def name(self) -> str:
-        return self.config.model.name
-
-    @property
-    def tokenizer(self) -> ModelTokenizer:
-        return self.coordinator.tokenizer
+    def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, parsers: OutputParsers,
+                 metrics: Metrics):
+        self.config = config  # the model's single-model view
+        self.coordinator, self.pool, self.parsers = coordinator, pool, parsers
+        self.metrics = metrics  # the model's view of the process's registry
+        self.name: str = config.model.name
+        self.tokenizer: ModelTokenizer = coordinator.tokenizer
+        limits = config.limits  # what a request body's images may be, by this model's limits
+        self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
+                                        max_image_bytes=limits.max_image_bytes,
+                                        max_total_image_bytes=limits.max_total_image_bytes)
 
     def ready_workers(self) -> dict[str, int]:
         return {role: self.pool.ready_count(role) for role in self.config.needed_roles}

@@ -19,7 +19,8 @@ def deployment(name: str, mode: str = "aggregated", *, aliases=(), adapters=(), 
     config = Config(mode=mode, model=ModelConfig(name=name, aliases=tuple(aliases), adapters=tuple(
         AdapterConfig(adapter, f"/adapters/{adapter}") for adapter in adapters)))
     pool = FakePool(dict.fromkeys(config.needed_roles, ready), healthy)
-    return Deployment(config, coordinator=None, pool=pool, parsers=None, metrics=None)  # type: ignore[arg-type]
+    coordinator = type("FakeCoordinator", (), {"tokenizer": None})()
+    return Deployment(config, coordinator=coordinator, pool=pool, parsers=None, metrics=None)  # type: ignore[arg-type]
 
 
 def test_a_model_resolves_by_name_alias_adapter_name_and_model_colon_adapter():
