@@ -68,6 +68,14 @@ class ServedModels:
         self.deployments = tuple(deployments)
         self._names = {name: d for d in self.deployments for name in d.config.model.names}
         self._adapters = {a.name: d for d in self.deployments for a in d.config.model.adapters}
+        # Every name a request may send, resolved once: a request's resolution is one dict lookup. An adapter is
+        # `ADAPTER` or `NAME:ADAPTER` for each of its model's names (load() checked that they are unique).
+        self._resolved: dict[str, Resolved] = {name: Resolved(d) for name, d in self._names.items()}
+        for d in self.deployments:
+            for adapter in d.config.model.adapters:
+                self._resolved[adapter.name] = Resolved(d, adapter.name)
+                for name in d.config.model.names:
+                    self._resolved.setdefault(f"{name}:{adapter.name}", Resolved(d, adapter.name))
         self.created = int(time.time())  # the `created` /v1/models reports: when this process started serving
 
     def __iter__(self):
@@ -81,19 +89,9 @@ class ServedModels:
         return self.deployments[0]
 
     def resolve(self, model: str) -> Resolved | None:
-        """The deployment (and adapter) `model` names, or None when nothing served has that name."""
-        found = self._names.get(model)
-        if found is not None:
-            return Resolved(found)
-        found = self._adapters.get(model)
-        if found is not None:
-            return Resolved(found, model)
-        # MODEL:ADAPTER; a model's name may itself hold ':' (e.g. "qwen3:8b"), so every split is tried
-        for at in (i for i, char in enumerate(model) if char == ":"):
-            base, adapter = self._names.get(model[:at]), model[at + 1:]
-            if base is not None and any(a.name == adapter for a in base.config.model.adapters):
-                return Resolved(base, adapter)
-        return None
+        """The deployment (and adapter) `model` names, or None when nothing served has that name. A model's name
+        may itself hold ':' (e.g. "qwen3:8b:rust" is qwen3:8b's adapter rust)."""
+        return self._resolved.get(model)
 
     def ids(self) -> list[str]:
         """Every name a request may use: the models' names and aliases, then the adapters'."""
