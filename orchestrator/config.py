@@ -29,7 +29,7 @@ KV_AWARE_ROLES = ("aggregated", "prefill")
 
 class ConfigError(ValueError):
     def __init__(self, file: str, key: str, expected: str, got: Any = attrs.NOTHING):
-        self.file, self.key, self.expected = file, key, expected
+        self.file, self.key, self.expected, self.got = file, key, expected, got
         found = "" if got is attrs.NOTHING else f", got {got!r}"
         super().__init__(f"{file}: {key}: expected {expected}{found}")
 
@@ -261,6 +261,7 @@ class ApiKeyConfig:
     # isolates this key's prefix cache: its requests' KV blocks are keyed with this salt on every worker
     # (kv.cache_salt), so another key's requests never reuse them, nor learn of them from cached_tokens
     cache_salt: str | None = None
+    models: tuple[str, ...] | None = None  # the models (names or aliases) this key may use; unset: every one
 
 
 @attrs.frozen
@@ -340,6 +341,7 @@ RESTART_POLICIES = ("always", "on-failure", "never")  # a launched worker that e
 @attrs.frozen
 class WorkerLaunch:
     role: str
+    model: str | None = None  # the model it serves (models:); unset: the only one
     count: int = attrs.field(default=1, validator=_positive)
     sim: SimSpec | None = None
     # A real worker: argv with {port} substituted, run in the config file's directory (relative paths in it
@@ -415,6 +417,15 @@ class Config:
     log_level: str = "INFO"
     source: str = attrs.field(default="<defaults>", eq=False)
     base_dir: Path = attrs.field(default=Path("."), eq=False)
+    # `models:` in the file: one single-model view per served model (the first is this config itself, with its
+    # own model, mode, discovery, routing and limits); empty for the single-model form and for the views.
+    per_model: tuple[Config, ...] = attrs.field(default=(), eq=False)
+
+    @property
+    def models(self) -> tuple[Config, ...]:
+        """Every served model as a single-model config: its model, mode, conditional, discovery, routing and
+        limits, and the deployment's other sections (http, auth, launch, ...) shared."""
+        return self.per_model or (self,)
 
     @property
     def needed_roles(self) -> tuple[str, ...]:
@@ -541,12 +552,6 @@ def build_attrs(cls: type, data: Any, file: str, prefix: str) -> Any:
         raise ConfigError(file, where, str(exc)) from exc
 
 
-def _check(config: Config, file: str, check_paths: bool = True) -> None:
-    problem = ConfigErrors.of(list(_problems(config, file, check_paths)))
-    if problem is not None:
-        raise problem
-
-
 def _problems(config: Config, file: str, check_paths: bool = True) -> Iterator[ConfigError]:
     """Every error of a config that built: each check on its own, so all of them are reported at once."""
     if config.mode not in MODES:
@@ -659,16 +664,18 @@ def load(path: str | Path, *, check_paths: bool = True) -> Config:
 
 
 def serving_problem(config: Config, file: str) -> ConfigError | None:
-    """Why this config cannot serve as written, if it cannot: a role its mode needs has no worker
-    (none listed under discovery.static and none launched). etcd discovery finds its workers later."""
-    if config.discovery.static is None:
-        return None
-    launched = {w.role for w in config.launch.workers}
-    for role in config.needed_roles:
-        if not getattr(config.discovery.static, role) and role not in launched:
-            return ConfigError(file, f"discovery.static.{role}",
-                               f"at least one {role} worker for {config.mode} mode (list its grpc:// address, or "
-                               f"launch one under launch.workers)", [])
+    """Why this config cannot serve as written, if it cannot: a role a model's mode needs has no worker
+    (none listed under discovery.static and none launched for it). etcd discovery finds its workers later."""
+    for i, view in enumerate(config.models):
+        if view.discovery.static is None:
+            continue
+        launched = {w.role for w in config.launch.workers if launched_model(config, w) is view}
+        for role in view.needed_roles:
+            if not getattr(view.discovery.static, role) and role not in launched:
+                prefix = f"models[{i}]." if config.per_model else ""
+                return ConfigError(file, f"{prefix}discovery.static.{role}",
+                                   f"at least one {role} worker for {view.mode} mode (list its grpc:// address, or "
+                                   f"launch one under launch.workers)", [])
     return None
 
 
@@ -688,7 +695,145 @@ def _without_retired_keys(data: Any, file: str) -> Any:
 
 def from_dict(data: Any, *, file: str = "<dict>", base_dir: Path = Path("."), check_paths: bool = True) -> Config:
     """Build and check a config; `check_paths=False` skips what only the target host has (model.dir)."""
-    config = build_attrs(Config, _without_retired_keys(data, file), file, "")
+    data = _without_retired_keys(data, file)
+    if isinstance(data, dict) and "models" in data:
+        return _several_models(data, file, base_dir, check_paths)
+    config = build_attrs(Config, data, file, "")
     config = attrs.evolve(config, source=file, base_dir=base_dir)
-    _check(config, file, check_paths)
+    problem = ConfigErrors.of([*_problems(config, file, check_paths), *_served_problems(config, file)])
+    if problem is not None:
+        raise problem
     return config
+
+
+# ---- several models (`models:`) -------------------------------------------------------------------
+
+MODEL_KEYS = tuple(field.name for field in attrs.fields(ModelConfig))  # an entry's own model fields
+# The sections an entry may set for itself; what it does not set it inherits from the top level, key by key.
+MODEL_SECTIONS = ("mode", "conditional", "discovery", "routing", "limits")
+_KEY_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _several_models(data: dict, file: str, base_dir: Path, check_paths: bool) -> Config:
+    """`models:`: one single-model Config per entry, built from the top level's raw sections with the entry's
+    merged over them (so an error names the key the operator wrote: the entry's, or the top level's once)."""
+    entries = data["models"]
+    errors: list[ConfigError] = []
+    if "model" in data:
+        errors.append(ConfigError(file, "model", "either model: (one model) or models: (a list), not both"))
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(file, "models", "a list of one or more models, each a mapping with its name", entries)
+    top = {key: value for key, value in data.items() if key not in ("models", "model")}
+    try:  # the shared sections, and the defaults the entries inherit: their errors are reported here, once
+        shared = attrs.evolve(build_attrs(Config, top, file, ""), source=file, base_dir=base_dir)
+        errors += [error for error in _problems(shared, file, check_paths=False) if not error.key.startswith("model")]
+    except ConfigError as exc:
+        errors += exc.errors
+        shared = None
+    views: list[Config] = []
+    for i, entry in enumerate(entries):
+        where = f"models[{i}]"
+        if not isinstance(entry, dict):
+            errors.append(ConfigError(file, where, "a mapping (name, dir, ..., and the sections "
+                                      f"{', '.join(MODEL_SECTIONS)} it sets for itself)", entry))
+            continue
+        known = (*MODEL_KEYS, *MODEL_SECTIONS)
+        errors += [ConfigError(file, f"{where}.{key}", f"one of the known keys ({', '.join(sorted(known))}); "
+                               "unknown key") for key in entry if key not in known]
+        merged = dict(top, model={key: value for key, value in entry.items() if key in MODEL_KEYS})
+        for section in MODEL_SECTIONS:
+            if section in entry:
+                merged[section] = _inherit(top.get(section), entry[section], section)
+        try:
+            view = attrs.evolve(build_attrs(Config, merged, file, ""), source=file, base_dir=base_dir)
+            found = list(_problems(view, file, check_paths))
+        except ConfigError as exc:
+            view, found = None, exc.errors
+        errors += [error for error in (_entry_error(error, entry, top, where) for error in found) if error is not None]
+        if view is not None:
+            views.append(view)
+    config = attrs.evolve(views[0], per_model=tuple(views)) if views else None
+    if config is not None and len(views) == len(entries):
+        errors += _served_problems(config, file)
+    problem = ConfigErrors.of(errors)
+    if problem is not None:
+        raise problem
+    if config is None or shared is None or len(views) != len(entries):  # (each of these came with an error)
+        raise ConfigError(file, "models", "valid model entries")
+    return config
+
+
+def _inherit(top: Any, own: Any, section: str) -> Any:
+    """An entry's section over the top level's, key by key for mappings (`routing.prefill` keeps the other
+    routing keys). discovery's static and etcd are alternatives: an entry naming one drops the top level's other;
+    and an entry's static lists are its own workers, whole (another model's workers are never inherited)."""
+    if not isinstance(top, dict) or not isinstance(own, dict) or section == "discovery.static":
+        return own
+    if section == "discovery":
+        top = {key: value for key, value in top.items() if not ({"static", "etcd"} - {key}) & set(own)}
+    return {**top, **{key: _inherit(top.get(key), value, f"{section}.{key}") for key, value in own.items()}}
+
+
+def _entry_error(error: ConfigError, entry: dict, top: dict, where: str) -> ConfigError | None:
+    """An error of a model's view renamed to the entry's key (`models[1].routing.prefill`), or None when the
+    value came from the top level (reported there, once)."""
+    own = error.key.removeprefix("model").lstrip(".") if error.key.split(".")[0] == "model" else error.key
+    in_model = own != error.key
+    if not in_model and _has_key(top, error.key) and not _has_key(entry, error.key):
+        return None
+    if not in_model and own.split(".")[0].split("[")[0] not in (*MODEL_SECTIONS,):
+        return None  # a shared section (launch, auth, http, ...): the top level's own error
+    return ConfigError(error.file, f"{where}.{own}" if own else where, error.expected, error.got)
+
+
+def _has_key(data: Any, key: str) -> bool:
+    for name, index in _KEY_PART.findall(key):
+        if name:
+            if not isinstance(data, dict) or name not in data:
+                return False
+            data = data[name]
+        else:
+            if not isinstance(data, list) or int(index) >= len(data):
+                return False
+            data = data[int(index)]
+    return True
+
+
+def _served_problems(config: Config, file: str) -> Iterator[ConfigError]:
+    """What only the whole list of models can check: names, aliases and adapter names unique across models, and
+    the model names that launch.workers and auth.keys give."""
+    several = len(config.models) > 1
+    owner: dict[str, str] = {}
+    for i, view in enumerate(config.models):
+        prefix = f"models[{i}]" if config.per_model else "model"
+        named = [(f"{prefix}.name", view.model.name),
+                 *((f"{prefix}.aliases[{k}]", alias) for k, alias in enumerate(view.model.aliases)),
+                 *((f"{prefix}.adapters[{k}].name", a.name) for k, a in enumerate(view.model.adapters))]
+        for key, name in named:
+            if not name.strip():
+                yield ConfigError(file, key, "a non-empty name (what requests send as `model`)", name)
+            elif name in owner:
+                yield ConfigError(file, key, f"a name no other model, alias or adapter has ({owner[name]} has it)",
+                                  name)
+            else:
+                owner[name] = key
+    served = {name: view.model.name for view in config.models for name in view.model.names}
+    for i, worker in enumerate(config.launch.workers):
+        if worker.model is None and several:
+            yield ConfigError(file, f"launch.workers[{i}].model", f"the model it serves, one of "
+                              f"{', '.join(v.model.name for v in config.models)} (required with several models)")
+        elif worker.model is not None and worker.model not in served:
+            yield ConfigError(file, f"launch.workers[{i}].model", f"one of {', '.join(sorted(served))}", worker.model)
+    for i, api_key in enumerate(config.auth.keys):
+        for k, name in enumerate(api_key.models or ()):
+            if name not in served:
+                yield ConfigError(file, f"auth.keys[{i}].models[{k}]", f"a served model: one of "
+                                  f"{', '.join(sorted(served))}", name)
+
+
+def launched_model(config: Config, worker: WorkerLaunch) -> Config:
+    """The model view a launched worker serves (its `model`, or the only one); load() checked the name."""
+    for view in config.models:
+        if worker.model is None or worker.model in view.model.names:
+            return view
+    raise ValueError(f"no served model {worker.model!r}")

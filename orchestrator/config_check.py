@@ -73,7 +73,7 @@ def _from_manifest(doc: dict, where: str, skipped: list[str]) -> Iterator[Docume
     data = doc.get("data") or {}
     if not isinstance(data, dict):
         raise config_module.ConfigError(where, f"ConfigMap {name}: data", "a mapping of file names to contents")
-    config_keys = {field.name for field in attrs.fields(config_module.Config)}
+    config_keys = {field.name for field in attrs.fields(config_module.Config)} | {"models"}
     for entry, content in data.items():
         entry_where = f"{where}: ConfigMap {name}, {entry}"
         try:
@@ -121,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
                     print(f"error: {error}")
                 status = 1
                 continue
-            discovery = "etcd" if config.discovery.etcd is not None else "static"
-            workers = sum(w.count for w in config.launch.workers)
             paths = " (paths not checked: the pod's)" if document.in_manifest else ""
-            print(f"ok: {document.where}: {config.mode} mode, model {config.model.name} ({config.model_dir}), "
-                  f"{discovery} discovery, {workers} launched workers{paths}")
+            for view in config.models:  # one line per served model
+                discovery = "etcd" if view.discovery.etcd is not None else "static"
+                workers = sum(w.count for w in config.launch.workers
+                              if config_module.launched_model(config, w) is view)
+                print(f"ok: {document.where}: {view.mode} mode, model {view.model.name} ({view.model_dir}), "
+                      f"{discovery} discovery, {workers} launched workers{paths}")
     return status

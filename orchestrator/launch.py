@@ -171,23 +171,27 @@ class Launcher:
         if launch.etcd.enabled:
             await self._start_etcd(timeout)
         overrides: list[str] = []
-        etcd_flags: list[str] = []
-        ttl_flags: list[str] = []
-        lease_ttl = ""
-        if self.config.discovery.etcd is not None:
-            etcd = self.config.discovery.etcd
-            url = self.etcd_url or etcd.endpoints[0]
-            etcd_flags = ["--etcd", url, "--etcd-namespace", etcd.namespace]
-            lease_ttl = str(etcd.lease_ttl_s)
-            ttl_flags = ["--etcd-ttl", lease_ttl]
+        several = len(self.config.models) > 1
         # Worker commands run where the config file is: their relative paths mean what model.dir's do.
         config_dir = self.config_path.resolve().parent
         for spec in launch.workers:
+            view = config_module.launched_model(self.config, spec)  # the model it serves: its discovery
+            model = view.model.name
+            etcd_flags: list[str] = []
+            ttl_flags: list[str] = []
+            lease_ttl = ""
+            if view.discovery.etcd is not None:
+                etcd = view.discovery.etcd
+                url = self.etcd_url or etcd.endpoints[0]
+                etcd_flags = ["--etcd", url, "--etcd-namespace", etcd.namespace]
+                lease_ttl = str(etcd.lease_ttl_s)
+                ttl_flags = ["--etcd-ttl", lease_ttl]
             for i in range(spec.count):
-                name = f"{spec.role}-{i}" if spec.sim is None else f"sim-{spec.role}-{i}"
+                role_name = f"{model}-{spec.role}" if several else spec.role  # names stay apart across models
+                name = f"{role_name}-{i}" if spec.sim is None else f"sim-{role_name}-{i}"
                 start: Callable[[int], list[str]]
                 if spec.sim is not None:
-                    start = partial(_sim_argv, self.config.model.name, spec.role, spec.sim,
+                    start = partial(_sim_argv, model, spec.role, spec.sim,
                                     [*etcd_flags, *(ttl_flags if etcd_flags else ())])
                     address = await self._start(name, start(0), spec.env, ready_timeout=timeout, cwd=config_dir)
                     port = urllib.parse.urlsplit(address).port or 0  # a restart takes the same address
@@ -201,13 +205,14 @@ class Launcher:
                         await self._start(f"register-{name}", orchestrator_command(
                             "register", "--worker", address, "--role", spec.role, *etcd_flags,
                             "--ttl", lease_ttl,
-                            "--model", self.config.model.name), ready_timeout=timeout)
+                            "--model", model), ready_timeout=timeout)
                 launch_knobs = self.config.launch
                 self.workers.append(Worker(
                     name=name, role=spec.role, policy=spec.restart, start=start, env=spec.env, cwd=config_dir,
                     announces_ready=spec.sim is not None, child=child, address=address, port=port,
                     backoff=RestartBackoff(launch_knobs.restart_backoff_s, launch_knobs.restart_backoff_max_s)))
-                overrides += ["--worker", f"{spec.role}={address}"]
+                if view.discovery.static is not None:  # (etcd: the worker registers itself)
+                    overrides += ["--worker", f"{model}:{spec.role}={address}" if several else f"{spec.role}={address}"]
         self.write_status()
         return await self._start("orchestrator", self.serve_argv(overrides),
                                  {SUPERVISOR_STATUS_ENV: str(self.status_path)}, ready_timeout=timeout)
@@ -285,12 +290,12 @@ class Launcher:
         return True
 
     def serve_argv(self, worker_overrides: list[str]) -> list[str]:
-        """`orchestrator serve` for this config, with the launched workers (`--worker ROLE=ADDRESS` pairs)."""
+        """`orchestrator serve` for this config, with the launched workers of the models with static discovery
+        (`--worker [MODEL:]ROLE=ADDRESS` pairs) and the launched etcd for those with etcd discovery."""
         argv = orchestrator_command("serve", "-c", str(self.config_path), "--host", self.host,
                                     "--port", str(self.http_port), "--port-flag=--http-port")
-        if self.config.discovery.static is not None:
-            argv += worker_overrides
-        elif self.etcd_url:
+        argv += worker_overrides
+        if self.etcd_url and any(view.discovery.etcd is not None for view in self.config.models):
             argv += ["--etcd-endpoint", self.etcd_url]
         return argv
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import os
 import re
 from pathlib import Path
@@ -46,10 +47,36 @@ ROUTING_REASONS = ("policy", "prefix", "load", "hot_prefix_guard", "single")  # 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class Metrics:
-    """Every labelled series exists from start-up at 0, so a rate() or an alert sees the first event."""
+# The families labelled by model (its last label): a Metrics is one model's view of them (for_model). Requests
+# that never named a served model (a bad body, an unknown model) count under model "".
+_PER_MODEL = ("requests", "ttft", "itl", "prompt_tokens", "cached_tokens", "output_tokens", "stage", "workers",
+              "engine_errors", "retries", "kv_cleanups", "migrations", "routing_decisions", "routing_prompt_blocks",
+              "routing_cached_blocks", "kv_index_blocks", "kv_index_mode", "health_checks_late", "kv_events_refused")
+_PER_MODEL_ONE = ("kv_index_routed", "prefill_answers")  # labelled by model alone: the view holds the series
 
-    def __init__(self, mode: str = "disaggregated", *, multiprocess_dir: str | None = None) -> None:
+
+class ModelSeries:
+    """A metric family seen by one model: `labels(...)` and `remove(...)` take the other labels."""
+
+    __slots__ = ("family", "model")
+
+    def __init__(self, family, model: str) -> None:
+        self.family, self.model = family, model
+
+    def labels(self, *values: str):
+        return self.family.labels(*values, self.model)
+
+    def remove(self, *values: str) -> None:
+        self.family.remove(*values, self.model)
+
+
+class Metrics:
+    """Every labelled series exists from start-up at 0, so a rate() or an alert sees the first event.
+
+    One registry per process; this object is one model's view of it (`model`, and its `mode`), for_model()
+    gives another's."""
+
+    def __init__(self, mode: str = "disaggregated", *, model: str = "", multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self._multiprocess = multiprocess_dir is not None
         if multiprocess_dir is None:
@@ -63,61 +90,65 @@ class Metrics:
             self._rendered.register(FrontendProcesses(multiprocess_dir))
             self._rendered.register(PLATFORM_COLLECTOR)
         self.requests = Counter("orchestrator_requests", "Requests by route, mode and outcome",
-                                ["route", "mode", "outcome"], registry=r)
-        self.ttft = Histogram("orchestrator_time_to_first_token_seconds", "Time to first token", ["mode"],
+                                ["route", "mode", "outcome", "model"], registry=r)
+        self.ttft = Histogram("orchestrator_time_to_first_token_seconds", "Time to first token", ["mode", "model"],
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("orchestrator_inter_token_latency_seconds",
                              "Time between streamed tokens (a gap before k tokens that arrived together counts k "
-                             "times as gap/k)", ["mode"], buckets=_ITL, registry=r)
+                             "times as gap/k)", ["mode", "model"], buckets=_ITL, registry=r)
         self.prompt_tokens = Counter("orchestrator_prompt_tokens", "Prompt tokens of requests sent to workers, by mode",
-                                     ["mode"], registry=r)
+                                     ["mode", "model"], registry=r)
         self.cached_tokens = Counter("orchestrator_cached_prompt_tokens",
                                      "Prompt tokens the engines found in their KV cache (usage.cached_prompt_tokens; a "
-                                     "split request: the prefill's), by mode", ["mode"], registry=r)
-        self.output_tokens = Counter("orchestrator_output_tokens", "Tokens streamed to clients, by mode", ["mode"],
-                                     registry=r)
+                                     "split request: the prefill's), by mode", ["mode", "model"], registry=r)
+        self.output_tokens = Counter("orchestrator_output_tokens", "Tokens streamed to clients, by mode",
+                                     ["mode", "model"], registry=r)
         self.stage = Histogram("orchestrator_stage_duration_seconds",
                                "Stage durations: prefill, kv_handoff (prefill ready -> first decode token), decode",
-                               ["stage"], buckets=_LATENCY, registry=r)
+                               ["stage", "model"], buckets=_LATENCY, registry=r)
         self.inflight = Gauge("orchestrator_requests_in_flight", "Requests being served (queue depth)", registry=r,
                               multiprocess_mode="livesum")
         # Every frontend process keeps its own view of the same pool: the latest one written is the answer.
-        self.workers = Gauge("orchestrator_workers", "Workers in the pool by role and state", ["role", "state"],
-                             registry=r, multiprocess_mode="livemostrecent")
-        self.engine_errors = Counter("orchestrator_engine_errors", "Engine errors by code", ["code"], registry=r)
+        self.workers = Gauge("orchestrator_workers", "Workers in the pool by role and state",
+                             ["role", "state", "model"], registry=r, multiprocess_mode="livemostrecent")
+        self.engine_errors = Counter("orchestrator_engine_errors", "Engine errors by code", ["code", "model"],
+                                     registry=r)
         self.retries = Counter("orchestrator_retries", "Legs retried on another worker of the same role, by role",
-                               ["role"], registry=r)
+                               ["role", "model"], registry=r)
         self.kv_cleanups = Counter("orchestrator_kv_cleanups", "KV sessions released after a cancellation, by way",
-                                   ["way"], registry=r)
+                                   ["way", "model"], registry=r)
         self.migrations = Counter("orchestrator_migrations", "Requests continued on another worker after a worker "
-                                  "failed mid-stream (prompt + tokens sent), by mode", ["mode"], registry=r)
+                                  "failed mid-stream (prompt + tokens sent), by mode", ["mode", "model"],
+                                  registry=r)
         # KV-aware routing (orchestrator/workers/routing.py KvAware; docs/kv-routing.md). Per worker: the prompt
         # blocks routed there and how many of them the index said it held (expected hit rate = cached / prompt).
         self.routing_decisions = Counter("orchestrator_routing_decisions", "Routing decisions by role and reason "
-                                         "(prefix, load, hot_prefix_guard, single, policy)", ["role", "reason"],
+                                         "(prefix, load, hot_prefix_guard, single, policy)",
+                                         ["role", "reason", "model"],
                                          registry=r)
         self.routing_prompt_blocks = Counter("orchestrator_kv_routing_prompt_blocks", "Full prompt blocks routed "
-                                             "kv_aware, by worker", ["worker"], registry=r)
+                                             "kv_aware, by worker", ["worker", "model"], registry=r)
         self.routing_cached_blocks = Counter("orchestrator_kv_routing_cached_blocks", "Of those, the leading blocks "
-                                             "the KV index said the worker held, by worker", ["worker"], registry=r)
+                                             "the KV index said the worker held, by worker", ["worker", "model"],
+                                             registry=r)
         self.kv_index_blocks = Gauge("orchestrator_kv_index_blocks", "Blocks the KV index holds from a worker's KV "
-                                     "events (block x DP rank), by worker", ["worker"], registry=r,
+                                     "events (block x DP rank), by worker", ["worker", "model"], registry=r,
                                      multiprocess_mode="livemostrecent")
         self.kv_index_mode = Gauge("orchestrator_kv_index_mode", "1 for the way the KV index knows a worker: events "
-                                   "(its KV events) or approximate (where we routed)", ["worker", "mode"],
+                                   "(its KV events) or approximate (where we routed)", ["worker", "mode", "model"],
                                    registry=r, multiprocess_mode="livemostrecent")
         self.kv_index_routed = Gauge("orchestrator_kv_index_routed_entries", "Approximate entries (block x worker "
-                                     "we routed it to) alive in the KV index", registry=r,
+                                     "we routed it to) alive in the KV index", ["model"], registry=r,
                                      multiprocess_mode="livemostrecent")
         self.health_checks_late = Counter("orchestrator_health_checks_late", "Health checks that timed out without "
                                           "taking the worker out of the pool (its streams flowed, or fewer misses "
-                                          "in a row than it takes), by worker", ["worker"], registry=r)
+                                          "in a row than it takes), by worker", ["worker", "model"], registry=r)
         self.kv_events_refused = Counter("orchestrator_kv_events_refused", "KV event batches or messages refused "
                                          "from a worker (oversize, over its bound, a wrong rank), by worker and "
-                                         "reason", ["worker", "reason"], registry=r)
+                                         "reason", ["worker", "reason", "model"], registry=r)
         self.prefill_answers = Counter("orchestrator_prefill_answers",
                                        "Disaggregated requests answered by the context-only leg alone (its one token "
-                                       "finished them: EOS or a stop)", registry=r)
+                                       "finished them: EOS or a stop)", ["model"], registry=r)
         # Per API key name (auth:), never the secret; series for every configured key exist from start-up.
         self.key_requests = Counter("orchestrator_key_requests", "Completion requests admitted, by API key name",
                                     ["key"], registry=r)
@@ -130,6 +161,22 @@ class Metrics:
         self.key_completion_tokens = Counter("orchestrator_key_completion_tokens", "Completion tokens of answered "
                                              "requests (their usage), by API key name", ["key"], registry=r)
 
+        self.families = {name: getattr(self, name) for name in (*_PER_MODEL, *_PER_MODEL_ONE)}
+        self._bind(model, mode)
+
+    def for_model(self, model: str, mode: str) -> Metrics:
+        """The view of one served model: the same registry, its series labelled `model` (and `mode`, the
+        model's), under the same names, so a call such as `metrics.retries.labels(role)` stays as it is."""
+        view = copy.copy(self)
+        view._bind(model, mode)
+        return view
+
+    def _bind(self, model: str, mode: str) -> None:
+        self.model, self.mode = model, mode
+        for name in _PER_MODEL:
+            setattr(self, name, ModelSeries(self.families[name], model))
+        for name in _PER_MODEL_ONE:
+            setattr(self, name, self.families[name].labels(model))
         # Every labelled series is created here, at 0; the ones used per request or per token are kept, since a
         # labels() call takes a lock and validates its arguments each time.
         self.by_path = {path: PathSeries(self.ttft.labels(path), self.prompt_tokens.labels(path),

@@ -38,8 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--config", type=Path, required=True, help="the YAML config file (docs/configuration.md)")
     p.add_argument("--host", default=None, help="override http.host")
     p.add_argument("--port", type=int, default=None, help="override http.port (0: a free port)")
-    p.add_argument("--worker", action="append", default=[], metavar="ROLE=grpc://HOST:PORT",
-                   help="replace the static worker list of ROLE (repeatable); used by `orchestrator launch`")
+    p.add_argument("--worker", action="append", default=[], metavar="[MODEL:]ROLE=grpc://HOST:PORT",
+                   help="replace the static worker list of ROLE (repeatable; MODEL: which model's, required when the "
+                        "config serves several); used by `orchestrator launch`")
     p.add_argument("--etcd-endpoint", action="append", default=[], metavar="URL",
                    help="replace discovery.etcd.endpoints (repeatable); used by `orchestrator launch`")
     # Set by frontend 0 on the copies it starts (http.processes); not for operators.
@@ -50,27 +51,53 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _each_model(config: Config, change: Callable[[Config], Config]) -> Config:
+    """`change` applied to every model's view (and to the top level, which is the first model's)."""
+    views = tuple(change(view) for view in config.models)
+    return attrs.evolve(views[0], per_model=views) if config.per_model else views[0]
+
+
 def apply_etcd_overrides(config: Config, endpoints: list[str]) -> Config:
     if not endpoints:
         return config
-    if config.discovery.etcd is None:
+    if all(view.discovery.etcd is None for view in config.models):
         raise ConfigError("--etcd-endpoint", "discovery.etcd", "an etcd discovery section in the config")
-    etcd = attrs.evolve(config.discovery.etcd, endpoints=tuple(endpoints))
-    return attrs.evolve(config, discovery=config_module.DiscoveryConfig(etcd=etcd))
+
+    def override(view: Config) -> Config:
+        if view.discovery.etcd is None:  # a model with static lists keeps them
+            return view
+        etcd = attrs.evolve(view.discovery.etcd, endpoints=tuple(endpoints))
+        return attrs.evolve(view, discovery=config_module.DiscoveryConfig(etcd=etcd))
+
+    return _each_model(config, override)
 
 
 def apply_worker_overrides(config: Config, overrides: list[str]) -> Config:
+    """`--worker [MODEL:]ROLE=URL`: the static worker lists of the models named (all of them replaced for a role
+    given at least once); MODEL may be left out when the config serves one model."""
     if not overrides:
         return config
-    lists: dict[str, list[str]] = {}
+    several = len(config.models) > 1
+    lists: dict[tuple[str, str], list[str]] = {}
     for item in overrides:
-        role, sep, address = item.partition("=")
-        if not sep or role not in config_module.ROLES or not address.startswith("grpc://"):
-            raise ConfigError("--worker", item, "ROLE=grpc://HOST:PORT with ROLE aggregated, prefill or decode")
-        lists.setdefault(role, []).append(address)
-    static = config.discovery.static or config_module.StaticDiscovery()
-    static = attrs.evolve(static, **{role: tuple(addresses) for role, addresses in lists.items()})
-    return attrs.evolve(config, discovery=config_module.DiscoveryConfig(static=static))
+        left, sep, address = item.partition("=")
+        model, colon, role = left.rpartition(":")
+        view = next((v for v in config.models if model in v.model.names), None) if colon else config.models[0]
+        if not sep or role not in config_module.ROLES or not address.startswith("grpc://") or view is None or \
+                (several and not colon):
+            served = ", ".join(v.model.name for v in config.models)
+            raise ConfigError("--worker", item, f"{'MODEL:' if several else '[MODEL:]'}ROLE=grpc://HOST:PORT with ROLE "
+                              f"aggregated, prefill or decode{' and MODEL one of ' + served if several else ''}")
+        lists.setdefault((view.model.name, role), []).append(address)
+
+    def override(view: Config) -> Config:
+        mine = {role: tuple(addresses) for (model, role), addresses in lists.items() if model == view.model.name}
+        if not mine:
+            return view
+        static = attrs.evolve(view.discovery.static or config_module.StaticDiscovery(), **mine)
+        return attrs.evolve(view, discovery=config_module.DiscoveryConfig(static=static))
+
+    return _each_model(config, override)
 
 
 def worker_tls(config: Config):
@@ -80,12 +107,13 @@ def worker_tls(config: Config):
     return config.workers_tls.tls(config.base_dir, config.source)
 
 
-def make_registry(config: Config, loop_thread):
+def make_registry(config: Config, loop_thread, foreign=None):
+    """The worker registry of one model's view; `foreign`: the etcd registries' shared ForeignModels."""
     if config.discovery.etcd is not None:
         from orchestrator.discovery.etcd import EtcdRegistry
         etcd = config.discovery.etcd
         return EtcdRegistry(etcd.endpoints, etcd.namespace, model=config.model.name, loop_thread=loop_thread,
-                            tls=etcd.tls(config.base_dir, config.source))
+                            tls=etcd.tls(config.base_dir, config.source), foreign=foreign)
     from orchestrator.discovery.static import StaticRegistry
 
     static = config.discovery.static
@@ -105,33 +133,30 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     orchestrator/frontend/multiprocess.py); frontend 0 starts the others with `child_argv(index, port)`.
     """
     from orchestrator import tracing
+    from orchestrator.discovery.etcd import ForeignModels
     from orchestrator.engine import LoopThread
-    from orchestrator.flow.coordinator import Coordinator
     from orchestrator.frontend import memory
     from orchestrator.frontend.app import App
     from orchestrator.frontend.auth import load_api_keys
+    from orchestrator.frontend.served_models import ServedModels
     from orchestrator.metrics import Metrics
-    from orchestrator.tokenizer import ModelTokenizer
-    from orchestrator.workers.kv_routing import kv_routing
-    from orchestrator.workers.pool import WorkerPool
 
     memory.use_mmap_for_big_blocks()  # a 20 MB body's memory goes back to the OS when it is freed
-    tokenizer = ModelTokenizer.from_dir(config.model_dir)
     several = frontend.count > 1
-    metrics = Metrics(config.mode, multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
-    limits = config.limits
+    # One registry for the process; each model's series are its view of it. This view (model "") counts the
+    # requests that named no served model.
+    metrics = Metrics("", model="", multiprocess_dir=os.environ[METRICS_DIR_ENV] if several else None)
+    limits = config.limits  # the process's timeouts (start-up, shutdown grace): the top level's, the first model's
     tracer = tracing.from_config(config)
+    deployments: list = []
     async with LoopThread.open() as loop_thread, tracer.running():
-        kv = kv_routing(config, metrics)
         try:
-            pool = WorkerPool(loop_thread=loop_thread, metrics=metrics, routing=config.routing, model=config.model.name,
-                              health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
-                              removal_grace=limits.shutdown_grace_s, tls=worker_tls(config),
-                              stream_transport=config.stream_transport, keepalive=config.keepalive,
-                              kv=kv)
+            for view in config.models:
+                deployments.append(_deployment(view, metrics, loop_thread))
+            served = ServedModels(deployments)
             api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
-            app = App(config, Coordinator(config, pool, tokenizer, metrics), pool, metrics, api_keys, frontend=frontend,
-                      tracer=tracer)
+            app = App(config, served, metrics, api_keys, frontend=frontend, tracer=tracer)
+            foreign = ForeignModels({view.model.name for view in config.models})  # (keys name models, not aliases)
             shutdown = trio.Event()
             children = None
             # A signal during start-up (etcd unreachable, workers still loading) ends the start-up at once.
@@ -141,10 +166,13 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                     nursery.start_soon(_on_signal, app, shutdown, startup)
                 url = None
                 with startup:
-                    await nursery.start(pool.run, make_registry(config, loop_thread))
+                    for deployment in deployments:
+                        await nursery.start(deployment.pool.run, make_registry(deployment.config, loop_thread,
+                                                                               foreign))
                     url = await nursery.start(serve_http, app, config, host, port, shutdown, several)
-                    log.info("serving %s mode on %s (model %s)%s", config.mode, url, config.model.name,
-                             f", frontend process {frontend.index} of {frontend.count}" if several else "")
+                    for view in config.models:
+                        log.info("serving %s mode on %s (model %s)%s", view.mode, url, view.model.name,
+                                 f", frontend process {frontend.index} of {frontend.count}" if several else "")
                     if several and frontend.is_first and child_argv is not None:
                         from prometheus_client.multiprocess import mark_process_dead
 
@@ -157,12 +185,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                         await nursery.start(children.run, shutdown)
                     elif frontend.parent_pid is not None:
                         nursery.start_soon(ParentWatch(frontend.parent_pid, partial(_drain, app, shutdown)).run)
-                    with trio.move_on_after(limits.worker_startup_timeout_s) as waiting:
-                        while not all(pool.ready_count(role) for role in config.needed_roles):
-                            await pool.changed.wait()
-                    if waiting.cancelled_caught:
-                        log.error("no ready worker for every role of %s mode after %.0f s; serving anyway, "
-                                  "/health says not ready", config.mode, limits.worker_startup_timeout_s)
+                    await _wait_for_workers(deployments, limits.worker_startup_timeout_s)
                 if startup.cancelled_caught:
                     log.info("stopped during start-up")
                     nursery.cancel_scope.cancel()
@@ -180,9 +203,46 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
                     await children.stopped.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            if kv is not None and kv.feed is not None:
-                kv.feed.close()  # after the pool, which ran its follow tasks; also when start-up failed
+            for deployment in deployments:  # after the pools, which ran their follow tasks; also when start-up failed
+                kv = deployment.pool.kv
+                if kv is not None and kv.feed is not None:
+                    kv.feed.close()
     log.info("stopped")
+
+
+def _deployment(view: Config, metrics, loop_thread):
+    """One served model: its tokenizer, KV routing, pool, coordinator and output parsers, and its metrics view."""
+    from orchestrator.flow.coordinator import Coordinator
+    from orchestrator.frontend.chat_output import OutputParsers
+    from orchestrator.frontend.served_models import Deployment
+    from orchestrator.tokenizer import ModelTokenizer
+    from orchestrator.workers.kv_routing import kv_routing
+    from orchestrator.workers.pool import WorkerPool
+
+    model = view.model
+    tokenizer = ModelTokenizer.from_dir(view.model_dir)
+    own_metrics = metrics.for_model(model.name, view.mode)
+    limits = view.limits
+    pool = WorkerPool(loop_thread=loop_thread, metrics=own_metrics, routing=view.routing, model=model.name,
+                      health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
+                      removal_grace=limits.shutdown_grace_s, tls=worker_tls(view),
+                      stream_transport=view.stream_transport, keepalive=view.keepalive,
+                      kv=kv_routing(view, own_metrics))
+    return Deployment(view, Coordinator(view, pool, tokenizer, own_metrics), pool,
+                      OutputParsers(model.tool_call_parser, model.reasoning_parser), own_metrics)
+
+
+async def _wait_for_workers(deployments: list, timeout_s: float) -> None:
+    """Until every model has a ready worker for each role its mode needs, or `timeout_s`: then it serves anyway
+    (/health says which model is not ready) and a model without workers answers 503 alone."""
+    with trio.move_on_after(timeout_s):
+        for deployment in deployments:
+            while not all(deployment.ready_workers().values()):
+                await deployment.pool.changed.wait()
+        return
+    waiting = [f"{d.name} ({d.config.mode} mode)" for d in deployments if not all(d.ready_workers().values())]
+    log.error("no ready worker for every role of %s after %.0f s; serving anyway, /health says not ready",
+              ", ".join(waiting), timeout_s)
 
 
 async def _finish_in_flight(app, grace_s: float) -> None:

@@ -31,15 +31,35 @@ class WatchBroken(Exception):
     pass
 
 
+class ForeignModels:
+    """The models an orchestrator serves, shared by its registries (one per model), which all watch the whole
+    namespace: a worker registered under a model none of them serves is ignored, with one log line per model
+    name for the process's life (not one per event, nor per registry)."""
+
+    def __init__(self, served: frozenset[str] | set[str]):
+        self.served = frozenset(served)
+        self.reported: set[str] = set()
+
+    def ignored(self, model: str, key: str) -> None:
+        if model in self.served or model in self.reported:
+            return
+        self.reported.add(model)
+        log.warning("etcd: ignoring workers registered for model %r (first: %s): this orchestrator serves %s",
+                    model, key, ", ".join(sorted(self.served)))
+
+
 class EtcdRegistry(WorkerRegistry):
     def __init__(self, endpoints: tuple[str, ...], namespace: str, *, model: str, loop_thread: LoopThread,
-                 max_backoff: float = 2.0, probe_interval_s: float = 2.0, tls: TlsMaterial | None = None):
+                 max_backoff: float = 2.0, probe_interval_s: float = 2.0, tls: TlsMaterial | None = None,
+                 foreign: ForeignModels | None = None):
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
         self.endpoints = endpoints
         self.tls = tls
-        self.prefix = keys.workers_prefix(namespace, model)
+        # The whole namespace is watched, its other models' workers skipped (and named once: `foreign`)
+        self.prefix = keys.workers_prefix(namespace)
         self.model = model
+        self.foreign = foreign or ForeignModels({model})
         self._loop_thread = loop_thread
         self._max_backoff = max_backoff
         self._entries: dict[str, WorkerSpec] = {}
@@ -79,6 +99,8 @@ class EtcdRegistry(WorkerRegistry):
             entries = {}
             for kv in result.kvs:
                 key = kv.key.decode()
+                if not self._ours(key):
+                    continue
                 try:
                     entries[key] = keys.parse_entry(key, kv.value)
                 except keys.BadEntry as exc:
@@ -119,6 +141,14 @@ class EtcdRegistry(WorkerRegistry):
 
             loop_thread.call_soon(stop)
 
+    def _ours(self, key: str) -> bool:
+        """Whether a key under the namespace is a worker of this registry's model (keys.py has the layout)."""
+        rest = key[len(self.prefix):]
+        if rest.startswith(self.model + "/"):
+            return True
+        self.foreign.ignored(rest.split("/", 1)[0], key)
+        return False
+
     async def _probe(self, client, endpoint: str) -> None:
         """A frozen etcd (SIGSTOP, a hung disk) keeps its TCP connections open, so the watch never breaks:
         ask it something small every probe interval, and count no answer as a broken watch."""
@@ -141,6 +171,8 @@ class EtcdRegistry(WorkerRegistry):
             changed = False
             for event in events:
                 key = event.kv.key.decode()
+                if not self._ours(key):
+                    continue
                 if event.kind == "PUT":
                     try:
                         self._entries[key] = keys.parse_entry(key, event.kv.value)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import trio
 
 from orchestrator.config import Config
@@ -64,11 +63,7 @@ class Coordinator:
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
-        if api.lora_adapter is None and api.model not in self.model_names:
-            adapter = self.adapters.resolve(api.model, self.model_names)
-            if adapter is not None:  # the adapter's own name, or "model:adapter"
-                api = attrs.evolve(api, lora_adapter=adapter)
-        if api.lora_adapter is None and api.model not in self.model_names:
+        if api.lora_adapter is None and api.model not in self.model_names:  # (the frontend resolved adapters)
             raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
                                 f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)

@@ -32,19 +32,17 @@ import trio
 
 from orchestrator import tracing
 from orchestrator.config import Config
-from orchestrator.convert import ApiRequest, MediaLimits, parse_chat, parse_completion
+from orchestrator.convert import ApiRequest, parse_chat, parse_completion
 from orchestrator.convert.api import cache_namespace
 from orchestrator.convert.messages import parse_messages
 from orchestrator.engine import EngineError
-from orchestrator.errors import RequestError
-from orchestrator.flow.coordinator import Coordinator
+from orchestrator.errors import ModelNotFound, RequestError
 from orchestrator.flow.plan import Plan
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.frontend import messages_api
 from orchestrator.frontend import messages_format as mfmt
 from orchestrator.frontend import openai_format as fmt
 from orchestrator.frontend.auth import ApiKeys
-from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.frontend.errors import ApiError, to_api_error
 from orchestrator.frontend.limits import KeyAccount
 from orchestrator.frontend.memory import BIG_BODY_BYTES, release_free_memory
@@ -53,12 +51,12 @@ from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.frontend.request_scope import DISCONNECT, InFlight, RequestScope
 from orchestrator.frontend.response_store import open_store
 from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange, not_found
+from orchestrator.frontend.served_models import NOT_READY, READY, Deployment, ServedModels
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
 from orchestrator.parsers import Collector, StreamParser
 from orchestrator.processes import SUPERVISOR_STATUS_ENV
-from orchestrator.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 Scope = dict[str, Any]
@@ -68,6 +66,10 @@ Send = Callable[[dict], Awaitable[None]]
 
 # The scope key under which the request's API key name travels from the auth check to the handler.
 API_KEY = "orchestrator.api_key"
+# The scope key of the Deployment a completion request's `model` resolved to (its metrics count the outcome).
+SERVED = "orchestrator.served"
+_ADAPTER = "orchestrator.lora_adapter"  # and of the LoRA adapter it named (None: the base model)
+MODELS_PATH = "/v1/models"
 
 
 def supervisor_status() -> Any:
@@ -97,32 +99,33 @@ def new_request_id(given: str | None) -> str:
 
 
 class App:
-    def __init__(self, config: Config, coordinator: Coordinator, pool: WorkerPool, metrics: Metrics,
-                 api_keys: ApiKeys | None = None, frontend: FrontendProcess = FrontendProcess(),
-                 tracer=tracing.DISABLED):
-        self.config = config
+    def __init__(self, config: Config, models: ServedModels, metrics: Metrics, api_keys: ApiKeys | None = None,
+                 frontend: FrontendProcess = FrontendProcess(), tracer=tracing.DISABLED):
+        self.config = config  # the deployment's shared sections (http, auth, responses); per model: models
         self.frontend = frontend  # which of the frontend processes behind the port this is
-        self.coordinator = coordinator
-        self.pool = pool
+        self.models = models
+        # the view of requests that named no served model (a bad body, an unknown model): model ""
         self.metrics = metrics
         self.draining = False
         self.api_keys = api_keys or ApiKeys([])
         self.accounts = {key.name: KeyAccount(key.name, metrics.key_usage(key.name), key.limits)
                          for key in self.api_keys.keys}
         self.cache_salts = {key.name: key.cache_salt for key in self.api_keys.keys if key.cache_salt is not None}
+        # auth.keys[].models: the model names (not aliases) a key may use; a key not here may use every model
+        self.key_models = {key.name: frozenset(models.resolve(name).deployment.name  # type: ignore[union-attr]
+                                               for name in key.models)
+                           for key in config.auth.keys if key.models is not None}
         self.tracer = tracer  # tracing.DISABLED unless the config has `tracing:`
         self.failure_log = RateLimitedLog(log, interval=5.0)
-        self.output_parsers = OutputParsers(config.model.tool_call_parser, config.model.reasoning_parser)
         self.in_flight = InFlight()  # the completion requests being served (also a gauge in /metrics)
         self.trim_due = False  # a big body was read: give its memory back once its request is done
-        limits = config.limits
-        self.media_limits = MediaLimits(max_url_chars=limits.max_image_url_chars, max_images=limits.max_images,
-                                        max_image_bytes=limits.max_image_bytes,
-                                        max_total_image_bytes=limits.max_total_image_bytes)
+        # Read before the request's model is known: the largest any model allows (each model's own limits apply
+        # to what is in the body: Deployment.media_limits)
+        self.max_request_bytes = max(d.config.limits.max_request_bytes for d in models)
         self.routes: dict[tuple[str, str], Callable] = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
-            ("GET", "/v1/models"): self.models,
+            ("GET", MODELS_PATH): self.list_models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.metrics_route,
             ("POST", "/v1/responses"): self.responses,
@@ -143,6 +146,8 @@ class App:
         handler = self.routes.get((scope["method"], scope["path"]))
         if handler is None and scope["path"].startswith(RESPONSE_PATH) and scope["method"] in ("GET", "DELETE"):
             handler = self.stored_response
+        if handler is None and scope["path"].startswith(MODELS_PATH + "/") and scope["method"] == "GET":
+            handler = self.one_model
         # The Messages API answers in Anthropic's error shape, from the first error on
         error_body = mfmt.error_body if scope["path"].startswith(messages_api.PATH) else ApiError.body
         if handler is not None and self._needs_key(scope["path"]):
@@ -182,29 +187,52 @@ class App:
         return True
 
     # ---- simple routes -------------------------------------------------------------------------
-    async def models(self, scope, receive, send) -> None:
-        names = [self.config.model.name, *self.config.model.aliases]
-        await send_json(send, 200, {"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "orchestrator"} for n in names]})
+    async def list_models(self, scope, receive, send) -> None:
+        await send_json(send, 200, {"object": "list", "data": self.models.listing()})
+
+    async def one_model(self, scope, receive, send) -> None:
+        """GET /v1/models/{id}: an id may hold '/' and ':' (an adapter's MODEL:ADAPTER form is not an id)."""
+        model_id = scope["path"][len(MODELS_PATH) + 1:]
+        entry = self.models.entry(model_id)
+        if entry is None:
+            error = self._unknown_model(model_id)
+            await send_json(send, 404, ApiError(404, error.message, param="model", code=error.code).body())
+            return
+        await send_json(send, 200, entry)
 
     async def health(self, scope, receive, send) -> None:
-        roles = {role: self.pool.ready_count(role) for role in self.config.needed_roles}
-        ready = all(roles.values()) and not self.draining
-        # degraded: still serving the last known pool while the registry (etcd) is unreachable
-        status = ("draining" if self.draining else "not_ready" if not ready
-                  else "degraded" if not self.pool.registry_healthy else "ready")
-        body: dict[str, Any] = {"status": status, "mode": self.config.mode, "ready_workers": roles}
+        """Ready only when every model is (the status of each under `models`): a model with no ready worker for
+        a role makes the whole 503, while requests for the others are still served. degraded: serving the last
+        known pool while the registry (etcd) is unreachable."""
+        operator = not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None
+        models = {d.name: self._model_health(d, operator) for d in self.models}
+        states = {each["status"] for each in models.values()}
+        ready = states <= {READY, "degraded"} and not self.draining
+        status = ("draining" if self.draining else NOT_READY if NOT_READY in states
+                  else READY if states == {READY} else "degraded")
+        body: dict[str, Any] = {"status": status}
+        if len(self.models) == 1:  # the single-model form keeps its model's keys at the top level
+            body.update({key: value for key, value in models[self.models.first.name].items() if key != "status"})
+        body["models"] = models
         # The operator's view (worker addresses, states, causes): to every caller when no API keys are
         # configured, else only to callers with a key.
-        if not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None:
-            body["workers"] = self.pool.snapshot()
+        if operator:
             body["frontend"] = self.frontend.describe()
-            if not self.pool.registry_healthy:
-                body["registry"] = self.pool.registry_detail
             supervisor = supervisor_status()
             if supervisor is not None:
                 body["supervisor"] = supervisor
         await send_json(send, 200 if ready else 503, body)
+
+    @staticmethod
+    def _model_health(deployment: Deployment, operator: bool) -> dict[str, Any]:
+        pool = deployment.pool
+        body: dict[str, Any] = {"status": deployment.state(), "mode": deployment.config.mode,
+                                "ready_workers": deployment.ready_workers()}
+        if operator:
+            body["workers"] = pool.snapshot()
+            if not pool.registry_healthy:
+                body["registry"] = pool.registry_detail
+        return body
 
     async def metrics_route(self, scope, receive, send) -> None:
         body = self.metrics.render()
@@ -229,9 +257,10 @@ class App:
     async def count_tokens(self, scope, receive, send) -> None:
         """POST /v1/messages/count_tokens: the prompt's tokens as the model's template and tokenizer make them."""
         try:
-            body = await read_json(receive, self.config.limits.max_request_bytes, on_size=self._body_read)
-            api = parse_messages(body, self.media_limits, counting=True)
-            tokens = await prompt_token_ids(api, self.coordinator.tokenizer, window=None)
+            body = await read_json(receive, self.max_request_bytes, on_size=self._body_read)
+            served = self._served(scope, body)
+            api = parse_messages(body, served.media_limits, counting=True)
+            tokens = await prompt_token_ids(api, served.tokenizer, window=None)
         except (ApiError, RequestError) as error:
             api_error = to_api_error(error)
             await send_json(send, api_error.status, mfmt.error_body(api_error))
@@ -288,8 +317,11 @@ class App:
         finally:
             self.in_flight.discard(request)
             self.metrics.inflight.dec()
-            self.metrics.request_done(route, outcome)
+            served: Deployment | None = scope.get(SERVED)
+            (self.metrics if served is None else served.metrics).request_done(route, outcome)
             request_span.set("orchestrator.outcome", outcome)
+            if served is not None:
+                request_span.set("gen_ai.request.model", served.name)
 
     async def _serve_completion(self, kind: str, scope: Scope, server: ServerExtensions, request_id: str,
                                 response: _Response, receive: Receive, account: KeyAccount | None,
@@ -301,6 +333,7 @@ class App:
                 account.admit()
                 admitted = True
             parsed = await self._parse(kind, scope, server, receive, request, request_id)
+            served: Deployment = scope[SERVED]
             exchange: ResponsesExchange | MessagesExchange | None = None
             if isinstance(parsed, ApiRequest):
                 api = parsed
@@ -311,14 +344,14 @@ class App:
             # (and across orchestrators): a per-process random prefix and a counter.
             engine_id = f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"
             if api.n > 1:
-                return await self._run_choices(kind, request_id, api, response, request, account)
+                return await self._run_choices(served, kind, request_id, api, response, request, account)
             with tracing.span("plan"):
-                plan = await self.coordinator.plan(api, engine_id)
+                plan = await served.coordinator.plan(api, engine_id)
             if account is not None:
                 account.planned(plan.prompt_tokens)
             if exchange is not None:
-                return await self._run_exchange(exchange, request_id, plan, response, request)
-            return await self._run(kind, request_id, api, plan, response, request)
+                return await self._run_exchange(served, exchange, request_id, plan, response, request)
+            return await self._run(served, kind, request_id, api, plan, response, request)
         # Each handler hands the error on and keeps no reference to it: `error` is deleted when its clause
         # ends, while a local holding it would form a cycle (error -> traceback -> this frame -> error) that
         # keeps every frame of the traceback, the request body among their locals, until a full GC pass.
@@ -357,7 +390,7 @@ class App:
         read when it announces more than limits.max_request_bytes."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", retry_after=1)
-        limit = self.config.limits.max_request_bytes
+        limit = self.max_request_bytes
         announced = _header(scope, b"content-length")
         if announced is not None and announced.isdigit() and int(announced) > limit:
             raise _too_large(limit)
@@ -366,33 +399,60 @@ class App:
         else:
             with request.body_limit(self.config.http.body_timeout_s):  # a slow or short body (slowloris)
                 body = await read_json(receive, limit, on_size=self._body_read)
+        served = self._served(scope, body)
+        media_limits = served.media_limits
         exchange: ResponsesExchange | MessagesExchange
         if kind == "messages":
-            exchange = MessagesExchange(body, request_id, self.media_limits)
+            exchange = MessagesExchange(body, request_id, media_limits)
         elif kind == "responses":
-            exchange = await ResponsesExchange.parse(body, self.response_store, request_id, self.media_limits,
-                                                     self.coordinator.tokenizer)
+            exchange = await ResponsesExchange.parse(body, self.response_store, request_id, media_limits,
+                                                     served.tokenizer)
         else:
-            return self._salted(scope, parse_chat(body, self.media_limits) if kind == "chat"
-                                else parse_completion(body))
+            return self._salted(scope, parse_chat(body, media_limits) if kind == "chat" else parse_completion(body))
         exchange.api = self._salted(scope, exchange.api)
         return exchange
 
+    def _served(self, scope: Scope, body: Any) -> Deployment:
+        """The deployment the body's `model` names (kept in the scope: its metrics count the request); ModelNotFound
+        (404) for a name nothing serves, a 403 for a model the request's API key may not use. A body without a
+        model name is read with the first model's parser, which refuses it in its API's own words (counted
+        under no model)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            return self.models.first
+        resolved = self.models.resolve(model)
+        if resolved is None:
+            raise self._unknown_model(model)
+        scope[SERVED], scope[_ADAPTER] = resolved.deployment, resolved.adapter
+        allowed = self.key_models.get(scope.get(API_KEY, ""))
+        if allowed is not None and resolved.deployment.name not in allowed:
+            raise ApiError(403, f"this API key may not use the model {model!r}; it may use "
+                           f"{', '.join(sorted(allowed))}", param="model", code="model_not_allowed",
+                           type="permission_error")
+        return resolved.deployment
+
+    def _unknown_model(self, model: str) -> ModelNotFound:
+        return ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                             f"{', '.join(self.models.ids())}", param="model", code="model_not_found")
+
     def _salted(self, scope: Scope, api: ApiRequest) -> ApiRequest:
         """The request's KV cache namespace: its API key's salt and its own `cache_salt` (auth.keys[].cache_salt
-        isolates a key's cache from every other key's)."""
+        isolates a key's cache from every other key's); and the LoRA adapter its `model` named."""
         namespace = cache_namespace(self.cache_salts.get(scope.get(API_KEY, "")), api.cache_salt)
-        return api if namespace == api.cache_salt else attrs.evolve(api, cache_salt=namespace)
+        adapter = scope.get(_ADAPTER)
+        if namespace == api.cache_salt and adapter is None:
+            return api
+        return attrs.evolve(api, cache_salt=namespace, lora_adapter=adapter)
 
     def _body_read(self, size: int) -> None:
         self.trim_due |= size >= BIG_BODY_BYTES  # also when the body turns out bad: its memory goes back too
 
-    async def _run(self, kind: str, request_id: str, api, plan: Plan, response: _Response,
+    async def _run(self, served: Deployment, kind: str, request_id: str, api, plan: Plan, response: _Response,
                    request: RequestScope) -> str:
         model = api.model
         created = int(time.time())
-        token_text = self.coordinator.tokenizer.token_text
-        parser = self.output_parsers.for_request(api, request_id, plan.caps)
+        token_text = served.tokenizer.token_text
+        parser = served.parsers.for_request(api, request_id, plan.caps)
         sink: _StreamingSink | _CollectingSink
         if api.stream:
             # The SSE headers go out with the first chunk: the engine leg starts without waiting for
@@ -401,7 +461,7 @@ class App:
                                   per_token=not self.config.http.coalesce_tokens, parser=parser)
         else:
             sink = _CollectingSink(kind, api, token_text, parser=parser)
-        if not await self._execute(plan, sink, response, request):
+        if not await self._execute(served, plan, sink, response, request):
             return "error"
         if isinstance(sink, _StreamingSink):  # api.stream
             if not response.streaming:
@@ -412,14 +472,14 @@ class App:
             response.usage = (sink.prompt_tokens, sink.completion_tokens, sink.cached_tokens)
         return "ok"
 
-    async def _execute(self, plan: Plan, sink, response: _Response, request: RequestScope) -> bool:
+    async def _execute(self, served: Deployment, plan: Plan, sink, response: _Response, request: RequestScope) -> bool:
         """Run the plan into the sink, in the request's scope; False when it failed after the stream started (its
         failure event is written). A failure before that is raised, for a plain error response; ClientGone when
         the client went."""
         try:
-            await self.coordinator.execute(plan, sink, watch=request.watch,
-                                           keep_special_tokens=self.output_parsers.keep_special_tokens(plan.api,
-                                                                                                      plan.caps))
+            await served.coordinator.execute(plan, sink, watch=request.watch,
+                                             keep_special_tokens=served.parsers.keep_special_tokens(plan.api,
+                                                                                                    plan.caps))
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
@@ -429,13 +489,13 @@ class App:
             raise ClientGone()
         return True
 
-    async def _run_exchange(self, exchange: ResponsesExchange | MessagesExchange, request_id: str, plan: Plan,
-                            response: _Response, request: RequestScope) -> str:
+    async def _run_exchange(self, served: Deployment, exchange: ResponsesExchange | MessagesExchange, request_id: str,
+                            plan: Plan, response: _Response, request: RequestScope) -> str:
         """Run a request of an API whose answer is blocks (the Responses and Messages APIs): the same execution as
         a chat request's, with its exchange's sink, answer and record."""
-        parser = self.output_parsers.for_request(exchange.api, request_id, plan.caps)
+        parser = served.parsers.for_request(exchange.api, request_id, plan.caps)
         sink = exchange.make_sink(parser, response.chunk, plan.prompt_tokens)
-        if not await self._execute(plan, sink, response, request):
+        if not await self._execute(served, plan, sink, response, request):
             return "error"
         answer = exchange.response()
         await exchange.keep(self.response_store, answer)
@@ -447,8 +507,8 @@ class App:
             await send_json(response.send, 200, answer, response.headers)
         return "ok"
 
-    async def _run_choices(self, kind: str, request_id: str, api, response: _Response, request: RequestScope,
-                           account: KeyAccount | None) -> str:
+    async def _run_choices(self, served: Deployment, kind: str, request_id: str, api, response: _Response,
+                           request: RequestScope, account: KeyAccount | None) -> str:
         """`n` > 1: a request per choice, planned and run as any other (its own workers, retries, migration),
         all at once in one nursery, each writing its own choice index; the first failure ends them all, as the
         answer is one response. A client's seed becomes seed + index, so the choices differ and replay alike.
@@ -462,16 +522,16 @@ class App:
                 seed = api.sampling.seed
                 choice_api = attrs.evolve(api, n=1, sampling=attrs.evolve(
                     api.sampling, seed=None if seed is None else (seed + index) % 2**64))
-                plans.append(await self.coordinator.plan(
+                plans.append(await served.coordinator.plan(
                     choice_api, f"{request_id}-{_ENGINE_ID_PREFIX}{next(_engine_ids):x}"))
         if account is not None:
             account.planned(sum(plan.prompt_tokens for plan in plans))
         model, created = api.model, int(time.time())
-        token_text = self.coordinator.tokenizer.token_text
+        token_text = served.tokenizer.token_text
         streams: list[_ChoiceStream] = []
         sinks: list[_StreamingSink | _CollectingSink] = []
         for index, plan in enumerate(plans):
-            parser = self.output_parsers.for_request(api, f"{request_id}-{index}", plan.caps)
+            parser = served.parsers.for_request(api, f"{request_id}-{index}", plan.caps)
             if api.stream:
                 streams.append(_ChoiceStream(response))
                 sinks.append(_StreamingSink(streams[-1], fmt.ChunkWriter(kind, request_id, model, created, index),
@@ -482,8 +542,8 @@ class App:
 
         async def run_choice(index: int) -> None:
             plan = plans[index]
-            await self.coordinator.execute(
-                plan, sinks[index], keep_special_tokens=self.output_parsers.keep_special_tokens(api, plan.caps))
+            await served.coordinator.execute(
+                plan, sinks[index], keep_special_tokens=served.parsers.keep_special_tokens(api, plan.caps))
             if streams:  # its finish: now, not with [DONE] (the other choices still stream)
                 await response.chunk(streams[index].tail)
 

@@ -20,7 +20,7 @@ was computed with it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -28,8 +28,6 @@ import attrs
 # the rest is dropped (and said in /health), never trusted to size anything.
 MAX_WORKER_ADAPTERS = 256
 MAX_ADAPTER_NAME = 256
-# How the API names an adapter of a base model, besides the adapter's own name ("base:adapter", as peers do)
-BASE_SEPARATOR = ":"
 
 
 def adapter_id(name: str) -> int:
@@ -70,15 +68,6 @@ class AdapterCatalog:
     def get(self, name: str) -> AdapterSpec | None:
         return next((spec for spec in self.adapters if spec.name == name), None)
 
-    def resolve(self, model: str, base_names: Collection[str]) -> str | None:
-        """The adapter a request's `model` names: an adapter's own name, or "base:adapter" with `base` one of the
-        model's names; None when it names none of them."""
-        if self.get(model) is not None:
-            return model
-        base, separator, adapter = model.partition(BASE_SEPARATOR)
-        if separator and base in base_names and self.get(adapter) is not None:
-            return adapter
-        return None
 
 
 @attrs.frozen

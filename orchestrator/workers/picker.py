@@ -22,9 +22,10 @@ from orchestrator.workers.worker import Worker
 
 
 class WorkerPicker:
-    def __init__(self, workers: Mapping[WorkerSpec, Worker], *, metrics: Metrics, routing, staleness_s: float,
-                 kv_index: KvIndex | None, kv_roles: tuple[str, ...]):
+    def __init__(self, workers: Mapping[WorkerSpec, Worker], *, model: str = "", metrics: Metrics, routing,
+                 staleness_s: float, kv_index: KvIndex | None, kv_roles: tuple[str, ...]):
         self._workers = workers
+        self._model = model  # named in a 503: an orchestrator may serve several models
         self._metrics = metrics
         self._kv_index = kv_index
         # A role routed kv_aware that the mode does not run (or with no KV routing given) is routed least loaded.
@@ -111,6 +112,7 @@ class WorkerPicker:
             states = collections.Counter(str(w.state) for w in self._workers.values() if w.role == role)
             known = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
             # Which workers and why: the log and /health (operators); the client learns only the counts.
-            raise NoWorkerAvailable(f"no {role} worker is available ({known or 'none registered'})",
+            of_model = f" of {self._model}" if self._model else ""
+            raise NoWorkerAvailable(f"no {role} worker{of_model} is available ({known or 'none registered'})",
                                     code="no_worker_available", retry_after=1)
         return candidates

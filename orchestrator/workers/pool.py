@@ -60,7 +60,7 @@ class WorkerPool:
         # An adapter being loaded for a role (place_adapter): later requests for it wait for that load
         self._placing: dict[tuple[str, str], trio.Event] = {}
         staleness_s = routing.load_staleness_ms / 1000.0
-        self.picker = WorkerPicker(self.workers, metrics=metrics, routing=routing, staleness_s=staleness_s,
+        self.picker = WorkerPicker(self.workers, model=model, metrics=metrics, routing=routing, staleness_s=staleness_s,
                                    kv_index=self.kv_index, kv_roles=kv.roles if kv is not None else ())
         self.monitor = WorkerMonitor(metrics=metrics, model=model, health_interval=health_interval,
                                      staleness_s=staleness_s, kv_index=self.kv_index,

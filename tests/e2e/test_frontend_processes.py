@@ -156,9 +156,10 @@ def test_fresh_connections_reach_both_processes_and_metrics_count_across_them(tw
             **chat_body(f"question {i}"), max_tokens=5, stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         assert chunks[-1].usage.completion_tokens == 5
-    ok = 'orchestrator_requests_total{mode="disaggregated",outcome="ok",route="chat"}'
+    ok = 'orchestrator_requests_total{mode="disaggregated",model="tiny-chat",outcome="ok",route="chat"}'
     assert metric(two_frontends, ok) == requests  # whichever process answers /metrics
-    assert metric(two_frontends, 'orchestrator_output_tokens_total{mode="disaggregated"}') == 5 * requests
+    assert metric(two_frontends,
+                  'orchestrator_output_tokens_total{mode="disaggregated",model="tiny-chat"}') == 5 * requests
     assert metric(two_frontends, "orchestrator_frontend_processes") == 2
     assert metric(two_frontends, "orchestrator_requests_in_flight") == 0
     assert metric(two_frontends, "process_cpu_seconds_total") > 0

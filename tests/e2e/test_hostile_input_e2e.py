@@ -30,12 +30,13 @@ def rss_mb(pid: int) -> float:
 
 
 def outcomes(metrics: str, route: str = "chat") -> dict[str, float]:
-    """orchestrator_requests_total of `route` by outcome."""
-    found = {}
+    """orchestrator_requests_total of `route` by outcome, summed over the models (a refused body names none)."""
+    found: dict[str, float] = {}
     for line in metrics.splitlines():
         if line.startswith("orchestrator_requests_total{") and f'route="{route}"' in line:
             labels, value = line.rsplit(" ", 1)
-            found[labels.split('outcome="')[1].split('"')[0]] = float(value)
+            outcome = labels.split('outcome="')[1].split('"')[0]
+            found[outcome] = found.get(outcome, 0.0) + float(value)
     return found
 
 

@@ -71,9 +71,10 @@ async def test_requests_sharing_a_prefix_land_on_one_worker_routed_approximately
         health = (await http.get("/health")).json()
         metrics = (await http.get("/metrics")).text
     assert [w["kv_index"]["mode"] for w in health["workers"]] == ["approximate"] * 3
-    assert 'orchestrator_routing_decisions_total{reason="prefix",role="aggregated"} 9.0' in metrics
+    assert 'orchestrator_routing_decisions_total{model="tiny-chat",reason="prefix",role="aggregated"} 9.0' in metrics
     for worker in workers:
-        assert f'orchestrator_kv_index_mode{{mode="approximate",worker="{worker.address}"}} 1.0' in metrics
+        assert (f'orchestrator_kv_index_mode{{mode="approximate",model="tiny-chat",worker="{worker.address}"}} 1.0'
+                in metrics)
     # each family on one worker: nobody prefilled a family's system prompt twice
     counts = await served(engine_client, workers)
     assert sum(prompt - hit for prompt, hit in counts) < 3 * 1000 + 9 * 200, counts
@@ -123,7 +124,7 @@ async def test_without_kv_aware_no_index_exists_and_health_says_nothing_of_it(
         metrics = (await http.get("/metrics")).text
     assert "kv_index" not in health["workers"][0]
     # decisions are counted where a role routes kv_aware: no per-request cost here
-    assert 'orchestrator_routing_decisions_total{reason="single",role="aggregated"} 0.0' in metrics
+    assert 'orchestrator_routing_decisions_total{model="tiny-chat",reason="single",role="aggregated"} 0.0' in metrics
 
 
 EVENTS = ("--time-scale", "0.02", "--kv-events")  # revision 1: ZMQ publishers, one per attention-DP rank
@@ -167,7 +168,7 @@ async def test_two_replicas_fed_by_the_same_events_route_alike(tmp_path, sim_wor
                 hit = cached(await http.post("/v1/chat/completions", json=chat(SYSTEM[name], f"next {i}")))
                 assert hit >= 18 * 32, (name, i, hit)
         metrics_b = (await b.get("/metrics")).text
-    assert 'orchestrator_routing_decisions_total{reason="prefix",role="aggregated"} 6.0' in metrics_b
+    assert 'orchestrator_routing_decisions_total{model="tiny-chat",reason="prefix",role="aggregated"} 6.0' in metrics_b
     counts = await served(engine_client, workers)
     assert sum(prompt - hit for prompt, hit in counts) < 3 * 1000 + 9 * 200, counts  # one cold prefill a family
 
@@ -264,7 +265,7 @@ async def test_conditional_mode_prefills_on_the_decode_worker_holding_the_prefix
         assert cached(await http.post("/v1/chat/completions", json=chat(SYSTEM["beta"], "first"))) == 0
         metrics = (await http.get("/metrics")).text
     served_by = {path: float(line.split()[-1]) for line in metrics.splitlines() for path in ("local", "disaggregated")
-                 if line.startswith(f'orchestrator_prompt_tokens_total{{mode="{path}"}}')}
+                 if line.startswith(f'orchestrator_prompt_tokens_total{{mode="{path}",model="tiny-chat"}}')}
     assert served_by["local"] > 0 and served_by["disaggregated"] > served_by["local"], served_by  # 1 local, 2 split
     *by_decode, (prefill_prompt, _) = await served(engine_client, [*decodes, prefill])
     # the local request ran on the decode worker holding the prefix (of two), and found it there

@@ -93,6 +93,30 @@ def test_disagg_with_a_launched_etcd(tmp_path):
     assert len(outputs) == 2
 
 
+def test_the_multi_model_config_launches_each_models_workers_for_that_model(tmp_path):
+    """configs/multi-model.yaml: tiny-chat on its own prefill and decode workers, tiny-chat-small on its own
+    aggregated one, each simulated worker started with its model's name; both served through one port."""
+    launcher = ManagedProcess("launch-multi", orchestrator_command(
+        "launch", str(CONFIGS / "multi-model.yaml"), "--http-port", "0"), log_dir=tmp_path)
+    try:
+        url = launcher.wait_ready(120)
+        assert set(child_pids(launcher)) == {"sim-tiny-chat-prefill-0", "sim-tiny-chat-decode-0",
+                                             "sim-tiny-chat-small-aggregated-0", "orchestrator"}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            health = http.get("/health").json()
+            assert {name: (each["mode"], each["ready_workers"]) for name, each in health["models"].items()} == {
+                "tiny-chat": ("disaggregated", {"prefill": 1, "decode": 1}),
+                "tiny-chat-small": ("aggregated", {"aggregated": 1})}
+            for model in ("tiny-chat", "small"):
+                answer = http.post("/v1/chat/completions", json={
+                    "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+                assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
+        launcher.signal(signal.SIGINT)
+        assert launcher.process.wait(60) == 0
+    finally:
+        launcher.stop()
+
+
 def test_a_child_that_dies_during_startup_tears_down_and_shows_its_log_tail(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text((CONFIGS / "disagg.yaml").read_text().replace(

@@ -80,7 +80,7 @@ async def test_a_worker_killed_mid_stream_loses_no_stream_and_changes_no_text(tm
     assert all(finish == "length" for _, finish in disturbed)
     assert [text for text, _ in disturbed] == [text for text, _ in undisturbed]
     migrated = float(next(line.split()[-1] for line in metrics.splitlines()
-                          if line.startswith(f'orchestrator_migrations_total{{mode="{mode}"}}')))
+                          if line.startswith(f'orchestrator_migrations_total{{mode="{mode}",model="tiny-chat"}}')))
     print(f"{mode}: {migrated:.0f} of {len(bodies)} streams migrated, all {len(bodies)} complete, identical text")
     assert migrated >= 1, "the kill landed mid-stream on some requests"
 
@@ -138,7 +138,7 @@ async def test_the_streams_of_a_frozen_decode_worker_migrate_within_three_health
     finally:
         victim.process.signal(signal.SIGCONT)
     migrated = float(next(line.split()[-1] for line in metrics.splitlines()
-                          if line.startswith('orchestrator_migrations_total{mode="disaggregated"}')))
+                          if line.startswith('orchestrator_migrations_total{mode="disaggregated",model="tiny-chat"}')))
     print(f"{len(finishes)} streams, {migrated:.0f} migrated; longest gap after the freeze {max(gaps):.2f} s")
     assert not failures and finishes and all(finish == "length" for finish in finishes), (failures, finishes)
     assert migrated >= 1

@@ -190,9 +190,9 @@ def test_models_health_and_metrics(disagg):
         metrics = http.get("/metrics").text
     for name in ("orchestrator_requests_total", "orchestrator_time_to_first_token_seconds_bucket",
                  "orchestrator_inter_token_latency_seconds",
-                 'orchestrator_stage_duration_seconds_count{stage="prefill"}',
+                 'orchestrator_stage_duration_seconds_count{model="tiny-chat",stage="prefill"}',
                  'stage="kv_handoff"', 'stage="decode"', "orchestrator_requests_in_flight",
-                 'orchestrator_workers{role="decode",state="ready"} 1.0'):
+                 'orchestrator_workers{model="tiny-chat",role="decode",state="ready"} 1.0'):
         assert name in metrics, name
 
 
@@ -201,22 +201,22 @@ def test_metrics_count_tokens_not_chunks_and_every_series_starts_at_zero(agg):
     token counters add up to the usage the client saw; labelled series exist before their first event."""
     with agg.http() as http:
         before = http.get("/metrics").text
-        assert _metric(
-            before, 'orchestrator_requests_total{mode="aggregated",outcome="client_error",route="completions"}') == 0
-        assert _metric(before, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED"}') == 0
+        assert _metric(before, 'orchestrator_requests_total{mode="aggregated",model="tiny-chat",outcome="client_error",'
+                               'route="completions"}') == 0
+        assert _metric(before, 'orchestrator_engine_errors_total{code="ERROR_CODE_OVERLOADED",model="tiny-chat"}') == 0
         assert _metric(before, "process_cpu_seconds_total") > 0
         usage = http.post("/v1/chat/completions", json=chat_body(max_tokens=40, stream=True, ignore_eos=True,
                                                                   stream_options={"include_usage": True}))
         after = http.get("/metrics").text
     assert '"completion_tokens":40' in usage.text
     grew = {name: _metric(after, name) - _metric(before, name) for name in (
-        'orchestrator_output_tokens_total{mode="aggregated"}',
-        'orchestrator_inter_token_latency_seconds_count{mode="aggregated"}',
-        'orchestrator_time_to_first_token_seconds_count{mode="aggregated"}')}
-    assert grew == {'orchestrator_output_tokens_total{mode="aggregated"}': 40,
-                    'orchestrator_inter_token_latency_seconds_count{mode="aggregated"}': 39,
-                    'orchestrator_time_to_first_token_seconds_count{mode="aggregated"}': 1}
-    assert _metric(after, 'orchestrator_prompt_tokens_total{mode="aggregated"}') > 0
+        'orchestrator_output_tokens_total{mode="aggregated",model="tiny-chat"}',
+        'orchestrator_inter_token_latency_seconds_count{mode="aggregated",model="tiny-chat"}',
+        'orchestrator_time_to_first_token_seconds_count{mode="aggregated",model="tiny-chat"}')}
+    assert grew == {'orchestrator_output_tokens_total{mode="aggregated",model="tiny-chat"}': 40,
+                    'orchestrator_inter_token_latency_seconds_count{mode="aggregated",model="tiny-chat"}': 39,
+                    'orchestrator_time_to_first_token_seconds_count{mode="aggregated",model="tiny-chat"}': 1}
+    assert _metric(after, 'orchestrator_prompt_tokens_total{mode="aggregated",model="tiny-chat"}') > 0
 
 
 def _metric(text: str, name: str) -> float:
@@ -341,9 +341,10 @@ async def test_engine_errors_map_to_statuses_and_prefill_retries_on_another_work
             response = await http.post(retry.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
             assert response.status_code == 200
         metrics = (await http.get(retry.url + "/metrics")).text
-        retries = _metric(metrics, 'orchestrator_retries_total{role="prefill"}')
+        retries = _metric(metrics, 'orchestrator_retries_total{model="tiny-chat",role="prefill"}')
         assert 1 <= retries <= 4
-        assert _metric(metrics, 'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED"}') == retries
+        transfer_failed = 'orchestrator_engine_errors_total{code="ERROR_CODE_KV_TRANSFER_FAILED",model="tiny-chat"}'
+        assert _metric(metrics, transfer_failed) == retries
         # An in-stream OVERLOADED is TensorRT-LLM's stall watchdog, not load (tests/e2e/test_trtllm_conformance.py)
         refused = await http.post(busy.url + "/v1/chat/completions", json=chat_body(max_tokens=2))
         assert refused.status_code == 502 and "retry-after" not in refused.headers

@@ -106,6 +106,8 @@ async def test_a_disaggregated_request_is_one_trace_from_the_client_to_each_engi
     assert {a.key: a.value.string_value for a in resource.attributes}["service.name"] == "orchestrator-test"
     assert root.trace_id.hex() == CLIENT_TRACE and root.parent_span_id.hex() == CLIENT_SPAN  # the client's trace
     assert root.kind == root.SPAN_KIND_SERVER
+    root_attributes = {a.key: json_format.MessageToDict(a.value) for a in root.attributes}
+    assert root_attributes["gen_ai.request.model"] == {"stringValue": "tiny-chat"}  # the model it resolved to
     for name in ("plan", "prefill", "kv_handoff", "decode"):
         _, child = spans[name]
         assert child.trace_id.hex() == CLIENT_TRACE and child.parent_span_id == root.span_id, name

@@ -555,7 +555,7 @@ async def test_a_context_leg_that_finishes_the_request_is_the_answer(tmp_path, c
     assert '"finish_reason":"stop"' in streamed.text.replace(" ", "")
     kinds = [r["kind"] for r in await _recent(engine_client, decode)]
     assert kinds == (["generation_only"] if case == "stop-string" else [])  # only the probe reached decode
-    assert "orchestrator_prefill_answers_total 2.0" in metrics
+    assert 'orchestrator_prefill_answers_total{model="tiny-chat"} 2.0' in metrics
     async with engine_client(prefill.address) as client:
         assert (await client.load()).active_kv_sessions == 0
 
@@ -622,7 +622,7 @@ async def test_a_failed_decode_leg_releases_its_session_through_another_decode_w
                                    timeout=10)
     assert load.attributes.fields["kv_sessions_pulled"].number_value == 6
     assert load.attributes.fields["late_session_aborts"].number_value == 0  # no abort by session was tried
-    assert f'orchestrator_kv_cleanups_total{{way="decode_pull"}} {failed}.0' in metrics
+    assert f'orchestrator_kv_cleanups_total{{model="tiny-chat",way="decode_pull"}} {failed}.0' in metrics
     releases = [r for r in await _recent(engine_client, healthy) if r["id"].endswith("-kv-release")]
     assert len(releases) == failed and all(r["stopping"] == {"max_tokens": 1} for r in releases)
 
@@ -924,7 +924,7 @@ async def test_cached_prompt_tokens_reach_the_client(tmp_path, mode, sim_workers
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < usage["prompt_tokens"] == first["prompt_tokens"]  # whole blocks; never the last token
-    assert f'orchestrator_cached_prompt_tokens_total{{mode="{mode}"}} {float(cached)}' in metrics
+    assert f'orchestrator_cached_prompt_tokens_total{{mode="{mode}",model="tiny-chat"}} {float(cached)}' in metrics
 
 
 @pytest.mark.parametrize("revision", [1, 3])
@@ -985,7 +985,7 @@ async def test_a_prefill_cancelled_while_its_context_phase_runs_sends_no_generat
     prefills = [r for r in await recent_requests(engine_client, prefill) if r["kind"] == "context_only"]
     legs = [r for r in await recent_requests(engine_client, decode) if r["kind"] == "generation_only"]
     assert len(prefills) == 3 and legs == []
-    assert 'orchestrator_kv_cleanups_total{way="decode_pull"} 0.0' in metrics
+    assert 'orchestrator_kv_cleanups_total{model="tiny-chat",way="decode_pull"} 0.0' in metrics
 
 
 async def test_the_lora_surface_is_what_each_server_offers(tmp_path, sim_workers, engine_client):

@@ -37,16 +37,6 @@ CATALOG = AdapterCatalog.of([("sql", "/adapters/sql", None), ("poet", "/adapters
 
 # ---- the catalog -----------------------------------------------------------------------------------------------
 
-def test_a_request_names_an_adapter_by_its_own_name_or_as_base_colon_adapter():
-    names = {"tiny-chat", "tiny"}
-    assert CATALOG.resolve("sql", names) == "sql"
-    assert CATALOG.resolve("tiny-chat:sql", names) == "sql"
-    assert CATALOG.resolve("tiny:poet", names) == "poet"  # an alias of the base
-    assert CATALOG.resolve("other:sql", names) is None  # not this model's
-    assert CATALOG.resolve("tiny-chat:unknown", names) is None
-    assert CATALOG.resolve("tiny-chat", names) is None  # the base model itself: no adapter
-
-
 def test_an_adapters_lora_id_is_derived_from_its_name_unless_configured():
     """The sibling server binds an id to one name for the life of its process: every replica must send the same id
     for a name, and never 0 (the KV events' 'no adapter')."""

@@ -12,6 +12,8 @@ from orchestrator.metrics import OUTCOMES, ROUTES, FrontendProcesses, Metrics, T
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:
+    if name.startswith("orchestrator_"):  # the families of Metrics(): one model's view, here model ""
+        labels = {"model": metrics.model, **labels}
     value = metrics.registry.get_sample_value(name, labels)
     if value is None:
         raise LookupError(f"no sample {name}{labels}")
@@ -115,3 +117,26 @@ def test_forgetting_a_worker_never_routed_to_is_no_error_even_where_prometheus_r
     monkeypatch.setattr(Gauge, "remove", remove_unknown)
     monkeypatch.setattr(Counter, "remove", remove_unknown)
     Metrics().forget_worker("grpc://127.0.0.1:9")
+
+
+def test_each_model_counts_in_its_own_series_of_the_one_registry():
+    """for_model() is a view: the same families, labelled by the model, its series at 0 from the start; what one
+    model's requests do never shows in another's."""
+    metrics = Metrics("", model="")
+    chat, small = metrics.for_model("chat", "disaggregated"), metrics.for_model("small", "aggregated")
+    assert chat.registry is small.registry is metrics.registry
+    chat.retries.labels("prefill").inc()
+    small.prefill_answers.inc()
+    small.request_done("chat", "ok")
+    assert sample(chat, "orchestrator_retries_total", role="prefill") == 1
+    assert sample(small, "orchestrator_retries_total", role="prefill") == 0
+    assert sample(small, "orchestrator_prefill_answers_total") == 1
+    assert sample(chat, "orchestrator_prefill_answers_total") == 0
+    assert sample(small, "orchestrator_requests_total", route="chat", mode="aggregated", outcome="ok") == 1
+    assert sample(chat, "orchestrator_requests_total", route="chat", mode="disaggregated", outcome="ok") == 0
+    chat.kv_index_blocks.labels("grpc://w:1").set(3)
+    small.kv_index_blocks.labels("grpc://w:1").set(5)
+    chat.forget_worker("grpc://w:1")  # one model's pool lost the worker: the other's series stays
+    assert metrics.registry.get_sample_value("orchestrator_kv_index_blocks", {"worker": "grpc://w:1",
+                                                                              "model": "chat"}) is None
+    assert sample(small, "orchestrator_kv_index_blocks", worker="grpc://w:1") == 5

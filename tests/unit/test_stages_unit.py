@@ -121,7 +121,7 @@ async def test_a_retryable_prefill_failure_moves_to_another_prefill_worker(autoj
     result = await prefill.run(first, full())
     assert result.lease.prefill_worker.client is p1
     assert len(p0.generated()) == len(p1.generated()) == 1
-    assert 'orchestrator_retries_total{role="prefill"} 1.0' in metrics.render().decode()
+    assert 'orchestrator_retries_total{model="",role="prefill"} 1.0' in metrics.render().decode()
 
 
 async def test_a_non_retryable_prefill_failure_is_not_retried(autojump_clock):
@@ -251,7 +251,7 @@ async def test_the_releaser_tries_the_next_decode_worker_when_a_release_leg_fail
     lease = lease_on(pool)
     await releaser.release_unpulled(lease, full(), next(w for w in workers(pool, "decode") if w.client is d0))
     assert lease.released and [r.request_id for r in d1.generated()] == ["r1-kv-release"]
-    assert 'orchestrator_kv_cleanups_total{way="decode_pull"} 1.0' in metrics.render().decode()
+    assert 'orchestrator_kv_cleanups_total{model="",way="decode_pull"} 1.0' in metrics.render().decode()
 
 
 async def test_the_releaser_leaves_a_settled_lease_alone(autojump_clock):
@@ -503,7 +503,7 @@ async def test_a_migrated_request_counts_its_decode_stage_once(tmp_path, autojum
     plan = attrs.evolve(await c.plan(chat(), "e9"), worker=pool.workers[0])
     await c.execute(plan, Sink())
     rendered = c.metrics.render().decode()
-    assert 'orchestrator_stage_duration_seconds_count{stage="decode"} 1.0' in rendered
+    assert 'orchestrator_stage_duration_seconds_count{model="",stage="decode"} 1.0' in rendered
 
 
 # ---- conditional mode's local path: a replacement must run the whole request on decode -------------------
