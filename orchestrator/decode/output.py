@@ -81,7 +81,8 @@ async def stream_output(stream: TokenStream, progress: StreamProgress, *, worker
         # reader task (the cancellation already took this task out of next_batch: none could run meanwhile).
         if armed:
             stream.deliver_directly(None)
-    await progress.text_tail()
+    if tail := progress.text_tail():
+        await sink.deltas(tail)
 
 
 class ReplayedStream:

@@ -121,15 +121,6 @@ class StreamProgress:
         return self._token_ids
 
     @property
-    def resent_tokens(self) -> int:
-        return self._resent_tokens
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        """The prompt the engine reported with its finish (a continuation's includes what it resent)."""
-        return self._prompt_tokens
-
-    @property
     def cached_tokens(self) -> int | None:
         return self._cached_tokens
 
@@ -206,11 +197,18 @@ class StreamProgress:
         """A continuation sends the first `tokens` streamed back as prompt (a migration)."""
         self._resent_tokens = tokens
 
-    async def text_tail(self) -> None:
-        """What the detokenizer held back (an incomplete character, a possible stop string), to the sink."""
+    def text_tail(self) -> list[Delta]:
+        """What the detokenizer held back (an incomplete character, a possible stop string): the delta the sink
+        is owed once the stream is over (none, usually: a plain method, no coroutine made for nothing)."""
         tail = self.detokenizer.finish()
-        if tail:
-            await self.sink.deltas(((tail, (), ()),))
+        return [(tail, (), ())] if tail else []
+
+    def usage_prompt(self, planned: int) -> int:
+        """The prompt the answer's usage reports: what the engine counted with its finish, less what a continuation
+        sent back as prompt; else the `planned` one."""
+        if self._prompt_tokens:
+            return self._prompt_tokens - self._resent_tokens or planned
+        return planned
 
     async def finish_answer(self, prompt_tokens: int, reported_cached: int | None, *,
                             reason: str | None = None) -> None:

@@ -120,10 +120,9 @@ class DecodeStage:
         if not progress.terminal:
             raise EngineError("generation ended without a terminal event", worker=worker.address, rpc="Generate",
                               code=ErrorCode.ERROR_CODE_INTERNAL)
-        engine_prompt = progress.prompt_tokens - progress.resent_tokens if progress.prompt_tokens else None
-        prompt = engine_prompt or leg.prompt_tokens
         # A decode leg's engine counts the blocks it pulled as cached: what the prefill found cached is the answer.
-        await progress.finish_answer(prompt, lease.cached_tokens if lease is not None else progress.cached_tokens)
+        await progress.finish_answer(progress.usage_prompt(leg.prompt_tokens),
+                                     lease.cached_tokens if lease is not None else progress.cached_tokens)
 
     async def _abort(self, worker, request_id: str, metadata) -> None:
         # The RPC is cancelled already; Abort makes sure the engine lets go as well. Not to a worker the pool

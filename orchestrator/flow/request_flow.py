@@ -189,7 +189,8 @@ class RequestFlow:
                         failed_worker.address, error.code_name)
             # What the detokenizer held back (an incomplete character, a possible stop string) is text the
             # client is owed: stream_output would have sent it after a finish, and the error skipped that.
-            await progress.text_tail()
+            if tail := progress.text_tail():
+                await progress.sink.deltas(tail)
             await progress.finish_answer(plan.prompt_tokens, progress.cached_tokens, reason="length")
             return None
         if self.migrations >= parts.migration_limit:
