@@ -542,7 +542,10 @@ def _leaves(error: BaseException):
 
 class _StreamingSink:
     """An SSE stream. On our server over plain TCP, with one choice, its deltas may also be written from the engine
-    connection's reader task (direct delivery: decode/progress.py has the contract), through its `direct`."""
+    connection's reader task (direct delivery: decode/progress.py has the contract): it is then its own `direct`
+    writer."""
+
+    _now: _Response  # the response `direct` writes to at once (set only when `direct` is this sink)
 
     def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
                  per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
@@ -556,14 +559,28 @@ class _StreamingSink:
         self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
         # Direct delivery writes with the server's send_now: not over TLS (no send_now), nor for one choice of
         # several (they share one response, written from their request's tasks only).
-        self.direct = (_DirectSSE(self, response) if isinstance(response, _Response) and response.send_now is not None
-                       else None)
+        self.direct: _StreamingSink | None = None
+        if isinstance(response, _Response) and response.send_now is not None:
+            self._now, self.direct = response, self
 
     async def deltas(self, items) -> None:
         if len(items) == 1:
             await self.response.chunk(self._event(*items[0]))
         else:  # An SSE event per token, one write for the batch: the socket write is the dominant cost.
             await self.response.chunk(self._events(items))
+
+    # ---- its DirectWriter part (decode/deltas.py), reached through `direct` only ----
+    @property
+    def can_write_now(self) -> bool:
+        return self._now.can_send_now
+
+    def deltas_now(self, items) -> bool:
+        """The same events written at once, from the task that calls this (the reader task, in a direct
+        delivery); False when part of them waits for `flush()`."""
+        return self._now.chunk_now(self._events(items))
+
+    async def flush(self) -> None:
+        await self._now.flush()
 
     def _events(self, items) -> bytes:
         if self.api.logprobs:
@@ -611,28 +628,6 @@ class _StreamingSink:
         if self.api.include_usage if self.include_usage is None else self.include_usage:
             data += self.writer.usage(prompt_tokens, completion_tokens, cached_tokens)
         self.response.tail += data  # sent with `data: [DONE]` in one write
-
-
-class _DirectSSE:
-    """A streaming sink's DirectWriter (decode/deltas.py): its events written by the engine connection's reader
-    task, at once, with the server's send_now."""
-
-    __slots__ = ("response", "sink")
-
-    def __init__(self, sink: _StreamingSink, response: _Response):
-        self.sink, self.response = sink, response
-
-    @property
-    def can_write_now(self) -> bool:
-        return self.response.can_send_now
-
-    def deltas_now(self, items) -> bool:
-        """The sink's events written at once, from the task that calls this (the reader task, in a direct
-        delivery); False when part of them waits for `flush()`."""
-        return self.response.chunk_now(self.sink._events(items))
-
-    async def flush(self) -> None:
-        await self.response.flush()
 
 
 class _CollectingSink:
