@@ -80,7 +80,7 @@ async def stream_output(stream: TokenStream, progress: StreamProgress, *, worker
         # Every way out, trio.Cancelled included: from here on no token of this stream is written from the
         # reader task (the cancellation already took this task out of next_batch: none could run meanwhile).
         if armed:
-            stream.deliver_directly(None)
+            progress.disarm(stream)
     if tail := progress.text_tail():
         await sink.deltas(tail)
 

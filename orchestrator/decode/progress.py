@@ -38,7 +38,7 @@ a slow client).
 
 How cancellation ends it: the request's task owns the delivery. `stream_output` arms it (`arm`) once its
 stream's first tokens went out through the task (the response has started) and disarms it in its `finally`
-(`stream.deliver_directly(None)`), which runs on every way out: the finish, an error, and trio.Cancelled
+(`disarm`: `stream.deliver_directly(None)`), which runs on every way out: the finish, an error, and trio.Cancelled
 (the client went -- the server's `on_disconnect` cancels the request's nursery --, the deadline, shutdown).
 A cancellation wakes the parked task first (the inbox forgets its reader), so no delivery runs between the
 cancel and the disarm; later reads are queued for nobody and go with the stream.
@@ -226,13 +226,23 @@ class StreamProgress:
     # ---- direct delivery (the module docstring is its contract) ----
     def arm(self, stream: TokenStream, on_chunk: Callable[[int], None] | None) -> bool:
         """Start direct delivery on `stream` if the sink can write from another task and the stream can hand
-        events over; False if not. The caller ends it with `stream.deliver_directly(None)`."""
+        events over; False if not. The caller ends it with `disarm`."""
         direct = self.sink.direct
         if direct is None or not direct.can_write_now:  # never (a collected response, TLS), or not now (ending)
             return False
         self._direct, self._on_chunk = direct, on_chunk
         # The bound method, not the instance: an instance's __call__ costs twice the call, on every read.
-        return stream.deliver_directly(self.deliver)
+        if stream.deliver_directly(self.deliver):
+            return True
+        self._direct = self._on_chunk = None
+        return False
+
+    def disarm(self, stream: TokenStream) -> None:
+        """End direct delivery on `stream`: nothing more is delivered from the reader task. What it held goes too:
+        the token meter is the request flow's bound method, and kept here it would make the flow and its progress a
+        reference cycle, freed only by the garbage collector."""
+        stream.deliver_directly(None)
+        self._direct = self._on_chunk = None
 
     def deliver(self, batch: list[Event]) -> list | None:
         """Runs in the reader task. None: the batch is dealt with; else what the request's task gets instead."""

@@ -545,7 +545,7 @@ class _StreamingSink:
     connection's reader task (direct delivery: decode/progress.py has the contract): it is then its own `direct`
     writer."""
 
-    _now: _Response  # the response `direct` writes to at once (set only when `direct` is this sink)
+    _now: _Response  # the response direct delivery writes to (set only when it can: see `direct`)
 
     def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
                  per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
@@ -559,9 +559,9 @@ class _StreamingSink:
         self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
         # Direct delivery writes with the server's send_now: not over TLS (no send_now), nor for one choice of
         # several (they share one response, written from their request's tasks only).
-        self.direct: _StreamingSink | None = None
+        self._writes_now = False
         if isinstance(response, _Response) and response.send_now is not None:
-            self._now, self.direct = response, self
+            self._now, self._writes_now = response, True
 
     async def deltas(self, items) -> None:
         if len(items) == 1:
@@ -569,7 +569,13 @@ class _StreamingSink:
         else:  # An SSE event per token, one write for the batch: the socket write is the dominant cost.
             await self.response.chunk(self._events(items))
 
-    # ---- its DirectWriter part (decode/deltas.py), reached through `direct` only ----
+    @property
+    def direct(self) -> _StreamingSink | None:
+        # (a property, not an attribute: a sink holding itself would be a reference cycle, freed only by the
+        # garbage collector, with its response and parser)
+        return self if self._writes_now else None
+
+    # ---- its DirectWriter part (decode/deltas.py), reached through `direct` only (so `_now` is set) ----
     @property
     def can_write_now(self) -> bool:
         return self._now.can_send_now

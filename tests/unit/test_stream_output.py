@@ -296,3 +296,45 @@ async def test_a_cancel_the_engine_made_is_a_failure_after_the_tokens_before_it(
     api = to_api_error(failed.value)
     assert api.status == status and "cancelled" in api.message and (not timed_out or "timed out" in api.message)
     assert cancel.reason_name != "cancelled"
+
+
+class Flow:
+    """What holds a request's progress, as the request flow does, with the token meter as its bound method."""
+
+    def __init__(self, sink):
+        self.progress = progress_of(sink)
+        self.tokens = 0
+
+    def on_chunk(self, tokens: int) -> None:
+        self.tokens += tokens
+
+
+async def test_a_streamed_request_leaves_no_reference_cycle_for_the_garbage_collector():
+    """Its flow, progress and sink are freed as the request lets go of them, not at the next collection (a cycle
+    per request made the collector's work grow with the requests)."""
+    import gc
+    import weakref
+
+    from orchestrator.frontend.app import _Response, _StreamingSink
+
+    inbox, sink = TrioInbox(), WritesNowSink(per_token=True)
+    flow = Flow(sink)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(stream_output, GenerateStream(inbox), flow.progress,  # type: ignore[arg-type]
+                                   worker="w", on_chunk=flow.on_chunk))
+        for read in READS:
+            await trio.testing.wait_all_tasks_blocked()
+            inbox._items.extend(read)  # type: ignore[arg-type]  # (mypy joins the lists of READS to object)
+            inbox.hand_over()
+    assert flow.tokens == 5 and sink.written_now  # direct delivery ran, with the flow's token meter
+    streaming = _StreamingSink(_Response(None, [], send_now=lambda data: True), None, None, None,  # type: ignore[arg-type]
+                               per_token=True)
+    assert streaming.direct is streaming
+    # (a flow in a cycle with its progress would outlive this: StreamProgress, with its slots, takes no weak reference)
+    gone: list[weakref.ref] = [weakref.ref(flow), weakref.ref(sink), weakref.ref(streaming)]
+    gc.disable()
+    try:
+        del flow, sink, streaming, nursery
+        assert [ref() for ref in gone] == [None, None, None]
+    finally:
+        gc.enable()
