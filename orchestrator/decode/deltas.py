@@ -1,34 +1,48 @@
-"""Engine tokens -> client deltas: the sink they go to, what was streamed so far, and how tokens become deltas.
+"""Engine tokens -> client deltas: the sink they go to, and how tokens become deltas.
 
 `OutputSink` is the one interface the decode stage writes a response through; the frontend implements it
-(frontend/app.py: an SSE stream, or a response collected whole), every sink all of it.
+(frontend/app.py: an SSE stream, or a response collected whole; frontend/block_sink.py: an answer of blocks),
+from the request's task. A sink that can also write from the engine connection's reader task (direct delivery:
+decode/progress.py has the contract) says so by giving a `DirectWriter`; one that never can gives None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-import attrs
-
-from orchestrator.engine import Finished, Tokens
+from orchestrator.engine import Tokens
 from orchestrator.engine.events import TokenLogprob
 from orchestrator.tokenizer import IncrementalDetokenizer
 
 Delta = tuple[str, Sequence[int], Sequence[TokenLogprob]]  # text, its token ids, their logprobs
 
 
+class DirectWriter(Protocol):
+    """The part of a sink that writes from the engine connection's reader task (decode/progress.py's contract):
+    `can_write_now` and `deltas_now` are called there only, `flush` is awaited by the request's task."""
+
+    @property
+    def can_write_now(self) -> bool:
+        """Whether `deltas_now` may be called at this moment (not before the response started, nor once it is
+        ending)."""
+
+    def deltas_now(self, items: Sequence[Delta]) -> bool:
+        """`OutputSink.deltas`, written at once by the calling task, without awaiting; False when part of them
+        waits for `flush()`. Called only while `can_write_now` is true."""
+
+    async def flush(self) -> None:
+        """Wait until what `deltas_now` could not write has been written (a slow client: backpressure)."""
+
+
 class OutputSink(Protocol):
-    """Where one request's output goes. Called from the request's own task, except `can_write_now` and
-    `deltas_now`, which direct delivery calls from the engine connection's reader task (decode/direct.py)."""
+    """Where one request's output goes, from the request's own task."""
 
     per_token: bool  # one delta per token (given together to `deltas`), or one per batch of arrived tokens
 
-    async def delta(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
-        """One delta: its text (possibly empty when only logprobs are new), token ids and logprobs."""
-
     async def deltas(self, items: Sequence[Delta]) -> None:
-        """The per-token deltas of one batch: a sink may send them in one write (they arrived together)."""
+        """The deltas of one batch (one, or with `per_token` one per token; a delta's text may be empty when only
+        logprobs are new): a sink may send them in one write (they arrived together)."""
 
     def ending(self) -> None:
         """The engine has finished: what is delivered from now on may be written together with the finish."""
@@ -39,38 +53,9 @@ class OutputSink(Protocol):
         say). `stop_text`: the stop string the answer ended on, if it did (its text is not in the answer)."""
 
     @property
-    def can_write_now(self) -> bool:
-        """Whether `deltas_now` may be called at this moment (a sink that never can says False)."""
-
-    def deltas_now(self, items: Sequence[Delta]) -> bool:
-        """`deltas`, written at once by the calling task, without awaiting; False when part of them waits
-        for `flush()`. Called only while `can_write_now` is true."""
-
-    async def flush(self) -> None:
-        """Wait until what `deltas_now` could not write has been written (a slow client: backpressure)."""
-
-
-@attrs.define
-class StreamState:
-    """What was streamed of one request and how its stream ended, carried across its legs (a migration's too):
-    the decode side writes it (stream_output, direct delivery, the stage), the request flow reads it (a
-    continuation's tokens, the KV handoff's timing, the answer's end, the metrics), also after a cancellation."""
-
-    first_token_at: float | None = None
-    completion_tokens: int = 0
-    token_ids: list[int] = attrs.Factory(list)  # what was streamed, for a continuation elsewhere (migration)
-    resent_tokens: int = 0  # of those, how many a continuation sent back as prompt (not the client's prompt)
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None  # the engine's usage.cached_prompt_tokens (a decode leg's: see the stage)
-    finished: Finished | None = None
-    stopped_on: str | None = None
-    # logprobs of the stream's first token(s) from an earlier leg (the prefill's), for the tokens this stream
-    # replays without one; used by the first tokens streamed, then dropped
-    carried_logprobs: tuple[TokenLogprob, ...] = ()
-
-    @property
-    def terminal(self) -> bool:
-        return self.finished is not None or self.stopped_on is not None
+    def direct(self) -> DirectWriter | None:
+        """How this sink writes from the engine connection's reader task; None: it never does (a collected
+        response, several choices on one stream, TLS)."""
 
 
 def add_tokens(event: Tokens, ids: list[int], logprobs: list[TokenLogprob]) -> None:
@@ -83,26 +68,6 @@ def add_tokens(event: Tokens, ids: list[int], logprobs: list[TokenLogprob]) -> N
     elif logprobs:
         logprobs.extend(TokenLogprob(token, None) for token in event.token_ids)
     ids.extend(event.token_ids)
-
-
-def fill_carried(ids: Sequence[int], logprobs: list[TokenLogprob], state: StreamState) -> list[TokenLogprob]:
-    """The logprobs of the stream's first tokens, completed from `state.carried_logprobs` where the engine sent
-    a token without one and the carried one is of the same token (then dropped: only the first tokens)."""
-    carried, state.carried_logprobs = state.carried_logprobs, ()
-    if not logprobs:
-        logprobs = [TokenLogprob(token, None) for token in ids]
-    for index, known in enumerate(carried[:len(ids)]):
-        if logprobs[index].logprob is None and logprobs[index].token_id == known.token_id:
-            logprobs[index] = known
-    return logprobs
-
-
-def count_tokens(ids: Sequence[int], state: StreamState, on_chunk: Callable[[int], None] | None) -> None:
-    """Tokens about to go to the client: counted, kept for a continuation, reported to the metrics."""
-    state.completion_tokens += len(ids)
-    state.token_ids.extend(ids)
-    if on_chunk is not None:
-        on_chunk(len(ids))
 
 
 def token_deltas(ids: Sequence[int], logprobs: Sequence[TokenLogprob], per_token: bool,

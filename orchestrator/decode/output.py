@@ -4,9 +4,8 @@
 detokenizes incrementally, honours stop strings, and reports the terminal event. A sink whose
 `per_token` is true gets one delta per token (the default for SSE streams); otherwise a batch is
 one delta (coalesced under load). It never decides about workers; the decode stage does.
-`finish_answer` is the one way an answer's end goes to the sink, whoever ends it (the stage, or the request
-flow for an answer that ended without a decode leg's finish).
-The sink and the stream state are in deltas.py, direct delivery in direct.py.
+The sink is in deltas.py; the request's progress, the only writer of its state (and the one way an answer's
+end goes to the sink, `StreamProgress.finish_answer`), and direct delivery are in progress.py.
 """
 
 from __future__ import annotations
@@ -15,31 +14,32 @@ from collections.abc import Callable
 
 import trio
 
-from orchestrator.decode.deltas import OutputSink, StreamState, add_tokens, count_tokens, fill_carried, token_deltas
-from orchestrator.decode.direct import FLUSH, DirectHandler, DirectTokens, TokenStream
+from orchestrator.decode.deltas import add_tokens
+from orchestrator.decode.progress import FLUSH, DirectHandler, StreamProgress, TokenStream
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens
 from orchestrator.engine.errors import ErrorCode, engine_cancelled
 from orchestrator.engine.events import Event, FinishReason, TokenLogprob
-from orchestrator.tokenizer import IncrementalDetokenizer
 
 
-async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: IncrementalDetokenizer,
-                        state: StreamState, *, worker: str, on_chunk: Callable[[int], None] | None = None) -> None:
-    """Read until the engine finishes or a stop string matches; raises the engine's error.
+async def stream_output(stream: TokenStream, progress: StreamProgress, *, worker: str,
+                        on_chunk: Callable[[int], None] | None = None) -> None:
+    """Read until the engine finishes or a stop string matches; raises the engine's error. `on_chunk` is told
+    the number of tokens of each batch that goes to the client (the token meter).
 
     Once the first tokens of this stream went out, later token events are delivered directly where the
-    stream and the sink allow it (decode/direct.py; its delivery ends when this returns or is cancelled)."""
-    direct = None
+    stream and the sink allow it (decode/progress.py; its delivery ends when this returns or is cancelled)."""
+    sink = progress.sink
+    armed = False
     may_arm = True  # after this stream's first tokens went out, once
     try:
-        while not state.terminal:
+        while not progress.terminal:
             batch = await stream.next_batch()
             if not batch:
                 raise EngineError("the generation stream ended without a finished event", worker=worker,
                                   rpc="Generate", code=ErrorCode.ERROR_CODE_INTERNAL)
             ids: list[int] = []
             logprobs: list[TokenLogprob] = []
-            flush = False
+            flush = finished = False
             cancelled: Finished | None = None
             for event in batch:
                 if isinstance(event, Tokens):
@@ -51,10 +51,8 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
                     cancelled = event  # the engine's own cancel (we never read the stream of ours): a failure
                     break
                 elif isinstance(event, Finished):
-                    state.finished = event
-                    if event.usage is not None:
-                        state.prompt_tokens = event.usage.prompt_tokens
-                        state.cached_tokens = event.usage.cached_prompt_tokens
+                    progress.finish_with(event)
+                    finished = True
                     break
                 elif isinstance(event, Failed):
                     raise event.error
@@ -62,53 +60,29 @@ async def stream_output(stream: TokenStream, sink: OutputSink, detokenizer: Incr
                     raise EngineError("a generation leg answered with prefill_ready", worker=worker, rpc="Generate")
                 elif event is FLUSH:
                     flush = True
-            if state.finished is not None:
+            if finished:
                 sink.ending()  # one write for the last tokens, the finish and [DONE] (max_tokens 1: the only one)
             if ids:
-                if state.first_token_at is None:
-                    state.first_token_at = trio.current_time()
-                if state.carried_logprobs:
-                    logprobs = fill_carried(ids, logprobs, state)
-                count_tokens(ids, state, on_chunk)
-                items = token_deltas(ids, logprobs, sink.per_token, detokenizer)
-                if len(items) == 1:
-                    await sink.delta(*items[0])
-                elif items:  # several: only a per-token sink gets them (token_deltas)
+                items = progress.tokens(ids, logprobs, on_chunk)
+                if items:  # several only for a per-token sink (token_deltas)
                     await sink.deltas(items)
-                if detokenizer.stopped_on is not None:
-                    state.stopped_on = detokenizer.stopped_on
-                elif may_arm and state.finished is None:  # (not for a stream that is over already)
+                if may_arm and not progress.terminal:  # (not for a stream that is over already)
                     may_arm = False
-                    direct = DirectTokens.arm(stream, sink, detokenizer, state, on_chunk)
+                    armed = progress.arm(stream, on_chunk)
             if cancelled is not None:  # after the tokens that came before it: the client has them
                 raise engine_cancelled(cancelled.message, worker=worker)
             if flush:
-                # FLUSH comes through DirectTokens only: what the socket did not take from a direct delivery
-                await sink.flush()  # (the client is slow)
+                # FLUSH comes through direct delivery only: what the socket did not take from it
+                direct = sink.direct
+                if direct is not None:
+                    await direct.flush()  # (the client is slow)
     finally:
         # Every way out, trio.Cancelled included: from here on no token of this stream is written from the
         # reader task (the cancellation already took this task out of next_batch: none could run meanwhile).
-        if direct is not None:
-            stream.deliver_directly(None)
-    tail = detokenizer.finish()
-    if tail:
-        await sink.delta(tail, (), ())
-
-
-def finish_reason(state: StreamState) -> str:
-    if state.stopped_on is not None:
-        return "stop"
-    return state.finished.reason_name if state.finished is not None else "stop"
-
-
-async def finish_answer(sink: OutputSink, state: StreamState, prompt_tokens: int, reported_cached: int | None, *,
-                        reason: str | None = None) -> None:
-    """The answer's last call to `sink`: `reason` (else what the stream ended on), the usage, and the cached
-    prompt tokens the engine reported, never more than the prompt (also kept in `state` for the metrics)."""
-    state.cached_tokens = None if reported_cached is None else min(reported_cached, prompt_tokens)
-    stop_text = state.stopped_on or (state.finished.stop_text if state.finished is not None else None)
-    await sink.finish(finish_reason(state) if reason is None else reason, prompt_tokens, state.completion_tokens,
-                      cached_tokens=state.cached_tokens, stop_text=stop_text if reason is None else None)
+        if armed:
+            progress.disarm(stream)
+    if tail := progress.text_tail():
+        await sink.deltas(tail)
 
 
 class ReplayedStream:

@@ -120,7 +120,7 @@ class GenerateStream:
 
     def deliver_directly(self, handler: Callable[[list[ev.Event]], list | None] | None) -> bool:
         """While `next_batch()` waits, give the events of each read to `handler` in the connection's reader
-        task instead of waking this stream's reader (decode/direct.py has the contract: the handler returns None
+        task instead of waking this stream's reader (decode/progress.py has the contract: the handler returns None
         once it has dealt with them, or what next_batch() must return instead); None ends that. Only the h2 transport
         can (False if not). The handler must leave terminal events to next_batch(), which marks `ended`."""
         return self._call.deliver_directly(handler)

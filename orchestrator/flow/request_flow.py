@@ -9,9 +9,9 @@ Migration is a loop in `RequestFlow.run`: a decode leg (or a whole leg) that fai
 client is not retried by its stage (the client has those tokens); the stage raises `MidStreamFailure`, and
 `_migration` decides, in this one place, whether the request goes on elsewhere: the prompt plus the tokens
 already sent, what is left of the budget, a new prefill where the path is split
-(orchestrator.decode.legs.continuation_leg). The output state and the detokenizer carry on across the passes,
-so the text neither repeats nor skips. At most `limits.migration_limit` times. A replacement worker, a
-migration's or a stage's retry's, must be able to do what the planner checked of the first ones
+(orchestrator.decode.legs.continuation_leg). The request's `StreamProgress` (its detokenizer too) carries on
+across the passes, so the text neither repeats nor skips. At most `limits.migration_limit` times. A replacement
+worker, a migration's or a stage's retry's, must be able to do what the planner checked of the first ones
 (`_replacement_check`): on conditional mode's local path, run the whole request on a decode worker.
 """
 
@@ -25,15 +25,8 @@ import trio
 
 from orchestrator import tracing
 from orchestrator.convert import serves_features
-from orchestrator.decode import (
-    OutputSink,
-    ReplayedStream,
-    StreamState,
-    continuation_leg,
-    finish_answer,
-    stream_output,
-)
-from orchestrator.decode.stage import DecodeStage, MidStreamFailure
+from orchestrator.decode import OutputSink, ReplayedStream, StreamProgress, continuation_leg, stream_output
+from orchestrator.decode.stage import DecodeLeg, DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError
 from orchestrator.engine.errors import EngineCancelled, ErrorCode, StreamStalled
 from orchestrator.errors import NoWorkerAvailable
@@ -67,9 +60,10 @@ class FlowCollaborators:
 class RequestFlow:
     def __init__(self, parts: FlowCollaborators, plan: Plan, sink: OutputSink, started: float, *,
                  keep_special_tokens: bool = False):
-        self.parts, self.plan, self.sink, self.started = parts, plan, sink, started
-        self.state = StreamState()
-        self.detokenizer = IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop, keep_special=keep_special_tokens)
+        self.parts, self.plan, self.started = parts, plan, started
+        # what went to the sink so far, and the detokenizer: one text across the legs and any migration
+        self.progress = StreamProgress(sink, IncrementalDetokenizer(parts.tokenizer, stop=plan.api.stop,
+                                                                    keep_special=keep_special_tokens))
         self.migrations = 0
         self.failed: list[Worker] = []  # workers a leg of this request failed on mid-stream
         self._last_chunk: float | None = None
@@ -97,8 +91,9 @@ class RequestFlow:
         finally:
             self._token_meter.flush()  # whatever way the request ends
         self._observe_stages()
-        if self.state.cached_tokens:  # most requests have none: no counter call for them
-            series.cached_tokens.inc(self.state.cached_tokens)
+        cached_tokens = self.progress.cached_tokens
+        if cached_tokens:  # most requests have none: no counter call for them
+            series.cached_tokens.inc(cached_tokens)
 
     async def _legs(self, leg: g.GenerateRequest, workers: tuple[Worker, ...]) -> None:
         if isinstance(self.plan, SplitPlan):
@@ -116,21 +111,20 @@ class RequestFlow:
         self._last_chunk = now
 
     async def _whole(self, worker: Worker, leg: g.GenerateRequest) -> None:
-        await self.parts.decode.run(worker, leg, self.sink, self.state, detokenizer=self.detokenizer,
-                                    on_chunk=self._on_chunk, prompt_tokens=self.plan.prompt_tokens,
-                                    migration=self.migrations, accepts=self.accepts,
-                                    target_rank=self.plan.target_rank(worker))
+        await self.parts.decode.run(DecodeLeg(worker, leg, self.plan.prompt_tokens, self._on_chunk, None,
+                                              self.migrations, self.accepts, self.plan.target_rank(worker)),
+                                    self.progress)
 
     async def _split(self, full: g.GenerateRequest, prefill_worker: Worker, decode_worker: Worker) -> None:
-        parts, state = self.parts, self.state
+        parts, progress = self.parts, self.progress
         result = await parts.prefill.run(prefill_worker, full, decode_worker, migration=self.migrations,
                                          accepts=self.accepts, target_rank=self.plan.target_rank(prefill_worker))
         prefill_done = trio.current_time()
         parts.metrics.by_stage["prefill"].observe(prefill_done - self.started)
         if result.lease is None:  # the one context token finished the request (EOS, a stop): it is the answer
-            await stream_output(ReplayedStream(result.answer), self.sink, self.detokenizer, state, worker="prefill")
+            await stream_output(ReplayedStream(result.answer), progress, worker="prefill")
             parts.metrics.prefill_answers.inc()
-            await finish_answer(self.sink, state, self.plan.prompt_tokens, state.cached_tokens)
+            await progress.finish_answer(self.plan.prompt_tokens, progress.cached_tokens)
             return
         lease = result.lease
         # The KV rule: from here until a decode leg pulls the session (or the releaser does), the prefill
@@ -141,18 +135,17 @@ class RequestFlow:
         except HandoffError as exc:
             await parts.releaser.release_unpulled(lease, full, decode_worker)
             raise EngineError(str(exc), worker=lease.prefill_worker.address, rpc="Generate") from exc
-        if state.completion_tokens == 0:
+        if progress.completion_tokens == 0:
             self._handoff = (prefill_done, lease)  # the request's first decode leg: its handoff is measured
         # No checkpoint between here and the decode stream: a cancellation lands in the decode stage,
         # which keeps the KV rule for the lease.
-        streamed_before = state.completion_tokens
+        streamed_before = progress.completion_tokens
         try:
-            await parts.decode.run(decode_worker, generation_leg(full, lease.session), self.sink, state,
-                                   detokenizer=self.detokenizer, on_chunk=self._on_chunk,
-                                   prompt_tokens=self.plan.prompt_tokens, lease=lease, migration=self.migrations,
-                                   accepts=self.accepts)
+            await parts.decode.run(DecodeLeg(decode_worker, generation_leg(full, lease.session),
+                                             self.plan.prompt_tokens, self._on_chunk, lease, self.migrations,
+                                             self.accepts), progress)
         except EngineError as error:
-            if error.code != KV_SESSION_NOT_FOUND or state.completion_tokens != streamed_before:
+            if error.code != KV_SESSION_NOT_FOUND or progress.completion_tokens != streamed_before:
                 raise
             # The prefill worker no longer holds the session: a decode leg pulled it and its worker died before
             # its first token reached us (the retry on another decode worker then finds it gone), or the prefill
@@ -168,38 +161,37 @@ class RequestFlow:
 
     def _observe_stages(self) -> None:
         """The stage durations of a request that ended well (a migrated one included)."""
-        by_stage, state = self.parts.metrics.by_stage, self.state
+        by_stage, first_token_at = self.parts.metrics.by_stage, self.progress.first_token_at
         if not isinstance(self.plan, SplitPlan):
             by_stage["decode"].observe(trio.current_time() - self.started)
-        elif self._handoff is not None and state.first_token_at is not None:
+        elif self._handoff is not None and first_token_at is not None:
             prefill_done, lease = self._handoff
             # PrefillReady -> the decode leg's first token: the KV transfer and the decode's first step
-            tracing.span_between("kv_handoff", prefill_done, state.first_token_at, kv_session=lease.session.session_id,
+            tracing.span_between("kv_handoff", prefill_done, first_token_at, kv_session=lease.session.session_id,
                                  prefill_worker=lease.prefill_worker.address)
-            by_stage["kv_handoff"].observe(state.first_token_at - prefill_done)
-            by_stage["decode"].observe(trio.current_time() - state.first_token_at)
+            by_stage["kv_handoff"].observe(first_token_at - prefill_done)
+            by_stage["decode"].observe(trio.current_time() - first_token_at)
 
     async def _migration(self, error: EngineError, failed_worker: Worker
                          ) -> tuple[g.GenerateRequest, tuple[Worker, ...]] | None:
         """After `failed_worker` failed mid-stream: the continuation leg and the workers to run it on, or None
         when the answer is whole and was finished here. Raises `error` when the request cannot go on."""
-        parts, plan, state = self.parts, self.plan, self.state
+        parts, plan, progress = self.parts, self.plan, self.progress
         if isinstance(error, StreamStalled):
             raise error  # we read too slowly; another worker would be read just as slowly
         if isinstance(error, EngineCancelled) and error.timed_out:
             raise error  # the engine's time for it ran out: a continuation would only run out again
         stopping = plan.full.stopping
-        if stopping.HasField("max_tokens") and len(state.token_ids) >= stopping.max_tokens:
+        if stopping.HasField("max_tokens") and len(progress.token_ids) >= stopping.max_tokens:
             # It failed after the last token, before its finish: the answer is whole (a continuation would
             # have to ask for one token more than the client's max_tokens).
             log.warning("request %s: %s failed after its last token (%s); finishing it here", plan.request_id,
                         failed_worker.address, error.code_name)
             # What the detokenizer held back (an incomplete character, a possible stop string) is text the
             # client is owed: stream_output would have sent it after a finish, and the error skipped that.
-            tail = self.detokenizer.finish()
-            if tail:
-                await self.sink.delta(tail, (), ())
-            await finish_answer(self.sink, state, plan.prompt_tokens, state.cached_tokens, reason="length")
+            if tail := progress.text_tail():
+                await progress.sink.deltas(tail)
+            await progress.finish_answer(plan.prompt_tokens, progress.cached_tokens, reason="length")
             return None
         if self.migrations >= parts.migration_limit:
             raise error
@@ -216,10 +208,10 @@ class RequestFlow:
             raise error from None
         self.migrations += 1
         parts.metrics.migrations.labels(plan.path).inc()
-        generated = list(state.token_ids)
+        generated = list(progress.token_ids)
         log.warning("request %s: %s failed after %d tokens (%s); continuing on %s", plan.request_id,
                     failed_worker.address, len(generated), error.code_name, decode_worker.address)
-        state.resent_tokens = len(generated)
+        progress.resending(len(generated))
         return continuation_leg(plan.full, generated, self.migrations), workers
 
 

@@ -598,11 +598,14 @@ def _leaves(error: BaseException):
         yield error
 
 
-# ---- output sinks (decode/deltas.py's OutputSink, all of it) -------------------------------------
+# ---- output sinks (decode/deltas.py's OutputSink) ------------------------------------------------
 
 class _StreamingSink:
-    """An SSE stream. On our server over plain TCP its deltas may also be written from the engine connection's
-    reader task (direct delivery: decode/direct.py has the contract)."""
+    """An SSE stream. On our server over plain TCP, with one choice, its deltas may also be written from the engine
+    connection's reader task (direct delivery: decode/progress.py has the contract): it is then its own `direct`
+    writer."""
+
+    _now: _Response  # the response direct delivery writes to (set only when it can: see `direct`)
 
     def __init__(self, response: _Response | _ChoiceStream, writer: fmt.ChunkWriter, api, token_text, *,
                  per_token: bool, parser: StreamParser | None = None, include_usage: bool | None = None):
@@ -614,25 +617,36 @@ class _StreamingSink:
         self.offset = 0
         self.parser = parser  # the answer's output parser (chat_output.py); None: its text is the content
         self.tool_calls = False  # whether the parser has streamed a tool call (the finish says tool_calls)
-
-    async def delta(self, text, token_ids, logprobs) -> None:
-        await self.response.chunk(self._event(text, token_ids, logprobs))
+        # Direct delivery writes with the server's send_now: not over TLS (no send_now), nor for one choice of
+        # several (they share one response, written from their request's tasks only).
+        self._writes_now = False
+        if isinstance(response, _Response) and response.send_now is not None:
+            self._now, self._writes_now = response, True
 
     async def deltas(self, items) -> None:
-        # An SSE event per token, one write for the batch: the socket write is the dominant cost.
-        await self.response.chunk(self._events(items))
+        if len(items) == 1:
+            await self.response.chunk(self._event(*items[0]))
+        else:  # An SSE event per token, one write for the batch: the socket write is the dominant cost.
+            await self.response.chunk(self._events(items))
 
     @property
+    def direct(self) -> _StreamingSink | None:
+        # (a property, not an attribute: a sink holding itself would be a reference cycle, freed only by the
+        # garbage collector, with its response and parser)
+        return self if self._writes_now else None
+
+    # ---- its DirectWriter part (decode/deltas.py), reached through `direct` only (so `_now` is set) ----
+    @property
     def can_write_now(self) -> bool:
-        return self.response.can_send_now
+        return self._now.can_send_now
 
     def deltas_now(self, items) -> bool:
         """The same events written at once, from the task that calls this (the reader task, in a direct
         delivery); False when part of them waits for `flush()`."""
-        return self.response.chunk_now(self._events(items))
+        return self._now.chunk_now(self._events(items))
 
     async def flush(self) -> None:
-        await self.response.flush()
+        await self._now.flush()
 
     def _events(self, items) -> bytes:
         if self.api.logprobs:
@@ -686,7 +700,7 @@ class _CollectingSink:
     """A whole response, sent once the request is done: written only from the request's task."""
 
     per_token = False  # one response at the end: no reason to split batches
-    can_write_now = False  # nothing to write before the end: no direct delivery
+    direct = None  # nothing to write before the end: no direct delivery
 
     def __init__(self, kind: str, api, token_text, *, parser: StreamParser | None = None):
         self.kind, self.api, self.token_text = kind, api, token_text
@@ -698,23 +712,15 @@ class _CollectingSink:
         self.prompt_tokens = self.completion_tokens = 0
         self.cached_tokens: int | None = None
 
-    async def delta(self, text, token_ids, logprobs) -> None:
-        if self.parser is None:
-            self.parts.append(text)
-        else:
-            self.collector.add(self.parser.feed(text))
-        if self.api.logprobs:
-            self.logprobs.extend(logprobs or fmt.unknown_logprobs(token_ids))
-
     async def deltas(self, items) -> None:
-        for item in items:
-            await self.delta(*item)
-
-    def deltas_now(self, items) -> bool:
-        raise RuntimeError("a collected response is written from its request's task only")
-
-    async def flush(self) -> None:
-        pass  # nothing is written before the end
+        parser, logprobs_asked = self.parser, self.api.logprobs
+        for text, token_ids, logprobs in items:
+            if parser is None:
+                self.parts.append(text)
+            else:
+                self.collector.add(parser.feed(text))
+            if logprobs_asked:
+                self.logprobs.extend(logprobs or fmt.unknown_logprobs(token_ids))
 
     def ending(self) -> None:
         pass
@@ -747,8 +753,6 @@ class _ChoiceStream:
     as they come, its finish when its flow ends (`tail`). No direct delivery: choices share one socket, and
     their writes stay in their request's tasks."""
 
-    can_send_now = False
-
     def __init__(self, response: _Response):
         self.response = response
         self.tail = b""  # the choice's finish, written once its flow has ended
@@ -757,12 +761,6 @@ class _ChoiceStream:
 
     async def chunk(self, data: bytes) -> None:
         await self.response.chunk(data)
-
-    def chunk_now(self, data: bytes) -> bool:
-        raise RuntimeError("a choice of several is written from its request's tasks only")
-
-    async def flush(self) -> None:
-        await self.response.flush()
 
 
 # ---- ASGI plumbing -------------------------------------------------------------------------------

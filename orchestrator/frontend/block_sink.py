@@ -21,7 +21,7 @@ class BlockWriter(Protocol):
 
 class BlockSink:
     per_token = False  # blocks grow by whatever arrived together
-    can_write_now = False  # (no direct delivery)
+    direct = None  # written from the request's task only: no direct delivery
 
     def __init__(self, parser: StreamParser | None, writer: BlockWriter | None = None,
                  send: Callable[[bytes], object] | None = None) -> None:
@@ -33,20 +33,11 @@ class BlockSink:
         self.cached_tokens: int | None = None
         self.stop_text: str | None = None  # the stop string the answer ended on
 
-    async def delta(self, text, token_ids, logprobs) -> None:
-        await self._write(self.answer.feed(self._parse(text)))
-
     async def deltas(self, items: Sequence) -> None:
         events: list[BlockEvent] = []
         for text, _, _ in items:
             events += self.answer.feed(self._parse(text))
         await self._write(events)
-
-    def deltas_now(self, items) -> bool:
-        raise RuntimeError("a block answer is written from its request's task only")
-
-    async def flush(self) -> None:
-        pass
 
     def ending(self) -> None:
         pass

@@ -17,7 +17,7 @@ them directly, as one `ServerExtensions` in every `http` scope (`ServerExtension
   by whatever task calls it and without awaiting; False when the socket did not take all of it, and the
   rest then waits for the application's next `send` (an empty body will do), which it must await: that is
   the backpressure from a slow client. Only for a response that is started and not finished (else
-  RuntimeError). It is how direct delivery (orchestrator/decode/direct.py) writes a token from the engine
+  RuntimeError). It is how direct delivery (orchestrator/decode/progress.py) writes a token from the engine
   connection's reader task while the request's task waits.
 
 The application runs only under our server (the hypercorn mode is gone), so every scope has them.

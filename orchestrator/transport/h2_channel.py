@@ -5,8 +5,9 @@ ServerInfo, ModelInfo, Abort).
 Why: grpc.aio hands every streamed message from grpc's event-engine thread to its poller thread, to the
 asyncio loop thread and then to trio; each message costs about 30 µs of CPU in grpcio alone
 (benchmarks/cpu_cost.py prints the floor), and an idle health poll wakes four threads. Here the bytes
-arrive on trio's own thread: transport/http2.py parses the frames, we cut the gRPC length-prefixed messages
-and decode them.
+arrive on trio's own thread: transport/http2.py parses the frames into events, transport/grpc_framing.py cuts
+the gRPC length-prefixed messages and reads the status (both pure), and we act on them: decode the messages,
+hand them to the call's reader, end or fail the call.
 
 One H2Channel per worker keeps one connection, opened on first use and again after it failed; every
 stream of that worker is multiplexed on it. What of gRPC over HTTP/2 (PROTOCOL-HTTP2.md) it implements
@@ -52,8 +53,6 @@ from __future__ import annotations
 import collections
 import logging
 import ssl
-import urllib.parse
-import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -64,7 +63,18 @@ import trio
 from orchestrator.net.eager_receive import EagerReceiver
 from orchestrator.net.eager_send import EagerSender
 from orchestrator.transport import calls, http2
-from orchestrator.transport.errors import EngineError, from_grpc_status, grpc_status_from_number
+from orchestrator.transport.errors import EngineError, from_grpc_status
+from orchestrator.transport.grpc_framing import CallFailure, ResponseFraming, prefix
+from orchestrator.transport.http2 import (
+    CAPACITY_FREED,
+    DATA_RECEIVED,
+    GOAWAY_RECEIVED,
+    HEADERS_RECEIVED,
+    PING_ACKED,
+    STREAM_BROKEN,
+    STREAM_ENDED,
+    STREAM_RESET,
+)
 from orchestrator.transport.inbox import TrioInbox
 from orchestrator.transport.keepalive import KeepalivePolicy
 
@@ -75,17 +85,14 @@ log = logging.getLogger("orchestrator.engine")  # the engine client's logger: on
 # window is credited as bytes arrive, so that one slow reader never stalls the other streams.
 STREAM_RECEIVE_WINDOW = 1024 * 1024
 CONNECTION_RECEIVE_WINDOW = 16 * 1024 * 1024
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a response message above this fails its call, as grpcio's limit does
 _FRESH_CONNECTION_TRIES = 3  # a call that never started on a connection that went away tries a new one
 _READ_SIZE = 256 * 1024
-_HEADER = 5  # gRPC message prefix: 1 byte compressed flag, 4 bytes big-endian length
 
 
 class H2Stream(TrioInbox):
     """The messages of one call as they arrive, decoded; read with get_batch()."""
 
-    __slots__ = ("id", "rpc", "decode", "let_end", "unread", "_connection", "_buffer", "_status", "_message",
-                 "_encoding", "_outbound")
+    __slots__ = ("id", "rpc", "decode", "let_end", "unread", "response", "_connection", "_outbound")
 
     def __init__(self, rpc: str, decode: Callable[[bytes], Any], request: bytes):
         super().__init__()
@@ -94,12 +101,9 @@ class H2Stream(TrioInbox):
         self.decode = decode
         self.let_end = False  # the caller is done and the call is over but for its status: do not reset it
         self.unread = 0  # DATA bytes behind messages still queued for the reader: their credit waits for it
+        self.response = ResponseFraming()  # its messages cut and its status read (transport/grpc_framing.py)
         self._connection: WorkerConnection | None = None
-        self._buffer = bytearray()
-        self._status: int | None = None
-        self._message = ""
-        self._encoding = b"identity"  # the response's grpc-encoding: what its messages flagged compressed used
-        self._outbound = _prefix(request) + request
+        self._outbound = prefix(request) + request
 
     def _taken(self) -> None:
         if self.unread and self._connection is not None:  # the reader took them: the worker may send that much more
@@ -133,10 +137,6 @@ def _grpc_timeout(seconds: float) -> bytes:
     millis = max(1, int(seconds * 1000))
     value = f"{millis}m" if millis < 10**8 else f"{min(max(1, int(seconds)), 10**8 - 1)}S"
     return http2.encode_headers([(b"grpc-timeout", value.encode())])
-
-
-def _prefix(message: bytes) -> bytes:
-    return b"\x00" + len(message).to_bytes(4, "big")
 
 
 class H2Channel:
@@ -276,8 +276,8 @@ class WorkerConnection:
         self.receiver = EagerReceiver(transport)
         self.channel = channel
         self.scheme = scheme
-        self.framing = http2.ClientConnection(self, receive_window=STREAM_RECEIVE_WINDOW,
-                                           connection_window=CONNECTION_RECEIVE_WINDOW)
+        self.framing = http2.ClientConnection(receive_window=STREAM_RECEIVE_WINDOW,
+                                              connection_window=CONNECTION_RECEIVE_WINDOW)
         self.streams: dict[int, H2Stream] = {}
         self.usable = True  # false after GOAWAY or a failure: new streams go to a new connection
         self.goaway = ""  # the worker's GOAWAY, named for the errors of the calls it ends ("GOAWAY CODE: debug")
@@ -351,9 +351,13 @@ class WorkerConnection:
                 raise trio.BrokenResourceError("the worker closed the connection")
             self.last_arrival = trio.current_time()
             try:
-                self.framing.receive(data)
+                try:
+                    events = self.framing.receive(data)
+                except http2.ProtocolError as exc:
+                    self._act(exc.events)  # what came before the broken frame (the connection fails after it)
+                    raise
+                self._act(events)
             finally:
-                self._hand_over()
                 self._kick()  # acknowledgements, WINDOW_UPDATEs, more request body; a GOAWAY on an error
 
     async def _keepalive(self) -> None:
@@ -487,7 +491,71 @@ class WorkerConnection:
         if self.streams.pop(stream.id, None) is not None:
             self._on_capacity()
 
-    # ---- what the worker sent (transport/http2.py calls these) --------------------------------------
+    # ---- what the worker sent (transport/http2.py's events) -------------------------------------------
+    def _act(self, events: list[http2.Event]) -> None:
+        """Act on what one read meant, in order, then hand each stream's new messages to its reader together (one
+        wake-up, or one direct delivery: transport/inbox.py). A stream failed by an earlier event of the same read
+        (a message that does not decode, a bad status) is closed: what the read held for it after that is dropped,
+        as the framing drops what comes for a stream once we reset it."""
+        for kind, stream, detail in events:
+            if kind == DATA_RECEIVED:  # most events, a token each: handled here, without a call
+                if stream._closed:
+                    continue
+                self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (keepalive.py)
+                size = len(detail)
+                stream.unread += size
+                # ResponseFraming.data's usual case, one whole message in one frame, without the call (a call costs
+                # about as much as the rest of a token's work here); anything else goes through it.
+                if size >= 5 and detail[0] == 0 and int.from_bytes(detail[1:5], "big") == size - 5 \
+                        and not stream.response.pending:
+                    if not self._deliver(stream, detail[5:]):
+                        continue
+                elif not self._on_messages(stream, stream.response.data(detail)):
+                    continue
+                if not stream._items and stream.unread:  # nothing waits for the reader (a message in part, dropped)
+                    self._credit(stream)
+            elif kind == CAPACITY_FREED:
+                self._on_capacity()
+            elif kind == HEADERS_RECEIVED:
+                if not stream._closed:
+                    self._on_headers(stream, detail)
+            elif kind == STREAM_ENDED:
+                if not stream._closed:
+                    self._on_end(stream)
+            elif kind == STREAM_RESET:
+                if not stream._closed:
+                    self._on_reset(stream, detail)
+            elif kind == STREAM_BROKEN:
+                if not stream._closed:
+                    self._on_stream_error(stream, *detail)
+            elif kind == GOAWAY_RECEIVED:
+                self._on_goaway(*detail)
+            elif kind == PING_ACKED:
+                self._on_ping_ack(detail)
+        # (here, not in a method of its own: a call less per read)
+        arrived, self._arrived = self._arrived, []
+        for stream in arrived:
+            try:
+                stream.hand_over()
+            except Exception as exc:  # a bug in a reader's direct handler fails its own call, not the connection
+                log.exception("handing over the messages of %s stream %d from %s failed", stream.rpc, stream.id,
+                              self.channel.authority)
+                self._abandon(stream, exc)
+                continue
+            if not stream._items and stream.unread:  # the direct handler took them all
+                self._credit(stream)
+
+    def _on_messages(self, stream: H2Stream, messages: list[bytes]) -> bool:
+        """The messages ResponseFraming.data cut, to the reader; False when the call failed on one of them (or on
+        what followed them: the framing's `failure`)."""
+        for message in messages:
+            if not self._deliver(stream, message):
+                return False
+        if stream.response.failure is not None:
+            self._abandon(stream, self._failed(stream, stream.response.failure))
+            return False
+        return True
+
     def _on_capacity(self) -> None:
         self._slot_freed.set()
         self._slot_freed = trio.Event()
@@ -521,61 +589,6 @@ class WorkerConnection:
         if payload == self._ping_payload:  # an ACK of some other PING answers nothing we asked
             self._ping_answered.set()
 
-    def _on_data(self, stream: H2Stream, data: bytes) -> None:
-        self._pings_since_data = 0  # the worker sent DATA: its ping strikes are forgiven (transport/keepalive.py)
-        stream.unread += len(data)
-        buffer = stream._buffer
-        if not buffer and len(data) >= _HEADER and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5:
-            self._deliver(stream, data[5:])  # the usual case: one whole message in one frame
-        else:
-            buffer += data
-            while len(buffer) >= _HEADER:
-                flag, length = buffer[0], int.from_bytes(buffer[1:5], "big")
-                if length > MAX_MESSAGE_BYTES or (flag and (flag != 1 or stream._encoding not in _DECOMPRESSORS)):
-                    self._refuse_message(stream, flag, length)  # known from its prefix, before it is buffered
-                    return
-                if len(buffer) < _HEADER + length:
-                    break
-                payload = bytes(buffer[_HEADER:_HEADER + length])
-                del buffer[:_HEADER + length]
-                if flag:
-                    inflated = self._decompress(stream, payload)
-                    if inflated is None:
-                        return
-                    payload = inflated
-                if not self._deliver(stream, payload):
-                    return
-        if not stream._items and stream.unread:  # nothing waits for the reader (a message in part, or dropped)
-            self._credit(stream)
-
-    def _decompress(self, stream: H2Stream, payload: bytes) -> bytes | None:
-        """A message compressed with the response's grpc-encoding, inflated to at most MAX_MESSAGE_BYTES (a small
-        message can inflate to gigabytes); None when the call failed on it instead."""
-        inflater = _DECOMPRESSORS[stream._encoding]()
-        try:
-            message = inflater.decompress(payload, MAX_MESSAGE_BYTES + 1)
-        except zlib.error as exc:
-            self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a "
-                                              f"{stream._encoding.decode()} message that does not inflate: {exc}"))
-            return None
-        if len(message) > MAX_MESSAGE_BYTES:
-            self._abandon(stream, self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, stream, f"the worker sent a "
-                                              f"message that inflates above our limit of {MAX_MESSAGE_BYTES} bytes"))
-            return None
-        return message
-
-    def _refuse_message(self, stream: H2Stream, flag: int, length: int) -> None:
-        if flag == 1:
-            error = self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a compressed message with "
-                                f"grpc-encoding {stream._encoding.decode(errors='replace')!r}, which we do not inflate")
-        elif flag != 0:
-            error = self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent a message with flags {flag:#x}")
-        else:
-            error = self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, stream,
-                                f"the worker sent a message of {length} bytes, above our limit of {MAX_MESSAGE_BYTES}")
-        stream._buffer.clear()
-        self._abandon(stream, error)
-
     def _deliver(self, stream: H2Stream, payload: bytes) -> bool:
         try:
             item = stream.decode(payload)
@@ -590,62 +603,22 @@ class WorkerConnection:
             stream._items.append(item)
         return True
 
-    def _hand_over(self) -> None:
-        """Each stream's messages of one read go to its reader together (one wake-up, or one direct delivery:
-        transport/inbox.py)."""
-        arrived, self._arrived = self._arrived, []
-        for stream in arrived:
-            try:
-                stream.hand_over()
-            except Exception as exc:  # a bug in a reader's direct handler fails its own call, not the connection
-                log.exception("handing over the messages of %s stream %d from %s failed", stream.rpc, stream.id,
-                              self.channel.authority)
-                self._abandon(stream, exc)
-                continue
-            if not stream._items and stream.unread:  # the direct handler took them all
-                self._credit(stream)
-
     def _on_headers(self, stream: H2Stream, headers: list[tuple[bytes, bytes]]) -> None:
         self._pings_since_data = 0  # the worker sent HEADERS: its ping strikes are forgiven
-        http_status = content_type = grpc_status = None
-        for name, value in headers:
-            if name == b":status":
-                http_status = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-status":
-                grpc_status = value
-            elif name == b"grpc-message":
-                stream._message = urllib.parse.unquote(value.decode(errors="replace"))
-            elif name == b"grpc-encoding":
-                stream._encoding = value
-        if grpc_status is not None:
-            if not grpc_status.isdigit():  # this call's trailers are broken, not the connection
-                self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker sent grpc-status "
-                                                  f"{grpc_status.decode(errors='replace')!r}, not a number"))
-                return
-            stream._status = int(grpc_status)
-        elif http_status is not None and http_status != b"200":  # not a gRPC answer: a proxy's, or no gRPC server
-            status = _HTTP_TO_GRPC.get(http_status, grpc.StatusCode.UNKNOWN)
-            self._abandon(stream, self._error(status, stream, f"HTTP status {http_status.decode(errors='replace')} "
-                                                              f"from the worker"))
-            return
-        if http_status is not None and content_type is not None and not content_type.startswith(b"application/grpc"):
-            self._abandon(stream, self._error(grpc.StatusCode.INTERNAL, stream, f"the worker answered with "
-                                              f"content-type {content_type.decode(errors='replace')!r}, not gRPC"))
+        failure = stream.response.headers(headers)
+        if failure is not None:
+            self._abandon(stream, self._failed(stream, failure))
 
     def _on_end(self, stream: H2Stream) -> None:
-        if stream._buffer:
-            error = EngineError("the stream ended inside a message", worker=self.channel.worker, rpc=stream.rpc)
-        elif stream._status is None:
-            error = EngineError("the stream ended without a grpc-status", worker=self.channel.worker, rpc=stream.rpc)
-        elif stream._status == 0:
-            error = None
-        else:
-            error = from_grpc_status(grpc_status_from_number(stream._status), stream._message,
-                                     worker=self.channel.worker, rpc=stream.rpc)
-        stream._close(error)
+        failure = stream.response.end()
+        stream._close(None if failure is None else self._failed(stream, failure))
         self._forget(stream)
+
+    def _failed(self, stream: H2Stream, failure: CallFailure) -> EngineError:
+        """What a call fails with for what its response said (no status: a response that broke off)."""
+        if failure.status is None:
+            return EngineError(failure.why, worker=self.channel.worker, rpc=stream.rpc)
+        return self._error(failure.status, stream, failure.why)
 
     def _reset_error(self, stream: H2Stream, code: int) -> EngineError:
         # gRPC's mapping of HTTP/2 error codes: REFUSED_STREAM is safe to retry; CANCEL is a cancelled call.
@@ -671,19 +644,6 @@ class WorkerConnection:
             self._forget(stream)
 
 
-# The encodings of a compressed response we inflate. We ask for none (grpc-accept-encoding: identity): inflating
-# costs CPU on every token. But a grpc-core server with a default compression algorithm (grpc.aio.server's
-# `compression`) compresses whatever the client accepts: such a server is read as grpcio reads it.
-_DECOMPRESSORS = {b"gzip": lambda: zlib.decompressobj(wbits=31), b"deflate": lambda: zlib.decompressobj(wbits=15)}
-
-
 def unavailable(why: str, *, worker: str, rpc: str) -> EngineError:
     """What grpcio reports for a worker it cannot reach (WorkerUnavailable, retryable)."""
     return from_grpc_status(grpc.StatusCode.UNAVAILABLE, why, worker=worker, rpc=rpc)
-
-
-# gRPC's mapping of HTTP statuses from a server that is not a gRPC server (or a proxy in front of one).
-_HTTP_TO_GRPC = {b"400": grpc.StatusCode.INTERNAL, b"401": grpc.StatusCode.UNAUTHENTICATED,
-                 b"403": grpc.StatusCode.PERMISSION_DENIED, b"404": grpc.StatusCode.UNIMPLEMENTED,
-                 b"429": grpc.StatusCode.UNAVAILABLE, b"502": grpc.StatusCode.UNAVAILABLE,
-                 b"503": grpc.StatusCode.UNAVAILABLE, b"504": grpc.StatusCode.UNAVAILABLE}

@@ -1,4 +1,4 @@
-"""The client side of HTTP/2 (RFC 9113) for gRPC calls: frames in, callbacks out, bytes to send. No I/O.
+"""The client side of HTTP/2 (RFC 9113) for gRPC calls: frames in, events out, bytes to send. No I/O.
 
 Why our own and not h2: h2 is a complete, general state machine and costs about 100 µs of CPU to open
 and close one stream and 8 µs per DATA frame (benchmarks/engine_client.py); a gRPC client needs a small
@@ -43,13 +43,17 @@ What it deliberately does not do:
   frames (a worker is not an adversary; what it can make us hold is bounded per frame, header block, stream
   window and message).
 The caller (transport/h2_channel.py) owns the socket and the streams' meaning; each stream is an opaque
-handle given to open_stream() and handed back to the callbacks.
+handle given to open_stream() and handed back in the events. As h11 and h2 do, `receive(data)` returns what the
+bytes meant as a list of events, in order, after it has parsed them all: the caller acts on them with the framing
+in a consistent state, and nothing it does then (a reset, a credit) can change a parse under way. A stream the
+caller reset (reset()) gets no events from the next receive() on; those already returned are the caller's to
+skip.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import hpack
 
@@ -82,28 +86,37 @@ STREAMS_BEFORE_SETTINGS = 100
 
 
 class ProtocolError(Exception):
-    """The peer broke HTTP/2; the connection is over (a GOAWAY with `code` is queued)."""
+    """The peer broke HTTP/2; the connection is over (a GOAWAY with `code` is queued). `events`: what the bytes
+    before the broken frame meant, in order (set by receive())."""
 
     def __init__(self, message: str, code: int = PROTOCOL_ERROR):
         super().__init__(f"{message} ({ERROR_NAMES.get(code, hex(code))})")
         self.code = code
+        self.events: list[Event] = []
 
 
 def error_name(code: int) -> str:
     return ERROR_NAMES.get(code, f"error code {code:#x}")
 
 
-class Events(Protocol):
-    """What the connection reports; `handle` is what was given to open_stream()."""
-
-    def _on_headers(self, handle: Any, headers: list[tuple[bytes, bytes]]) -> None: ...
-    def _on_data(self, handle: Any, data: bytes) -> None: ...  # give credit back with consumed() once it is read
-    def _on_end(self, handle: Any) -> None: ...
-    def _on_reset(self, handle: Any, code: int) -> None: ...  # the peer reset the stream
-    def _on_stream_error(self, handle: Any, code: int, why: str) -> None: ...  # we reset it: it broke HTTP/2
-    def _on_goaway(self, code: int, debug: bytes, refused: list[Any]) -> None: ...
-    def _on_ping_ack(self, payload: bytes) -> None: ...
-    def _on_capacity(self) -> None: ...  # a window opened or a stream slot was freed
+# ---- what receive() reports: events, (kind, handle, detail) ---------------------------------------------------
+# `handle` is what was given to open_stream() (None for an event of the connection). Plain tuples of one shape, not
+# classes: one is made per DATA frame, that is per streamed token, and a tuple is the cheapest object Python makes;
+# a class's __init__, or a test of the kind before the tuple is unpacked, costs as much as the rest of what the
+# framing and h2_channel.py do with a token (benchmarks/instruction_cost.py). The kinds, and their details:
+HEADERS_RECEIVED = 0  # headers: the response's header block, or its trailers (END_STREAM then follows as
+#                       STREAM_ENDED), (name, value) byte pairs
+DATA_RECEIVED = 1  # data: DATA of the response, never empty, padding removed; give its credit back with consumed()
+#                    once it is read
+STREAM_ENDED = 2  # None: the peer ended the stream; the connection forgot it
+STREAM_RESET = 3  # code: the peer reset the stream (RST_STREAM)
+STREAM_BROKEN = 4  # (code, why): we reset the stream with `code`: its frames broke HTTP/2 (RFC 9113 §5.4.2)
+GOAWAY_RECEIVED = 5  # (code, debug, refused), handle None: GOAWAY, and the handles of the streams above its last id
+#                      (forgotten)
+PING_ACKED = 6  # payload, handle None: the ACK of a PING of ours, for the caller to match to the PING it sent
+CAPACITY_FREED = 7  # None, handle None: a window opened or a stream slot was freed (at most one per receive(), last)
+Event = tuple[int, Any, Any]
+_CAPACITY_FREED: Event = (CAPACITY_FREED, None, None)
 
 
 # ---- HPACK, our side: literals without indexing, so we never touch the peer's dynamic table ---------
@@ -214,11 +227,12 @@ class _Stream:
 class ClientConnection:
     """One HTTP/2 client connection: feed it bytes with receive(), take bytes with data_to_send()."""
 
-    def __init__(self, events: Events, *, receive_window: int = DEFAULT_WINDOW, connection_window: int | None = None,
+    def __init__(self, *, receive_window: int = DEFAULT_WINDOW, connection_window: int | None = None,
                  max_header_list_size: int = 64 * 1024):
         """`receive_window`: each stream's (SETTINGS_INITIAL_WINDOW_SIZE, at least the default 65,535), given back
         as the reader consumes; `connection_window`: the connection's, given back as bytes arrive."""
-        self.events = events
+        self._events: list[Event] = []  # what the bytes of the receive() under way meant
+        self._capacity_freed = False  # ... and whether a window opened or a slot was freed meanwhile
         self.receive_window = receive_window
         self.connection_window = connection_window or receive_window
         self.max_header_list_size = max_header_list_size
@@ -335,37 +349,42 @@ class ClientConnection:
                 self._sending.remove(stream)
 
     # ---- the peer's side -------------------------------------------------------------------------
-    def receive(self, data: bytes) -> None:
-        """Take bytes from the peer; reports what they mean through the callbacks."""
-        try:
-            self._receive(data)
+    def receive(self, data: bytes) -> list[Event]:
+        """Take bytes from the peer; what they meant, in order (a frame cut by the end of `data` waits for the
+        rest). Raises ProtocolError when they break the connection (with the events before the broken frame)."""
+        events: list[Event] = []
+        self._events = events
+        buffer = self._in + data if self._in else data
+        at, size = 0, len(buffer)
+        try:  # (one function, not a wrapper around the loop: a call less per read)
+            while size - at >= 9:
+                length_high, length_low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(buffer, at)
+                length = length_high << 16 | length_low
+                if length > DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE above the default
+                    raise ProtocolError(f"a frame of {length} bytes, above our maximum of {DEFAULT_MAX_FRAME}",
+                                        FRAME_SIZE_ERROR)
+                end = at + 9 + length
+                if end > size:
+                    break
+                stream_id &= 0x7fffffff
+                payload = buffer[at + 9:end]
+                at = end
+                if self._headers is not None and kind != CONTINUATION:
+                    raise ProtocolError("a header block was interrupted by another frame")
+                if kind == DATA:
+                    self._on_data(stream_id, flags, payload)
+                else:
+                    self._on_frame(kind, flags, stream_id, payload)
         except ProtocolError as exc:
             self.going_away = True
             self._goaway(exc.code)
+            exc.events = events
             raise
-
-    def _receive(self, data: bytes) -> None:
-        buffer = self._in + data if self._in else data
-        at, size = 0, len(buffer)
-        while size - at >= 9:
-            length_high, length_low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(buffer, at)
-            length = length_high << 16 | length_low
-            if length > DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE above the default
-                raise ProtocolError(f"a frame of {length} bytes, above our maximum of {DEFAULT_MAX_FRAME}",
-                                    FRAME_SIZE_ERROR)
-            end = at + 9 + length
-            if end > size:
-                break
-            stream_id &= 0x7fffffff
-            payload = buffer[at + 9:end]
-            at = end
-            if self._headers is not None and kind != CONTINUATION:
-                raise ProtocolError("a header block was interrupted by another frame")
-            if kind == DATA:
-                self._on_data(stream_id, flags, payload)
-            else:
-                self._on_frame(kind, flags, stream_id, payload)
         self._in = buffer[at:]
+        if self._capacity_freed:
+            self._capacity_freed = False
+            events.append(_CAPACITY_FREED)
+        return events
 
     def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id == 0:
@@ -397,8 +416,8 @@ class ClientConnection:
         if length != len(payload):  # padding is never read by anyone: its credit goes back at once
             self.consumed(stream_id, length - len(payload))
         if payload:
-            self.events._on_data(stream.handle, payload)
-        if flags & END_STREAM and stream_id in self.streams:  # (the reader may have given up on it just now)
+            self._events.append((DATA_RECEIVED, stream.handle, payload))
+        if flags & END_STREAM:
             self._end(stream_id)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
@@ -430,7 +449,7 @@ class ClientConnection:
             if stream_id != 0 or len(payload) != 8:
                 raise ProtocolError("a PING frame must be 8 bytes on stream 0", FRAME_SIZE_ERROR)
             if flags & ACK:
-                self.events._on_ping_ack(payload)
+                self._events.append((PING_ACKED, None, payload))
             else:
                 self._out += frame(PING, ACK, 0, payload)
         elif kind == RST_STREAM:
@@ -440,8 +459,8 @@ class ClientConnection:
             if stream is not None:
                 if stream in self._sending:
                     self._sending.remove(stream)
-                self.events._on_reset(stream.handle, int.from_bytes(payload, "big"))
-                self.events._on_capacity()
+                self._events.append((STREAM_RESET, stream.handle, int.from_bytes(payload, "big")))
+                self._capacity_freed = True
             else:
                 self._check_known(stream_id)
         elif kind == GOAWAY:
@@ -482,8 +501,8 @@ class ClientConnection:
         elif not flags & END_STREAM:
             self._stream_error(stream, PROTOCOL_ERROR, "trailers without END_STREAM")
             return
-        self.events._on_headers(stream.handle, headers)
-        if flags & END_STREAM and stream_id in self.streams:
+        self._events.append((HEADERS_RECEIVED, stream.handle, headers))
+        if flags & END_STREAM:
             self._end(stream_id)
 
     def _decode_block(self, block: bytes) -> list[tuple[bytes, bytes]]:
@@ -510,8 +529,8 @@ class ClientConnection:
         stream = self.streams.pop(stream_id)
         if stream in self._sending:  # the server answered before taking the whole request
             self._sending.remove(stream)
-        self.events._on_end(stream.handle)
-        self.events._on_capacity()
+        self._events.append((STREAM_ENDED, stream.handle, None))
+        self._capacity_freed = True
 
     def _stream_error(self, stream: _Stream, code: int, why: str) -> None:
         """A frame that breaks one stream (RFC 9113 §5.4.2): RST_STREAM(code), reported, forgotten; the connection
@@ -520,8 +539,8 @@ class ClientConnection:
         if stream in self._sending:
             self._sending.remove(stream)
         self._out += frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
-        self.events._on_stream_error(stream.handle, code, f"{why} ({error_name(code)})")
-        self.events._on_capacity()
+        self._events.append((STREAM_BROKEN, stream.handle, (code, f"{why} ({error_name(code)})")))
+        self._capacity_freed = True
 
     def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id != 0:
@@ -558,7 +577,7 @@ class ClientConnection:
             self.max_concurrent_streams = limit
         self._out += frame(SETTINGS, ACK, 0)
         self._send_bodies()
-        self.events._on_capacity()
+        self._capacity_freed = True
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -582,7 +601,7 @@ class ClientConnection:
             self._check_known(stream_id)
             return
         self._send_bodies()
-        self.events._on_capacity()
+        self._capacity_freed = True
 
     def _on_goaway(self, payload: bytes) -> None:
         last = int.from_bytes(payload[:4], "big") & 0x7fffffff
@@ -594,7 +613,7 @@ class ClientConnection:
             if stream in self._sending:
                 self._sending.remove(stream)
             handles.append(stream.handle)
-        self.events._on_goaway(int.from_bytes(payload[4:8], "big"), bytes(payload[8:]), handles)
+        self._events.append((GOAWAY_RECEIVED, None, (int.from_bytes(payload[4:8], "big"), bytes(payload[8:]), handles)))
 
     def _unpad(self, payload: bytes) -> bytes:
         if not payload or payload[0] >= len(payload):

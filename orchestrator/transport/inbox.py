@@ -9,8 +9,8 @@ must not run ahead of the reader (H2Stream: HTTP/2 flow control) learns there th
 Direct delivery: while the reader waits with nothing queued, `hand_over()` gives what arrived to the
 reader's `direct` handler, called right there in the producing task, instead of waking the reader.
 Waking a task and switching to it costs about as much as everything else a streamed token needs; the
-handler (decode/direct.py's DirectTokens, whose docstring is the whole contract) writes the tokens to
-the client in place. It returns None when it has dealt with the whole batch, or what the reader must
+handler (decode/progress.py's StreamProgress.deliver; that module's docstring is the whole contract) writes
+the tokens to the client in place. It returns None when it has dealt with the whole batch, or what the reader must
 get instead (the batch itself when it declines it): that is queued and the reader woken, as without a
 handler. It runs only while the reader is parked in get_batch, so never concurrently with the reader's
 own handling of a batch.

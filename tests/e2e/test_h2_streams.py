@@ -13,7 +13,7 @@ import trio.testing
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.testkit.plugin import wait_for_load
-from orchestrator.transport import h2_channel as h2_streams
+from orchestrator.transport import grpc_framing, http2
 from orchestrator.transport.h2_channel import H2Stream, WorkerConnection
 from sim_helpers import read_to_finished
 
@@ -31,6 +31,12 @@ class _Channel:
     worker, authority = "w", "127.0.0.1:1"
 
 
+def data_frame(connection: WorkerConnection, stream: H2Stream, data: bytes) -> None:
+    """The connection acting on a read of one DATA frame's payload for `stream`, as transport/http2.py reports it
+    (then its messages go to the reader)."""
+    connection._act([(http2.DATA_RECEIVED, stream, data)])
+
+
 def bare_connection() -> WorkerConnection:
     # no socket, and a stand-in for the channel: what the frame parsing reads of them
     return WorkerConnection(transport=None, channel=_Channel(), scheme="http")  # type: ignore[arg-type]
@@ -45,8 +51,8 @@ def test_messages_are_cut_from_data_frames_whatever_their_split(seed):
     cuts = sorted(rng.sample(range(1, len(wire)), k=min(len(wire) - 1, rng.randint(0, 8))))
     connection, stream = bare_connection(), H2Stream("Generate", g.GenerateResponse.FromString, b"")
     for start, end in zip([0, *cuts], [*cuts, len(wire)]):
-        connection._on_data(stream, wire[start:end])
-    assert list(stream._items) == messages and not stream._buffer and not stream.closed
+        data_frame(connection, stream, wire[start:end])
+    assert list(stream._items) == messages and not stream.response.pending and not stream.closed
 
 
 async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads_only_events():
@@ -60,10 +66,10 @@ async def test_a_message_that_decodes_to_nothing_is_dropped_and_the_stream_reads
                 g.GenerateResponse(token=g.TokenOutput(tokens=[g.TokenInfo(token_id=7)])),
                 g.GenerateResponse(prompt=g.PromptOutput()),
                 g.GenerateResponse(finished=g.GenerationFinished(reason=g.FINISH_REASON_LENGTH))]
-    connection._on_data(stream, framed(messages[0].SerializeToString()))
+    data_frame(connection, stream, framed(messages[0].SerializeToString()))
     assert not stream._items
     for message in messages[1:]:
-        connection._on_data(stream, framed(message.SerializeToString()))
+        data_frame(connection, stream, framed(message.SerializeToString()))
     batch = await GenerateStream(stream).next_batch()
     assert batch == [ev.Tokens((7,)), ev.Finished(reason=g.FINISH_REASON_LENGTH)]
 
@@ -89,20 +95,17 @@ async def test_the_messages_of_one_read_reach_a_waiting_reader_together_through_
 
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
-        connection._on_data(stream, framed(one.SerializeToString()) + framed(two.SerializeToString()))
-        connection._hand_over()
+        data_frame(connection, stream, framed(one.SerializeToString()) + framed(two.SerializeToString()))
         await trio.testing.wait_all_tasks_blocked()
         assert handed == [[one, two]] and woken == []  # dealt with in place: the reader never woke
         leave.append("what the reader must see")
-        connection._on_data(stream, framed(three.SerializeToString()))
-        connection._hand_over()
+        data_frame(connection, stream, framed(three.SerializeToString()))
         await trio.testing.wait_all_tasks_blocked()
         assert handed == [[one, two], [three]] and woken == [["what the reader must see"]]
         stream._close(None)
     stream.direct = None  # without a handler, a read's messages wake the reader once, together
     plain = H2Stream("Generate", g.GenerateResponse.FromString, b"")
-    connection._on_data(plain, framed(one.SerializeToString()) + framed(two.SerializeToString()))
-    connection._hand_over()
+    data_frame(connection, plain, framed(one.SerializeToString()) + framed(two.SerializeToString()))
     assert await plain.get_batch() == [one, two]
 
 
@@ -128,9 +131,7 @@ async def test_a_direct_handler_that_fails_fails_its_own_call_and_not_the_connec
         nursery.start_soon(read, "broken", broken)
         nursery.start_soon(read, "healthy", healthy)
         await trio.testing.wait_all_tasks_blocked()
-        connection._on_data(broken, message)
-        connection._on_data(healthy, message)
-        connection._hand_over()
+        connection._act([(http2.DATA_RECEIVED, broken, message), (http2.DATA_RECEIVED, healthy, message)])
         await trio.testing.wait_all_tasks_blocked()
         assert outcome == {"broken": bug} and broken.closed and len(handed) == 1 and not healthy.closed
         healthy._close(None)
@@ -140,21 +141,21 @@ async def test_a_direct_handler_that_fails_fails_its_own_call_and_not_the_connec
 def test_a_compressed_or_undecodable_message_fails_the_call_with_a_clear_error():
     connection = bare_connection()
     compressed = H2Stream("Generate", g.GenerateResponse.FromString, b"")
-    connection._on_data(compressed, b"\x01" + (3).to_bytes(4, "big") + b"abc")
+    data_frame(connection, compressed, b"\x01" + (3).to_bytes(4, "big") + b"abc")
     assert compressed.closed and "compressed" in str(compressed._error)
     garbage = H2Stream("Generate", g.GenerateResponse.FromString, b"")
-    connection._on_data(garbage, framed(b"\xff\xff\xff"))
+    data_frame(connection, garbage, framed(b"\xff\xff\xff"))
     assert garbage.closed and "does not decode" in str(garbage._error)
 
 
 def test_a_message_is_refused_from_its_prefix_above_64_mib_and_not_at_it():
     connection = bare_connection()
     at_limit, above = (H2Stream("Generate", g.GenerateResponse.FromString, b"") for _ in range(2))
-    connection._on_data(at_limit, b"\x00" + h2_streams.MAX_MESSAGE_BYTES.to_bytes(4, "big") + b"part of it")
-    connection._on_data(above, b"\x00" + (h2_streams.MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"part of it")
-    assert not at_limit.closed and len(at_limit._buffer) == 15  # waiting for the rest
+    data_frame(connection, at_limit, b"\x00" + grpc_framing.MAX_MESSAGE_BYTES.to_bytes(4, "big") + b"part of it")
+    data_frame(connection, above, b"\x00" + (grpc_framing.MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"part of it")
+    assert not at_limit.closed and len(at_limit.response.pending) == 15  # waiting for the rest
     assert isinstance(above._error, EngineError) and above._error.grpc_status is not None
-    assert above.closed and above._error.grpc_status.name == "RESOURCE_EXHAUSTED" and not above._buffer
+    assert above.closed and above._error.grpc_status.name == "RESOURCE_EXHAUSTED" and not above.response.pending
 
 
 def test_only_the_ack_of_our_own_ping_answers_it():
@@ -188,7 +189,7 @@ def test_a_stream_that_ends_without_status_or_inside_a_message_is_an_error():
     assert "without a grpc-status" in str(no_status._error)
     cut = H2Stream("Generate", g.GenerateResponse.FromString, b"")
     connection._on_headers(cut, [(b"grpc-status", b"0")])
-    connection._on_data(cut, framed(b"\x08\x01")[:4])
+    data_frame(connection, cut, framed(b"\x08\x01")[:4])
     connection._on_end(cut)
     assert "inside a message" in str(cut._error)
 

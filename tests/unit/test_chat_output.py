@@ -139,7 +139,7 @@ async def streamed(api, parser, pieces, reason="stop"):
     sink = _StreamingSink(response, fmt.ChunkWriter("chat", "chatcmpl-1", "m", 0), api, str,
                           per_token=True, parser=parser)
     for piece in pieces:
-        await sink.delta(piece, (), ())
+        await sink.deltas([(piece, (), ())])
     await sink.finish(reason, 3, len(pieces))
     await response.end_stream()
     return wire.events()
@@ -169,7 +169,7 @@ def accumulate(events: list[dict]) -> dict:
 async def whole(api, parser, pieces, reason="stop"):
     sink = _CollectingSink("chat", api, str, parser=parser)
     for piece in pieces:
-        await sink.delta(piece, (), ())
+        await sink.deltas([(piece, (), ())])
     await sink.finish(reason, 3, len(pieces))
     body = sink.response("chatcmpl-1", "m", 0)
     ChatCompletion.model_validate(body)

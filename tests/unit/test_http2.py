@@ -27,35 +27,49 @@ class Recorder:
         self.log: list[tuple] = []
         self.consumer: http2.ClientConnection | None = None
 
-    def _on_headers(self, handle, headers):
-        self.log.append(("headers", handle, headers))
-
-    def _on_data(self, handle, data):
-        self.log.append(("data", handle, data))
-        if self.consumer is not None:  # a reader that takes every message at once: credit goes back as it reads
-            stream_id = next(i for i, stream in self.consumer.streams.items() if stream.handle == handle)
-            self.consumer.consumed(stream_id, len(data))
-
-    def _on_end(self, handle):
-        self.log.append(("end", handle))
-
-    def _on_reset(self, handle, code):
-        self.log.append(("reset", handle, code))
-
-    def _on_stream_error(self, handle, code, why):
-        self.log.append(("stream_error", handle, code))
-
-    def _on_goaway(self, code, debug, refused):
-        self.log.append(("goaway", code, debug, refused))
-
-    def _on_ping_ack(self, payload):
-        self.log.append(("ping_ack", payload))
-
-    def _on_capacity(self):
-        pass  # called often; what it signals is checked through can_open and the windows
+    def record(self, events: list[http2.Event]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == http2.HEADERS_RECEIVED:
+                self.log.append(("headers", event[1], event[2]))
+            elif kind == http2.DATA_RECEIVED:
+                self.log.append(("data", event[1], event[2]))
+                if self.consumer is not None:  # a reader that takes every message at once: credit goes back
+                    streams = self.consumer.streams.items()
+                    stream_id = next((i for i, stream in streams if stream.handle == event[1]), None)
+                    if stream_id is not None:  # (not if the same read ended it)
+                        self.consumer.consumed(stream_id, len(event[2]))
+            elif kind == http2.STREAM_ENDED:
+                self.log.append(("end", event[1]))
+            elif kind == http2.STREAM_RESET:
+                self.log.append(("reset", event[1], event[2]))
+            elif kind == http2.STREAM_BROKEN:
+                self.log.append(("stream_error", event[1], event[2][0]))
+            elif kind == http2.GOAWAY_RECEIVED:
+                self.log.append(("goaway", *event[2]))
+            elif kind == http2.PING_ACKED:
+                self.log.append(("ping_ack", event[2]))
+            # CAPACITY_FREED: reported often; what it signals is checked through can_open and the windows
 
     def of(self, kind):
         return [entry for entry in self.log if entry[0] == kind]
+
+
+class RecordingConnection(http2.ClientConnection):
+    """Our framing, with the events each receive() returns recorded in order (those before a ProtocolError too)."""
+
+    def __init__(self, recorder: Recorder, **options):
+        super().__init__(**options)
+        self.recorder = recorder
+
+    def receive(self, data: bytes) -> list[http2.Event]:
+        try:
+            events = super().receive(data)
+        except http2.ProtocolError as exc:
+            self.recorder.record(exc.events)
+            raise
+        self.recorder.record(events)
+        return events
 
 
 class Pair:
@@ -64,8 +78,8 @@ class Pair:
     def __init__(self, receive_window=http2.DEFAULT_WINDOW, server_settings=None, auto_ack=True, consume=True,
                  connection_window=None):
         self.events = Recorder()
-        self.client = http2.ClientConnection(self.events, receive_window=receive_window,
-                                             connection_window=connection_window)
+        self.client = RecordingConnection(self.events, receive_window=receive_window,
+                                          connection_window=connection_window)
         self.events.consumer = self.client if consume else None
         self.server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
         self.auto_ack = auto_ack
@@ -133,13 +147,72 @@ def test_every_split_of_the_bytes_reports_the_same_events():
         pair.server.send_headers(stream_id, [(b"grpc-status", b"0"), (b"grpc-message", b"fine")], end_stream=True)
     wire = pair.server.data_to_send()
     recorder = Recorder()
-    byte_by_byte = http2.ClientConnection(recorder)
+    byte_by_byte = RecordingConnection(recorder)
     for handle in ("a", "b"):
         byte_by_byte.open_stream(handle, BLOCK, b"body")
     for at in range(len(wire)):
         byte_by_byte.receive(wire[at:at + 1])
     pair.client.receive(wire)
     assert recorder.log == pair.events.log and len(pair.events.of("end")) == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=400), max_size=12))
+def test_receive_returns_the_same_events_for_every_split_of_the_bytes(cuts):
+    """The events are values: whatever the reads, their concatenation is what one read of everything returns."""
+    wire = _two_calls_answered()
+    whole = http2.ClientConnection()
+    for handle in ("a", "b"):
+        whole.open_stream(handle, BLOCK, b"body")
+    expected = whole.receive(wire)
+    split = http2.ClientConnection()
+    for handle in ("a", "b"):
+        split.open_stream(handle, BLOCK, b"body")
+    events, at = [], 0
+    for cut in [*sorted(set(cuts)), len(wire)]:
+        if at < cut <= len(wire):
+            events += split.receive(wire[at:cut])
+            at = cut
+    capacity = (http2.CAPACITY_FREED, None, None)
+    assert [e for e in events if e != capacity] == [e for e in expected if e != capacity]
+    assert expected[-1] == capacity and expected.count(capacity) == 1
+    assert [e[0] for e in expected[:5]] == [http2.HEADERS_RECEIVED, http2.DATA_RECEIVED, http2.HEADERS_RECEIVED,
+                                            http2.STREAM_ENDED, http2.HEADERS_RECEIVED]
+
+
+def _two_calls_answered() -> bytes:
+    """What an h2 server sends back to two calls (streams 1 and 3): headers, padded DATA, trailers, each."""
+    pair = Pair()
+    for handle in ("a", "b"):
+        pair.client.open_stream(handle, BLOCK, b"body")
+    pair.to_server()
+    for stream_id in (1, 3):
+        pair.server.send_headers(stream_id, [(b":status", b"200")])
+        pair.server.send_data(stream_id, b"m" * 40, pad_length=3)
+        pair.server.send_headers(stream_id, [(b"grpc-status", b"0"), (b"grpc-message", b"fine")], end_stream=True)
+    return pair.server.data_to_send()
+
+
+def test_events_of_a_stream_reset_by_the_caller_stop_with_the_next_receive():
+    """A caller that resets a stream while acting on a read's events skips that read's remaining events of it
+    itself; the framing reports nothing of it from the next read on."""
+    wire = _two_calls_answered()
+    connection = http2.ClientConnection()
+    for handle in ("a", "b"):
+        connection.open_stream(handle, BLOCK, b"body")
+    connection.reset(1)
+    events = connection.receive(wire)
+    assert {e[1] for e in events} == {"b", None} and (http2.CAPACITY_FREED, None, None) in events
+
+
+def test_the_events_before_a_broken_frame_come_with_the_protocol_error():
+    pair = Pair()
+    pair.client.open_stream("s", BLOCK, b"x")
+    pair.pump()
+    pair.server.send_headers(1, [(b":status", b"200")])
+    with pytest.raises(http2.ProtocolError) as info:
+        http2.ClientConnection.receive(pair.client, pair.server.data_to_send() + http2.frame(http2.DATA, 0, 0, b"x"))
+    assert info.value.events == [(http2.HEADERS_RECEIVED, "s", [(b":status", b"200")])]
 
 
 def test_a_body_larger_than_the_windows_waits_for_window_updates_and_arrives_whole():
@@ -270,14 +343,14 @@ def test_unknown_frame_types_and_priority_frames_are_ignored():
 
 
 def test_stream_ids_running_out_makes_the_connection_take_no_new_streams():
-    connection = http2.ClientConnection(Recorder())
+    connection = RecordingConnection(Recorder())
     connection.next_stream_id = http2.MAX_STREAM_ID
     assert connection.open_stream("last", BLOCK, b"") == http2.MAX_STREAM_ID
     assert not connection.can_open
 
 
 def _opened() -> http2.ClientConnection:
-    connection = http2.ClientConnection(Recorder())
+    connection = RecordingConnection(Recorder())
     connection.initiate()
     connection.open_stream("s", BLOCK, b"x")
     connection.data_to_send()
@@ -391,7 +464,7 @@ def test_a_block_said_to_leave_the_table_alone_does(blocks, table_size):
 
 
 def test_bytes_that_could_not_be_sent_go_out_first_next_time():
-    connection = http2.ClientConnection(Recorder())
+    connection = RecordingConnection(Recorder())
     connection.initiate()
     preface = connection.data_to_send()
     assert not connection.wants_to_send
@@ -487,7 +560,7 @@ def test_an_initial_window_size_that_overflows_an_open_streams_window_is_a_conne
 def test_until_the_server_settings_arrive_at_most_100_streams_are_opened():
     """RFC 9113 §5.1.2 recommends a limit of no less than 100; before the server names its own, a burst at connect
     above that would be refused by a server whose limit is 100."""
-    connection = http2.ClientConnection(Recorder())
+    connection = RecordingConnection(Recorder())
     connection.initiate()
     for handle in range(100):
         connection.open_stream(handle, BLOCK, b"")
@@ -498,7 +571,7 @@ def test_until_the_server_settings_arrive_at_most_100_streams_are_opened():
     server.receive_data(connection.data_to_send())
     connection.receive(server.data_to_send())
     assert connection.can_open and connection.max_concurrent_streams == 250
-    silent = http2.ClientConnection(Recorder())  # SETTINGS without a limit: none
+    silent = RecordingConnection(Recorder())  # SETTINGS without a limit: none
     silent.receive(http2.frame(http2.SETTINGS, 0, 0))
     assert silent.max_concurrent_streams > 10**9
 

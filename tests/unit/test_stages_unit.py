@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from orchestrator.convert import parse_chat, serves_features
-from orchestrator.decode import StreamState
-from orchestrator.decode.stage import DecodeStage, MidStreamFailure
+from orchestrator.decode import StreamProgress
+from orchestrator.decode.stage import DecodeLeg, DecodeStage, MidStreamFailure
 from orchestrator.engine import EngineError, Failed, Finished, PrefillReady, Tokens, WorkerUnavailable
 from orchestrator.engine.events import FinishReason
 from orchestrator.errors import NoWorkerAvailable, RequestTimedOut
@@ -53,22 +53,13 @@ def decode_tokens(n=3, gap=0.01):
 
 class Sink:
     per_token = False
-    can_write_now = False  # the fakes' streams hand nothing over directly
+    direct = None  # the fakes' streams hand nothing over directly
 
     def __init__(self):
         self.text, self.finished = "", None
 
-    async def delta(self, text, token_ids, logprobs):
-        self.text += text
-
     async def deltas(self, items):
         self.text += "".join(text for text, _, _ in items)
-
-    def deltas_now(self, items) -> bool:
-        raise AssertionError("no direct delivery here")
-
-    async def flush(self):
-        pass
 
     def ending(self):
         pass
@@ -162,10 +153,10 @@ async def test_a_prefill_that_finishes_while_being_cancelled_releases_its_sessio
 # ---- the decode stage ---------------------------------------------------------------------------------
 
 async def run_decode(decode, worker, leg, lease=None):
-    sink, state = Sink(), StreamState()
-    await decode.run(worker, leg, sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
-                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease)
-    return sink, state
+    sink = Sink()
+    progress = StreamProgress(sink, IncrementalDetokenizer(TOKENIZER))
+    await decode.run(DecodeLeg(worker, leg, 3, on_chunk=lambda tokens: None, lease=lease), progress)
+    return sink, progress
 
 
 def lease_on(pool):
@@ -202,10 +193,10 @@ async def test_a_retry_goes_only_to_a_worker_that_serves_the_requests_features(a
     api = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                       "response_format": {"type": "json_object"}})
     first = next(w for w in workers(pool, "decode") if w.client is d0)
-    sink, state = Sink(), StreamState()
-    await decode.run(first, generation_leg(full(), SESSION), sink, state, detokenizer=IncrementalDetokenizer(TOKENIZER),
-                     on_chunk=lambda tokens: None, prompt_tokens=3, lease=lease_on(pool),
-                     accepts=lambda w: serves_features(api, w.client.caps))
+    sink = Sink()
+    await decode.run(DecodeLeg(first, generation_leg(full(), SESSION), 3, on_chunk=lambda tokens: None,
+                               lease=lease_on(pool), accepts=lambda w: serves_features(api, w.client.caps)),
+                     StreamProgress(sink, IncrementalDetokenizer(TOKENIZER)))
     assert sink.finished == ("length", 2) and plain.generated() == [] and len(guided.generated()) == 1
 
 

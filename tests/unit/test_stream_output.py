@@ -14,8 +14,8 @@ import pytest
 import trio
 import trio.testing
 
-from orchestrator.decode.deltas import StreamState
-from orchestrator.decode.output import ReplayedStream, finish_reason, stream_output
+from orchestrator.decode.output import ReplayedStream, stream_output
+from orchestrator.decode.progress import StreamProgress
 from orchestrator.engine import Finished, Tokens
 from orchestrator.engine.client import GenerateStream
 from orchestrator.engine.events import TokenLogprob
@@ -37,10 +37,6 @@ class RecordingSink:
         self.writes = 0  # calls, as a streaming sink makes one socket write per call
         self.ended_after: int | None = None  # deltas received before ending() was called
 
-    async def delta(self, text, token_ids, logprobs):
-        self.writes += 1
-        self.received.append((text, tuple(token_ids), tuple(logprobs)))
-
     async def deltas(self, items):
         self.writes += 1
         self.received.extend((text, tuple(ids), tuple(logprobs)) for text, ids, logprobs in items)
@@ -51,22 +47,21 @@ class RecordingSink:
     async def finish(self, reason, prompt_tokens, completion_tokens, *, cached_tokens=None, stop_text=None):
         raise AssertionError("stream_output does not finish the response; the coordinator does")
 
-    can_write_now = False  # unless a test says otherwise (WritesNowSink)
-
-    def deltas_now(self, items) -> bool:
-        raise AssertionError("deltas_now while can_write_now is false")
-
-    async def flush(self):
-        raise AssertionError("nothing to flush without direct delivery")
+    direct = None  # unless a test says otherwise (WritesNowSink)
 
     @property
     def text(self) -> str:
         return "".join(text for text, _, _ in self.received)
 
 
-async def run(events, *, per_token: bool, stop=()) -> tuple[RecordingSink, StreamState]:
-    sink, state = RecordingSink(per_token), StreamState()
-    await stream_output(ReplayedStream(events), sink, IncrementalDetokenizer(TOKENIZER, stop), state, worker="w")
+def progress_of(sink, stop=()) -> StreamProgress:
+    return StreamProgress(sink, IncrementalDetokenizer(TOKENIZER, stop))
+
+
+async def run(events, *, per_token: bool, stop=()) -> tuple[RecordingSink, StreamProgress]:
+    sink = RecordingSink(per_token)
+    state = progress_of(sink, stop)
+    await stream_output(ReplayedStream(events), state, worker="w")
     return sink, state
 
 
@@ -102,7 +97,7 @@ async def test_each_token_carries_its_own_logprob():
 async def test_nothing_after_a_stop_string_is_delivered(per_token):
     sink, state = await run([Tokens(WORDS), Tokens(WORDS), DONE], per_token=per_token, stop=("and",))
     assert sink.text == "the river "
-    assert state.stopped_on == "and" and finish_reason(state) == "stop"
+    assert state.stopped_on == "and" and state.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("per_token, deltas", [(True, 2), (False, 1)])
@@ -126,23 +121,26 @@ async def test_a_stream_still_running_is_not_ending():
         async def next_batch(self):
             return self.batches.pop(0)
 
-    sink, state = RecordingSink(per_token=True), StreamState()
-    await stream_output(OneBatchThenFinish(), sink, IncrementalDetokenizer(TOKENIZER), state,  # type: ignore[arg-type]
-                        worker="w")
+    sink = RecordingSink(per_token=True)
+    await stream_output(OneBatchThenFinish(), progress_of(sink), worker="w")  # type: ignore[arg-type]
     assert sink.ended_after == 2  # the two tokens went out as they came; only then did the engine finish
 
 
-# ---- direct delivery (decode/direct.py): tokens written from the producing task while the request's task waits ----
+# ---- direct delivery (decode/progress.py): tokens written from the producing task while the request's task waits --
 
 class WritesNowSink(RecordingSink):
-    """A streaming sink that can also write from another task, as the SSE sink on the native server does;
-    `room` says how many deltas_now calls the socket takes whole (then one goes in part)."""
+    """A streaming sink that can also write from another task, as the SSE sink on the native server does: its own
+    DirectWriter; `room` says how many deltas_now calls the socket takes whole (then one goes in part)."""
 
     def __init__(self, per_token: bool, room: int = 10**6):
         super().__init__(per_token)
         self.room = room
         self.written_now: list[tuple[str, tuple[int, ...], tuple]] = []
         self.flushes = 0
+
+    @property
+    def direct(self):  # type: ignore[override]  # a plain attribute in the parent
+        return self
 
     can_write_now = True
 
@@ -157,14 +155,13 @@ class WritesNowSink(RecordingSink):
         self.room = 10**6
 
 
-async def run_handing_over(reads, sink, *, stop=()) -> StreamState:
+async def run_handing_over(reads, sink, *, stop=()) -> StreamProgress:
     """stream_output on a real inbox fed like the HTTP/2 connection feeds it: each read's events handed
     over together once the request's task waits (engine/inbox.py)."""
-    inbox, state = TrioInbox(), StreamState()
+    inbox, state = TrioInbox(), progress_of(sink, stop)
     stream = GenerateStream(inbox)  # type: ignore[arg-type]  # a bare inbox: no call whose end to let be
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(stream_output, stream, sink, IncrementalDetokenizer(TOKENIZER, stop), state,
-                                   worker="w"))
+        nursery.start_soon(partial(stream_output, stream, state, worker="w"))
         for read in reads:
             await trio.testing.wait_all_tasks_blocked()
             inbox._items.extend(read)
@@ -196,7 +193,7 @@ async def test_a_stop_string_met_in_a_direct_delivery_ends_the_stream_there():
     sink = WritesNowSink(per_token=True)
     state = await run_handing_over([[Tokens(WORDS[:1])], [Tokens(WORDS[1:])], [Tokens(WORDS)], [DONE]], sink,
                                    stop=("and",))
-    assert sink.text == "the river " and state.stopped_on == "and" and finish_reason(state) == "stop"
+    assert sink.text == "the river " and state.stopped_on == "and" and state.finish_reason == "stop"
     assert "".join(text for text, _, _ in sink.written_now) == " river "  # the second read, up to the stop
 
 
@@ -234,8 +231,8 @@ async def test_a_cancelled_request_ends_direct_delivery():
     sink = WritesNowSink(per_token=True)
     with trio.move_on_after(5) as scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(stream_output, GenerateStream(inbox), sink,  # type: ignore[arg-type]
-                                       IncrementalDetokenizer(TOKENIZER), StreamState(), worker="w"))
+            nursery.start_soon(partial(stream_output, GenerateStream(inbox),  # type: ignore[arg-type]
+                                       progress_of(sink), worker="w"))
             await trio.testing.wait_all_tasks_blocked()
             inbox._items.append(Tokens(WORDS[:1]))
             inbox.hand_over()
@@ -248,20 +245,32 @@ async def test_a_cancelled_request_ends_direct_delivery():
     assert sink.text == "the"
 
 
-def test_every_sink_of_the_frontend_implements_the_whole_output_sink_protocol():
-    """One complete protocol, no optional methods probed with getattr: a sink the decode stage is given has
-    all of it, also the direct-delivery part (a sink that never writes from elsewhere says so)."""
-    from orchestrator.decode.deltas import OutputSink
-    from orchestrator.frontend.app import _CollectingSink, _StreamingSink
+def members_of(protocol) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+
+
+def test_every_sink_of_the_frontend_implements_the_whole_narrow_output_sink_protocol():
+    """One narrow protocol, no optional methods probed with getattr: what the request's task writes, and a direct
+    writer for the part of direct delivery, which a sink that never writes from elsewhere gives as None (no
+    method that exists only to raise)."""
+    from orchestrator.decode.deltas import DirectWriter, OutputSink
+    from orchestrator.frontend.app import _CollectingSink, _Response, _StreamingSink
     from orchestrator.frontend.block_sink import BlockSink
 
-    members = {name for name in vars(OutputSink) if not name.startswith("_")} | set(OutputSink.__annotations__)
-    assert {"per_token", "delta", "deltas", "ending", "finish", "can_write_now", "deltas_now", "flush"} <= members
-    sinks = [_StreamingSink(None, None, None, None, per_token=True),  # type: ignore[arg-type]  # members only
-             _CollectingSink("chat", None, None), BlockSink(None)]
+    members = members_of(OutputSink)
+    assert members == {"per_token", "deltas", "ending", "finish", "direct"}
+    assert members_of(DirectWriter) == {"can_write_now", "deltas_now", "flush"}
+    streamed = _StreamingSink(_Response(None, [], send_now=lambda data: True), None, None, None,  # type: ignore[arg-type]
+                              per_token=True)
+    sinks: list[_StreamingSink | _CollectingSink | BlockSink] = [
+        streamed, _StreamingSink(None, None, None, None, per_token=True),  # type: ignore[arg-type]  # members only
+        _StreamingSink(_Response(None, []), None, None, None, per_token=True),  # type: ignore[arg-type]  # TLS
+        _CollectingSink("chat", None, None), BlockSink(None)]
     for sink in sinks:
         missing = sorted(name for name in members if not hasattr(type(sink), name) and name not in vars(sink))
         assert missing == [], type(sink).__name__
+    assert streamed.direct is not None and all(hasattr(streamed.direct, name) for name in members_of(DirectWriter))
+    assert [sink.direct for sink in sinks[1:]] == [None] * 4
 
 
 async def test_tokens_of_a_batch_without_logprobs_get_placeholders_not_their_neighbours():
@@ -278,12 +287,54 @@ async def test_a_cancel_the_engine_made_is_a_failure_after_the_tokens_before_it(
     from orchestrator.frontend.errors import to_api_error
 
     cancel = Finished(FinishReason.FINISH_REASON_CANCELLED, message=message)
-    sink, state = RecordingSink(True), StreamState()
+    sink = RecordingSink(True)
+    state = progress_of(sink)
     with pytest.raises(EngineCancelled) as failed:
-        await stream_output(ReplayedStream([Tokens(WORDS[:2]), cancel]), sink, IncrementalDetokenizer(TOKENIZER),
-                            state, worker="w")
+        await stream_output(ReplayedStream([Tokens(WORDS[:2]), cancel]), state, worker="w")
     assert sink.text == "the river" and state.completion_tokens == 2 and state.finished is None
     assert failed.value.timed_out is timed_out and failed.value.retryable is not timed_out
     api = to_api_error(failed.value)
     assert api.status == status and "cancelled" in api.message and (not timed_out or "timed out" in api.message)
     assert cancel.reason_name != "cancelled"
+
+
+class Flow:
+    """What holds a request's progress, as the request flow does, with the token meter as its bound method."""
+
+    def __init__(self, sink):
+        self.progress = progress_of(sink)
+        self.tokens = 0
+
+    def on_chunk(self, tokens: int) -> None:
+        self.tokens += tokens
+
+
+async def test_a_streamed_request_leaves_no_reference_cycle_for_the_garbage_collector():
+    """Its flow, progress and sink are freed as the request lets go of them, not at the next collection (a cycle
+    per request made the collector's work grow with the requests)."""
+    import gc
+    import weakref
+
+    from orchestrator.frontend.app import _Response, _StreamingSink
+
+    inbox, sink = TrioInbox(), WritesNowSink(per_token=True)
+    flow = Flow(sink)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(stream_output, GenerateStream(inbox), flow.progress,  # type: ignore[arg-type]
+                                   worker="w", on_chunk=flow.on_chunk))
+        for read in READS:
+            await trio.testing.wait_all_tasks_blocked()
+            inbox._items.extend(read)  # type: ignore[arg-type]  # (mypy joins the lists of READS to object)
+            inbox.hand_over()
+    assert flow.tokens == 5 and sink.written_now  # direct delivery ran, with the flow's token meter
+    streaming = _StreamingSink(_Response(None, [], send_now=lambda data: True), None, None, None,  # type: ignore[arg-type]
+                               per_token=True)
+    assert streaming.direct is streaming
+    # (a flow in a cycle with its progress would outlive this: StreamProgress, with its slots, takes no weak reference)
+    gone: list[weakref.ref] = [weakref.ref(flow), weakref.ref(sink), weakref.ref(streaming)]
+    gc.disable()
+    try:
+        del flow, sink, streaming, nursery
+        assert [ref() for ref in gone] == [None, None, None]
+    finally:
+        gc.enable()

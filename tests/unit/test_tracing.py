@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator import tracing
 from orchestrator.config import TracingConfig
-from orchestrator.decode import StreamState
+from orchestrator.decode import StreamProgress
+from orchestrator.decode.stage import DecodeLeg
 from orchestrator.engine import EngineError, PrefillReady
 from orchestrator.kv import generation_leg
 from orchestrator.testkit.plugin import Fail, Send
@@ -24,9 +25,9 @@ SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
 
 async def run_split(prefill, decode, pool):
     lease = (await prefill.run(workers(pool, "prefill")[0], full())).lease
-    await decode.run(workers(pool, "decode")[0], generation_leg(full(), lease.session), Sink(), StreamState(),
-                     detokenizer=IncrementalDetokenizer(TOKENIZER), on_chunk=lambda n: None, prompt_tokens=3,
-                     lease=lease, migration=2)
+    await decode.run(DecodeLeg(workers(pool, "decode")[0], generation_leg(full(), lease.session), 3,
+                               on_chunk=lambda n: None, lease=lease, migration=2),
+                     StreamProgress(Sink(), IncrementalDetokenizer(TOKENIZER)))
 
 
 def attributes(span: ReadableSpan) -> Mapping[str, Any]:

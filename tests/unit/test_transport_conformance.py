@@ -21,8 +21,8 @@ from h2_scripted_server import GRPC_HEADERS, SettingCodes, grpc_message, scripte
 from orchestrator.engine import EngineError, Finished, Tokens, WorkerUnavailable
 from orchestrator.openengine.v1 import generation_pb2 as g
 from orchestrator.openengine.v1 import openengine_pb2_grpc
+from orchestrator.transport import grpc_framing, http2
 from orchestrator.transport import h2_channel as h2_streams
-from orchestrator.transport import http2
 
 HANG_GUARD_S = 10  # what a broken transport would wait forever for fails the test instead
 
@@ -250,7 +250,7 @@ async def test_a_server_with_compression_on_is_read_whatever_we_accept(engine_cl
 
 class OneHugeMessage(openengine_pb2_grpc.InferenceServicer):
     async def Generate(self, request, context):
-        yield g.GenerateResponse.FromString(token(1, text="x" * (h2_streams.MAX_MESSAGE_BYTES + 1)))
+        yield g.GenerateResponse.FromString(token(1, text="x" * (grpc_framing.MAX_MESSAGE_BYTES + 1)))
         yield g.GenerateResponse.FromString(FINISHED)
 
 
@@ -322,7 +322,7 @@ async def test_a_grpc_server_streaming_to_a_reader_that_does_not_read_is_held_at
                         await trio.sleep(0.05)
                         arrived = len(inbox._items) if servicer.yielded == servicer.count else -1
                         settled, last = (settled + 1, last) if arrived == last else (0, arrived)
-                    queued = len(inbox._items) * 65_000 + len(inbox._buffer)
+                    queued = len(inbox._items) * 65_000 + len(inbox.response.pending)
                     events = [event async for event in stream]
     assert queued <= h2_streams.STREAM_RECEIVE_WINDOW + 65_000
     assert len(token_ids(events)) == servicer.count and isinstance(events[-1], Finished)
