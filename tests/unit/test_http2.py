@@ -137,23 +137,16 @@ def test_a_call_round_trip_against_h2_headers_body_messages_and_trailers():
 
 
 def test_every_split_of_the_bytes_reports_the_same_events():
-    pair = Pair()
-    for handle in ("a", "b"):
-        pair.client.open_stream(handle, BLOCK, b"body")
-    pair.to_server()
-    for stream_id in (1, 3):
-        pair.server.send_headers(stream_id, [(b":status", b"200")])
-        pair.server.send_data(stream_id, b"m" * 40, pad_length=3)
-        pair.server.send_headers(stream_id, [(b"grpc-status", b"0"), (b"grpc-message", b"fine")], end_stream=True)
-    wire = pair.server.data_to_send()
-    recorder = Recorder()
-    byte_by_byte = RecordingConnection(recorder)
-    for handle in ("a", "b"):
-        byte_by_byte.open_stream(handle, BLOCK, b"body")
+    wire = _two_calls_answered()
+    one_read, byte_by_byte = Recorder(), Recorder()
+    connections = (RecordingConnection(one_read), RecordingConnection(byte_by_byte))
+    for connection in connections:
+        for handle in ("a", "b"):
+            connection.open_stream(handle, BLOCK, b"body")
+    connections[0].receive(wire)
     for at in range(len(wire)):
-        byte_by_byte.receive(wire[at:at + 1])
-    pair.client.receive(wire)
-    assert recorder.log == pair.events.log and len(pair.events.of("end")) == 2
+        connections[1].receive(wire[at:at + 1])
+    assert byte_by_byte.log == one_read.log and len(one_read.of("end")) == 2
 
 
 @settings(max_examples=100, deadline=None)
