@@ -127,5 +127,5 @@ def run(args: argparse.Namespace) -> int:
                 workers = sum(w.count for w in config.launch.workers
                               if config_module.launched_model(config, w) is view)
                 print(f"ok: {document.where}: {view.mode} mode, model {view.model.name} ({view.model_dir}), "
-                      f"{discovery} discovery, {workers} launched workers{paths}")
+                      f"{discovery} discovery, {workers} launched worker{'' if workers == 1 else 's'}{paths}")
     return status

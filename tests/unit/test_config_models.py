@@ -148,3 +148,11 @@ def test_check_config_prints_one_ok_line_per_model(tmp_path, capsys):
     assert len(lines) == 2
     assert "disaggregated mode, model chat" in lines[0] and "0 launched workers" in lines[0]
     assert "aggregated mode, model small" in lines[1] and "2 launched workers" in lines[1]
+
+
+def test_check_config_counts_one_launched_worker_in_the_singular(tmp_path, capsys):
+    path = tmp_path / "one.yaml"
+    path.write_text("mode: aggregated\nlaunch:\n  workers:\n    - {role: aggregated, sim: {time_scale: 0}}\n")
+    assert config_check.run(type("Args", (), {"config": [path], "no_path_checks": False})()) == 0
+    out = capsys.readouterr().out
+    assert "1 launched worker" in out and "1 launched workers" not in out
