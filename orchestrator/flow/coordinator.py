@@ -42,12 +42,11 @@ from orchestrator.workers.prompt_keys import request_block_keys, salted
 
 
 class Coordinator:
-    def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics,
-                 adapters: AdapterCatalog | None = None):
+    def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics):
         self.config, self.pool, self.tokenizer, self.metrics = config, pool, tokenizer, metrics
         self.model_names = {config.model.name, *config.model.aliases}
-        # The model's LoRA adapters (model.adapters): which names a request may use, and where to load them from
-        self.adapters = adapters if adapters is not None else AdapterCatalog.of(
+        # The model's LoRA adapters (model.adapters): where to load each from
+        self.adapters = AdapterCatalog.of(
             [(a.name, a.resolved_source_path(config.base_dir), None) for a in config.model.adapters])
         limits = config.limits
         releaser = KvReleaser(pool, metrics, limits.kv_cleanup_timeout_s)

@@ -55,7 +55,7 @@ class WorkerMonitor:
             # Unanswered for one interval is a miss (at least 1 s: a busy box is not a dead one)
             timeout = max(1.0, self._health_interval)
             try:
-                if polls_load and self._idle_load(worker):  # _poll_load is waiting: read the load here too
+                if polls_load and self._idle_load(worker):  # poll_load is waiting: read the load here too
                     asked = (worker.sent_since_load, worker.finished_since_load)
                     state, load = await client.health_and_load(timeout=timeout)
                     if not isinstance(load, EngineError):

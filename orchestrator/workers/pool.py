@@ -150,14 +150,6 @@ class WorkerPool:
         return max((window for window in windows if window), default=None)
 
     # ---- LoRA adapters (adapters.py) ------------------------------------------------------------------
-    def has_adapter(self, name: str) -> bool:
-        """Whether a routable worker holds the adapter now."""
-        return any(w.routable and w.adapters.holds(name) for w in self.workers.values())
-
-    def adapter_holders(self, name: str) -> list[str]:
-        """The addresses of the routable workers holding the adapter (/v1/models shows an adapter's state)."""
-        return sorted(w.address for w in self.workers.values() if w.routable and w.adapters.holds(name))
-
     async def place_adapter(self, role: str, name: str, spec: AdapterSpec | None) -> None:
         """Make sure a routable worker of `role` holds the adapter `name`: one already does, or it is loaded
         (LoadLora of `spec`) on the one with the most room among those that support LoRA. Concurrent requests
