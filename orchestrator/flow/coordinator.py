@@ -25,7 +25,7 @@ from orchestrator.convert import ApiRequest, check_worker_features, check_worker
 from orchestrator.decode import OutputSink
 from orchestrator.decode.stage import DecodeStage
 from orchestrator.engine import DiscoveryFailed, EngineError, WorkerCapabilities
-from orchestrator.errors import InvalidRequest, ModelNotFound, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
+from orchestrator.errors import InvalidRequest, NoWorkerAvailable, RequestTimedOut, WorkerDiscoveryFailed
 from orchestrator.flow.plan import AGGREGATED, DISAGGREGATED, LOCAL, Plan, PlanPath, planned
 from orchestrator.flow.prompt import prompt_token_ids
 from orchestrator.flow.request_flow import FlowCollaborators, RequestFlow
@@ -44,7 +44,6 @@ from orchestrator.workers.prompt_keys import request_block_keys, salted
 class Coordinator:
     def __init__(self, config: Config, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: Metrics):
         self.config, self.pool, self.tokenizer, self.metrics = config, pool, tokenizer, metrics
-        self.model_names = {config.model.name, *config.model.aliases}
         # The model's LoRA adapters (model.adapters): where to load each from
         self.adapters = AdapterCatalog.of(
             [(a.name, a.resolved_source_path(config.base_dir), None) for a in config.model.adapters])
@@ -62,9 +61,6 @@ class Coordinator:
 
     # ---- planning ----------------------------------------------------------------------------------
     async def plan(self, api: ApiRequest, request_id: str) -> Plan:
-        if api.lora_adapter is None and api.model not in self.model_names:  # (the frontend resolved adapters)
-            raise ModelNotFound(f"the model {api.model!r} does not exist; this server serves "
-                                f"{', '.join(sorted(self.model_names))}", param="model", code="model_not_found")
         await check_image_urls([(i.where, i.url) for i in api.images if i.url is not None], self.url_policy)
         prompt_ids = await prompt_token_ids(api, self.tokenizer,
                                             window=self.config.model.context_window or self.pool.largest_window())
