@@ -227,16 +227,18 @@ class TlsFiles:
         return _read_pem_files(self, "workers_tls", base_dir, file, server_name=self.server_name)
 
 
-def _read_pem_files(section, name: str, base_dir: Path, file: str, server_name: str | None = None) -> TlsMaterial:
-    """`section`'s ca_file, cert_file and key_file read (None where unset); paths relative to the config."""
-    if (section.cert_file is None) != (section.key_file is None):
-        raise ConfigError(file, name, "both cert_file and key_file, or neither")
+def _read_pem_files(section, name: str, base_dir: Path, file: str, server_name: str | None = None,
+                    prefix: str = "") -> TlsMaterial:
+    """`section`'s ca_file, cert_file and key_file (each named with `prefix`) read, None where unset; paths
+    relative to the config."""
+    ca, cert, key = (getattr(section, prefix + setting, None) for setting in ("ca_file", "cert_file", "key_file"))
+    if (cert is None) != (key is None):
+        raise ConfigError(file, name, f"both {prefix}cert_file and {prefix}key_file, or neither")
     try:
-        return TlsMaterial.read(section.ca_file, section.cert_file, section.key_file, base_dir=base_dir,
-                                server_name=server_name)
+        return TlsMaterial.read(ca, cert, key, base_dir=base_dir, server_name=server_name)
     except UnreadableTlsFile as exc:
-        raise ConfigError(file, f"{name}.{exc.setting}", f"a readable PEM file ({exc.strerror})",
-                          getattr(section, exc.setting)) from exc
+        raise ConfigError(file, f"{name}.{prefix}{exc.setting}", f"a readable PEM file ({exc.strerror})",
+                          getattr(section, prefix + exc.setting)) from exc
 
 
 @attrs.frozen
@@ -303,11 +305,7 @@ class HttpConfig:
         """The served certificate and key (HTTPS), or None for plain HTTP."""
         if self.tls_cert_file is None or self.tls_key_file is None:  # load() refuses one without the other
             return None
-        try:
-            return TlsMaterial.read(cert_file=self.tls_cert_file, key_file=self.tls_key_file, base_dir=base_dir)
-        except UnreadableTlsFile as exc:
-            raise ConfigError(file, f"http.tls_{exc.setting}", f"a readable PEM file ({exc.strerror})",
-                              getattr(self, f"tls_{exc.setting}")) from exc
+        return _read_pem_files(self, "http", base_dir, file, prefix="tls_")
 
 
 @attrs.frozen

@@ -151,8 +151,9 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     deployments: list = []
     async with LoopThread.open() as loop_thread, tracer.running():
         try:
+            tls = worker_tls(config)  # workers_tls is shared by every model: its files are read once
             for view in config.models:
-                deployments.append(_deployment(view, metrics, loop_thread))
+                deployments.append(_deployment(view, metrics, loop_thread, tls))
             served = ServedModels(deployments)
             api_keys = load_api_keys(config.auth, file=config.source, base_dir=config.base_dir)
             app = App(config, served, metrics, api_keys, frontend=frontend, tracer=tracer)
@@ -210,7 +211,7 @@ async def serve(config: Config, *, host: str, port: int, ready_line: bool = True
     log.info("stopped")
 
 
-def _deployment(view: Config, metrics, loop_thread):
+def _deployment(view: Config, metrics, loop_thread, tls):
     """One served model: its tokenizer, KV routing, pool, coordinator and output parsers, and its metrics view."""
     from orchestrator.flow.coordinator import Coordinator
     from orchestrator.frontend.chat_output import OutputParsers
@@ -225,7 +226,7 @@ def _deployment(view: Config, metrics, loop_thread):
     limits = view.limits
     pool = WorkerPool(loop_thread=loop_thread, metrics=own_metrics, routing=view.routing, model=model.name,
                       health_interval=limits.health_interval_s, discovery_timeout=limits.discovery_timeout_s,
-                      removal_grace=limits.shutdown_grace_s, tls=worker_tls(view),
+                      removal_grace=limits.shutdown_grace_s, tls=tls,
                       stream_transport=view.stream_transport, keepalive=view.keepalive,
                       kv=kv_routing(view, own_metrics))
     return Deployment(view, Coordinator(view, pool, tokenizer, own_metrics), pool,
