@@ -111,8 +111,7 @@ def priority(args: argparse.Namespace) -> str:
 
 
 def load_average() -> str:
-    with open("/proc/loadavg") as loadavg:
-        return " ".join(loadavg.read().split()[:3])
+    return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 def cpu_s() -> float:

@@ -14,6 +14,7 @@ token is the deployment's own time on that path at that pacing, which the conver
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def launch(source: Path, time_scale: float, workdir: Path, name: str) -> tuple[M
 
 
 def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 def p50_ms(records, time_scale: float, overhead: Overhead | None) -> tuple[float, float]:

@@ -172,7 +172,7 @@ class Metrics:
         return view
 
     def _bind(self, model: str, mode: str) -> None:
-        self.model, self.mode = model, mode
+        self.model = model
         for name in _PER_MODEL:
             setattr(self, name, ModelSeries(self.families[name], model))
         for name in _PER_MODEL_ONE:

@@ -51,7 +51,7 @@ from orchestrator.frontend.multiprocess import FrontendProcess
 from orchestrator.frontend.request_scope import DISCONNECT, InFlight, RequestScope
 from orchestrator.frontend.response_store import open_store
 from orchestrator.frontend.responses_api import RESPONSE_PATH, ResponsesExchange, not_found
-from orchestrator.frontend.served_models import NOT_READY, READY, Deployment, ServedModels
+from orchestrator.frontend.served_models import DEGRADED, NOT_READY, READY, Deployment, ServedModels
 from orchestrator.frontend.server_extensions import ServerExtensions
 from orchestrator.log import RateLimitedLog, cause_chain
 from orchestrator.metrics import Metrics
@@ -207,9 +207,9 @@ class App:
         operator = not self.api_keys.enabled or self.api_keys.identify(_header(scope, b"authorization")) is not None
         models = {d.name: self._model_health(d, operator) for d in self.models}
         states = {each["status"] for each in models.values()}
-        ready = states <= {READY, "degraded"} and not self.draining
+        ready = states <= {READY, DEGRADED} and not self.draining
         status = ("draining" if self.draining else NOT_READY if NOT_READY in states
-                  else READY if states == {READY} else "degraded")
+                  else READY if states == {READY} else DEGRADED)
         body: dict[str, Any] = {"status": status}
         if len(self.models) == 1:  # the single-model form keeps its model's keys at the top level
             body.update({key: value for key, value in models[self.models.first.name].items() if key != "status"})
@@ -226,8 +226,9 @@ class App:
     @staticmethod
     def _model_health(deployment: Deployment, operator: bool) -> dict[str, Any]:
         pool = deployment.pool
-        body: dict[str, Any] = {"status": deployment.state(), "mode": deployment.config.mode,
-                                "ready_workers": deployment.ready_workers()}
+        ready_workers = deployment.ready_workers()
+        body: dict[str, Any] = {"status": deployment.state(ready_workers), "mode": deployment.config.mode,
+                                "ready_workers": ready_workers}
         if operator:
             body["workers"] = pool.snapshot()
             if not pool.registry_healthy:
@@ -477,9 +478,7 @@ class App:
         failure event is written). A failure before that is raised, for a plain error response; ClientGone when
         the client went."""
         try:
-            await served.coordinator.execute(plan, sink, watch=request.watch,
-                                             keep_special_tokens=served.parsers.keep_special_tokens(plan.api,
-                                                                                                    plan.caps))
+            await served.execute(plan, sink, watch=request.watch)
         except (ApiError, RequestError, EngineError) as error:
             if not response.streaming:
                 raise
@@ -542,8 +541,7 @@ class App:
 
         async def run_choice(index: int) -> None:
             plan = plans[index]
-            await served.coordinator.execute(
-                plan, sinks[index], keep_special_tokens=served.parsers.keep_special_tokens(api, plan.caps))
+            await served.execute(plan, sinks[index])
             if streams:  # its finish: now, not with [DONE] (the other choices still stream)
                 await response.chunk(streams[index].tail)
 

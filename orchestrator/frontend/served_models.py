@@ -9,13 +9,16 @@ a model's name or alias; a LoRA adapter's own name (unique across models, checke
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
+import trio
 
 from orchestrator.config import Config
 from orchestrator.convert import MediaLimits
+from orchestrator.decode import OutputSink
 from orchestrator.flow.coordinator import Coordinator
+from orchestrator.flow.plan import Plan
 from orchestrator.frontend.chat_output import OutputParsers
 from orchestrator.metrics import Metrics
 from orchestrator.tokenizer import ModelTokenizer
@@ -42,13 +45,21 @@ class Deployment:
                                         max_image_bytes=limits.max_image_bytes,
                                         max_total_image_bytes=limits.max_total_image_bytes)
 
+    async def execute(self, plan: Plan, sink: OutputSink, *, watch: Callable[[trio.Nursery], None] | None = None
+                      ) -> None:
+        """Run the plan (Coordinator.execute), its answer's special tokens kept where this model's output parser
+        reads its markers there."""
+        await self.coordinator.execute(plan, sink, watch=watch,
+                                       keep_special_tokens=self.parsers.keep_special_tokens(plan.api, plan.caps))
+
     def ready_workers(self) -> dict[str, int]:
         return {role: self.pool.ready_count(role) for role in self.config.needed_roles}
 
-    def state(self) -> str:
+    def state(self, ready_workers: dict[str, int] | None = None) -> str:
         """ready: a ready worker for every role its mode needs; degraded: that, but the registry (etcd) is
-        unreachable and the last known pool serves; not_ready: a role has no ready worker."""
-        if not all(self.ready_workers().values()):
+        unreachable and the last known pool serves; not_ready: a role has no ready worker. `ready_workers`:
+        ready_workers() when the caller has it already."""
+        if not all((self.ready_workers() if ready_workers is None else ready_workers).values()):
             return NOT_READY
         return READY if self.pool.registry_healthy else DEGRADED
 

@@ -123,7 +123,7 @@ async def test_both_legs_of_a_disaggregated_request_run_with_the_adapter(tmp_pat
     for worker in (prefill, decode):
         assert [r.get("lora_name") for r in await recent_requests(engine_client, worker)] == ["sql"]
     load_on(alone, "sql", sql)
-    agg = lora_config(tmp_path / "..", "aggregated", {"aggregated": [alone]}, {"sql": sql})
+    agg = lora_config(tmp_path, "aggregated", {"aggregated": [alone]}, {"sql": sql})
     async with orchestrator_in_process(agg) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         await all_ready(http)
         whole = ok(await http.post("/v1/completions", json=completion("sql")))["choices"][0]["text"]
