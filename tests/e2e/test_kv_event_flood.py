@@ -6,6 +6,9 @@ sends exactly the hostile bytes it means to."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import msgpack
 import trio
 import zmq
@@ -72,20 +75,36 @@ async def until(predicate, timeout: float = 15.0) -> None:
             await trio.sleep(0.01)
 
 
+@contextlib.contextmanager
+def feed_and_publisher(**feed_options) -> Iterator[tuple[KvEventFeed, Publisher, int]]:
+    """A feed and the worker's publisher on a free port, on one ZMQ context, closed in the order ZMQ needs (a
+    socket still open without linger 0 makes the context's term() hang)."""
+    context, port = zmq.Context(), free_port()
+    feed = KvEventFeed(KvIndex(), zmq_context=context, **feed_options)
+    publisher = Publisher(context, port)
+    try:
+        yield feed, publisher, port
+    finally:
+        publisher.socket.close(linger=0)
+        feed.close()
+        context.term()
+
+
+async def subscribed(feed: KvEventFeed) -> None:
+    """The feed follows the worker's events, and its subscription has taken (ZMQ's late joiner)."""
+    await until(lambda: feed.index.mode(WORKER) == "events")
+    await trio.sleep(0.3)
+
+
 async def test_a_flooding_worker_never_holds_more_than_twice_what_it_says_it_holds():
     """20 s of BlockStored grew the issue's index to 24,338,316 blocks (the worker reports 12,000)."""
-    port = free_port()
-    context = zmq.Context()
     metrics = Metrics()
-    index = KvIndex()
-    feed = KvEventFeed(index, retry_s=0.05, zmq_context=context, metrics=metrics)
-    publisher = Publisher(context, port)
     peak = 0
-    try:
+    with feed_and_publisher(retry_s=0.05, metrics=metrics) as (feed, publisher, port):
+        index = feed.index
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed.follow, WORKER, ScriptedWorker([port]), InstanceWatch())
-            await until(lambda: index.mode(WORKER) == "events")
-            await trio.sleep(0.3)  # the subscription takes (ZMQ's late joiner)
+            await subscribed(feed)
             for n in range(150):  # 150 batches of 1,000 blocks: 150,000 blocks, 6x the bound
                 publisher.send([stored(1 + n * 1000, 1000)])
                 await trio.sleep(0.005)
@@ -93,38 +112,24 @@ async def test_a_flooding_worker_never_holds_more_than_twice_what_it_says_it_hol
             await until(lambda: feed.stats.refused > 0)
             peak = max(peak, index.blocks(WORKER))
             nursery.cancel_scope.cancel()
-    finally:
-        publisher.socket.close(linger=0)
-        feed.close()
-        context.term()
     assert 0 < peak <= BOUND
-    assert "KV events refused (over_bound)" in feed.detail.get(WORKER, "") or feed.stats.refused
+    assert "KV events refused (over_bound)" in feed.detail.get(WORKER, "")
     refused = metrics.kv_events_refused.labels(WORKER, "over_bound")._value.get()
     assert refused >= 1
 
 
 async def test_a_batch_naming_another_rank_is_refused_and_said_in_health():
     """A batch's own DP-rank field (99) used to be ignored and applied to the socket's rank."""
-    port = free_port()
-    context = zmq.Context()
     metrics = Metrics()
-    index = KvIndex()
-    feed = KvEventFeed(index, retry_s=5, zmq_context=context, metrics=metrics)
-    publisher = Publisher(context, port)
-    try:
+    with feed_and_publisher(retry_s=5, metrics=metrics) as (feed, publisher, port):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed.follow, WORKER, ScriptedWorker([port]), InstanceWatch())
-            await until(lambda: index.mode(WORKER) == "events")
-            await trio.sleep(0.3)
+            await subscribed(feed)
             publisher.send([stored(1, 3)], rank=99)
             await until(lambda: feed.stats.refused == 1)
-            assert index.blocks(WORKER) == 0 and index.mode(WORKER) == "approximate"
+            assert feed.index.blocks(WORKER) == 0 and feed.index.mode(WORKER) == "approximate"
             assert feed.detail[WORKER].startswith("KV events refused (bad_rank)")
             nursery.cancel_scope.cancel()
-    finally:
-        publisher.socket.close(linger=0)
-        feed.close()
-        context.term()
     assert metrics.kv_events_refused.labels(WORKER, "bad_rank")._value.get() == 1
 
 
@@ -149,23 +154,13 @@ async def test_a_huge_malformed_payload_becomes_a_bounded_health_detail_and_log_
 
     from orchestrator.log import MAX_CAUSE_CHARS, BoundedFormatter
 
-    port = free_port()
-    context = zmq.Context()
-    index = KvIndex()
-    feed = KvEventFeed(index, retry_s=5, zmq_context=context)
-    publisher = Publisher(context, port)
-    try:
+    with feed_and_publisher(retry_s=5) as (feed, publisher, port):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed.follow, WORKER, ScriptedWorker([port]), InstanceWatch())
-            await until(lambda: index.mode(WORKER) == "events")
-            await trio.sleep(0.3)
+            await subscribed(feed)
             publisher.send([{**stored(1, 1), "block_hashes": ["x" * 3_000_000]}])
             await until(lambda: feed.stats.refused == 1)
             nursery.cancel_scope.cancel()
-    finally:
-        publisher.socket.close(linger=0)
-        feed.close()
-        context.term()
     assert len(feed.detail[WORKER]) <= MAX_CAUSE_CHARS + 100
     lines = [BoundedFormatter("%(message)s").format(r) for r in caplog.records if "refused" in r.getMessage()]
     assert lines and all(len(line) <= 4 * MAX_CAUSE_CHARS for line in lines)
@@ -176,34 +171,26 @@ async def test_a_refused_worker_is_followed_again_only_after_a_long_growing_wait
     """Each new subscription to a flooding worker costs a burst (its rank filled to the bound, then cleared); it was
     tried again after 1, 2, 4 ... 30 s. Now after refused_backoff_s (60 s in serve), doubling, and at once when the
     worker restarts (a new engine). /health says when."""
-    port = free_port()
-    context = zmq.Context()
-    index = KvIndex()
-    feed = KvEventFeed(index, retry_s=0.05, refused_backoff_s=0.4, zmq_context=context)
-    publisher = Publisher(context, port)
-    worker = ScriptedWorker([port])
     instance = InstanceWatch()
     instance.saw("i1")
     refused_at: list[float] = []
+    with feed_and_publisher(retry_s=0.05, refused_backoff_s=0.4) as (feed, publisher, port):
+        worker = ScriptedWorker([port])
 
-    async def refuse_subscription(n: int) -> None:
-        await until(lambda: len(worker.subscriptions) == n and index.mode(WORKER) == "events")
-        await trio.sleep(0.3)  # the subscription takes (ZMQ's late joiner)
-        publisher.send([stored(1, 3)], rank=99)
-        await until(lambda: feed.stats.refused == n)
-        refused_at.append(trio.current_time())
+        async def refuse_subscription(n: int) -> None:
+            await until(lambda: len(worker.subscriptions) == n)
+            await subscribed(feed)
+            publisher.send([stored(1, 3)], rank=99)
+            await until(lambda: feed.stats.refused == n)
+            refused_at.append(trio.current_time())
 
-    try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed.follow, WORKER, worker, instance)
             await refuse_subscription(1)
             assert feed.detail[WORKER].endswith("followed again in 0.4 s")
             await refuse_subscription(2)
             assert feed.detail[WORKER].endswith("followed again in 0.8 s")
-            await until(lambda: len(worker.subscriptions) == 3)
-            await trio.sleep(0.3)
-            publisher.send([stored(1, 3)], rank=99)
-            await until(lambda: feed.stats.refused == 3)
+            await refuse_subscription(3)
             assert feed.detail[WORKER].endswith("followed again in 1.6 s")
             restarted = trio.current_time()
             worker.caps.instance_id = "i2"
@@ -213,10 +200,6 @@ async def test_a_refused_worker_is_followed_again_only_after_a_long_growing_wait
             await refuse_subscription(4)
             assert feed.detail[WORKER].endswith("followed again in 0.4 s")
             nursery.cancel_scope.cancel()
-    finally:
-        publisher.socket.close(linger=0)
-        feed.close()
-        context.term()
     # never sooner than its backoff (retry_s is 0.05 s): 0.4 s, then 0.8 s (refused_at is read by polling, up to
     # 0.01 s after the refusal)
     assert worker.subscriptions[1] - refused_at[0] >= 0.4 - 0.02
