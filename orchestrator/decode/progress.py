@@ -150,7 +150,7 @@ class StreamProgress:
         if self._completion_tokens == 0:
             self._carried_logprobs = logprobs
 
-    def tokens(self, ids: Sequence[int], logprobs: list[TokenLogprob],
+    def tokens(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob],
                on_chunk: Callable[[int], None] | None) -> list[Delta]:
         """Tokens about to go to the client: counted, kept for a continuation, reported to `on_chunk` (the
         metrics), detokenized into the deltas for the sink; a stop string ends the stream."""
@@ -168,12 +168,11 @@ class StreamProgress:
             self._stopped_on = detokenizer.stopped_on
         return items
 
-    def _fill_carried(self, ids: Sequence[int], logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+    def _fill_carried(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> list[TokenLogprob]:
         """The logprobs of the stream's first tokens, completed from the carried ones where the engine sent a
         token without one and the carried one is of the same token (then dropped: only the first tokens)."""
         carried, self._carried_logprobs = self._carried_logprobs, ()
-        if not logprobs:
-            logprobs = [TokenLogprob(token, None) for token in ids]
+        logprobs = list(logprobs) if logprobs else [TokenLogprob(token, None) for token in ids]
         for index, known in enumerate(carried[:len(ids)]):
             if logprobs[index].logprob is None and logprobs[index].token_id == known.token_id:
                 logprobs[index] = known
@@ -267,14 +266,8 @@ class StreamProgress:
                 else:
                     batch_ids.extend(event.token_ids)
             ids, logprobs = batch_ids, batch_logprobs
-        self._completion_tokens += len(ids)
-        self._token_ids.extend(ids)
-        if self._on_chunk is not None:
-            self._on_chunk(len(ids))
-        detokenizer = self.detokenizer
-        items = token_deltas(ids, logprobs, self._per_token, detokenizer)
+        items = self.tokens(ids, logprobs, self._on_chunk)
         written = direct.deltas_now(items) if items else True
-        if detokenizer.stopped_on is not None:
-            self._stopped_on = detokenizer.stopped_on
+        if self._stopped_on is not None:
             return [FLUSH]  # the request's task ends the stream
         return None if written else [FLUSH]
